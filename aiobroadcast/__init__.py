@@ -1,0 +1,52 @@
+"""aiobroadcast: broadcast Python objects from one async writer to many async readers.
+
+Readers on the same host read a shared-memory ring; every reader sees every message, in order,
+or gets an error that says what it missed.
+"""
+
+from ._exceptions import BroadcastError as BroadcastError
+from ._exceptions import ClosedResourceError as ClosedResourceError
+from ._exceptions import DeserializationError as DeserializationError
+from ._exceptions import EndOfStream as EndOfStream
+from ._exceptions import InsufficientSharedMemory as InsufficientSharedMemory
+from ._exceptions import InvalidHandle as InvalidHandle
+from ._exceptions import MessageTooLarge as MessageTooLarge
+from ._exceptions import ReaderLagged as ReaderLagged
+from ._exceptions import SerializationError as SerializationError
+from ._exceptions import TooManyReaders as TooManyReaders
+from ._exceptions import WouldBlock as WouldBlock
+from ._exceptions import WriterGone as WriterGone
+from ._handle import Handle as Handle
+from ._open import open_reader as open_reader
+from ._open import open_writer as open_writer
+from ._reader import Reader as Reader
+from ._ring import sweep_stale as sweep_stale
+from ._stats import ReaderInfo as ReaderInfo
+from ._stats import ReaderStatistics as ReaderStatistics
+from ._stats import WriterStatistics as WriterStatistics
+from ._writer import Writer as Writer
+
+__all__ = [
+    "BroadcastError",
+    "ClosedResourceError",
+    "DeserializationError",
+    "EndOfStream",
+    "Handle",
+    "InsufficientSharedMemory",
+    "InvalidHandle",
+    "MessageTooLarge",
+    "Reader",
+    "ReaderInfo",
+    "ReaderLagged",
+    "ReaderStatistics",
+    "SerializationError",
+    "TooManyReaders",
+    "WouldBlock",
+    "Writer",
+    "WriterGone",
+    "WriterStatistics",
+    "open_reader",
+    "open_writer",
+    "sweep_stale",
+]
+__version__ = "0.1.0"

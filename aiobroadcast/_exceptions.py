@@ -1,0 +1,97 @@
+"""Every error aiobroadcast raises derives from :class:`BroadcastError`."""
+
+from __future__ import annotations
+
+
+class BroadcastError(Exception):
+    """Base class of every error raised by aiobroadcast."""
+
+
+class WouldBlock(BroadcastError):
+    """Raised by ``put_nowait`` when the message would overrun a reader (policy ``"block"``),
+    and by ``get_nowait`` when no message is ready yet."""
+
+
+class EndOfStream(BroadcastError):
+    """Raised by ``Reader.get`` once the writer has closed the channel and the reader has
+    received every message published before the close."""
+
+
+class ClosedResourceError(BroadcastError):
+    """Raised when a ``Writer`` or ``Reader`` is used after its own ``aclose()``."""
+
+
+class WriterGone(BroadcastError):
+    """Raised by ``Reader.get`` when the writer's process died without closing the channel,
+    after the reader has received everything that was published."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        super().__init__(
+            f"the writer (pid {pid}) died without closing the channel; "
+            "every message it published has been delivered"
+        )
+
+
+class ReaderLagged(BroadcastError):
+    """Raised once by ``Reader.get`` under policy ``"lag"`` when the writer overwrote
+    messages this reader had not read yet. ``missed`` says how many; the next ``get``
+    returns the oldest message still held."""
+
+    def __init__(self, missed: int) -> None:
+        self.missed = missed
+        super().__init__(f"reader fell behind and missed {missed} message(s)")
+
+
+class TooManyReaders(BroadcastError):
+    """Raised by ``open_reader`` when ``max_readers`` readers are already attached."""
+
+    def __init__(self, max_readers: int) -> None:
+        self.max_readers = max_readers
+        super().__init__(
+            f"all {max_readers} reader places of this channel are taken "
+            "(raise max_readers in open_writer)"
+        )
+
+
+class InvalidHandle(BroadcastError):
+    """Raised by ``open_reader`` and ``Handle.parse`` for a handle that does not parse, or
+    that names a segment which is gone or which has another layout or identity."""
+
+
+class MessageTooLarge(BroadcastError):
+    """Raised by ``put``/``put_nowait`` when the encoded message exceeds the channel's
+    ``max_message_bytes``. Nothing is published."""
+
+    def __init__(self, size: int, limit: int) -> None:
+        self.size = size
+        self.limit = limit
+        super().__init__(f"message of {size} bytes exceeds max_message_bytes={limit}")
+
+
+class SerializationError(BroadcastError):
+    """Raised by ``put``/``put_nowait`` when the object cannot be encoded (for example it
+    cannot be pickled). Nothing is published."""
+
+
+class DeserializationError(BroadcastError):
+    """Raised by ``get``/``get_nowait`` when a received message cannot be decoded in this
+    process (for example its class cannot be imported here). The message is consumed: the
+    next ``get`` returns the next message, and the writer is not held up."""
+
+    def __init__(self, msg_index: int, cause: BaseException) -> None:
+        self.msg_index = msg_index
+        super().__init__(f"message #{msg_index} could not be decoded: {cause!r}")
+
+
+class InsufficientSharedMemory(BroadcastError):
+    """Raised by ``open_writer`` when the shared-memory filesystem cannot hold the ring.
+    Raised at creation, never later as a ``SIGBUS``."""
+
+    def __init__(self, needed: int, available: int, directory: str) -> None:
+        self.needed = needed
+        self.available = available
+        super().__init__(
+            f"the ring needs {needed} bytes but {directory} has {available} bytes free; "
+            "lower capacity or slot_bytes, or give the container a larger /dev/shm"
+        )

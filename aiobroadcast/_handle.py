@@ -1,0 +1,76 @@
+"""The handle: everything a reader needs to attach to a channel."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ._exceptions import InvalidHandle
+
+Policy = Literal["block", "lag"]
+Codec = Literal["pickle", "pydantic-json"]
+
+
+class Handle(BaseModel):
+    """Names a channel. Frozen, picklable, and round-trips through JSON
+    (``Handle.parse(handle.to_json()) == handle``). Pass it to ``open_reader`` in any
+    process on the host."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    version: Literal[1] = 1
+    directory: str = Field(description="directory of the shared-memory file, normally /dev/shm")
+    name: str = Field(pattern=r"^aiobroadcast-[0-9a-f]{32}$")
+    capacity: int = Field(gt=0)
+    slot_bytes: int = Field(gt=0)
+    max_readers: int = Field(gt=0)
+    policy: Policy
+    codec: Codec
+    schema_path: str | None = Field(
+        default=None, description="'module:QualName' of the pydantic model, for codec pydantic-json"
+    )
+    writer_pid: int
+
+    @property
+    def token(self) -> str:
+        return self.name.removeprefix("aiobroadcast-")
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.directory, self.name)
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def parse(cls, data: str | bytes | dict[str, Any] | Handle) -> Handle:
+        """Build a handle from its JSON text or dict. Raises ``InvalidHandle``."""
+        if isinstance(data, Handle):
+            return data
+        try:
+            if isinstance(data, dict):
+                return cls.model_validate(data)
+            return cls.model_validate_json(data)
+        except ValidationError as exc:
+            raise InvalidHandle(f"not an aiobroadcast handle: {exc}") from exc
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the handle as JSON, readable by its owner only (mode 0600)."""
+        target = Path(path)
+        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.to_json())
+        os.replace(tmp, target)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Handle:
+        """Read a handle saved with ``save``. Raises ``InvalidHandle``."""
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise InvalidHandle(f"cannot read handle file {os.fspath(path)!r}: {exc}") from exc
+        return cls.parse(text)

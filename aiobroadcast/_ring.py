@@ -1,0 +1,336 @@
+"""The shared-memory segment: layout, creation and attachment, liveness locks, the fence.
+
+See docs/design.md for the layout and the memory-ordering argument.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import platform
+import re
+import struct
+import threading
+import time
+from dataclasses import dataclass
+
+from ._exceptions import BroadcastError, InsufficientSharedMemory, InvalidHandle
+
+MAGIC = int.from_bytes(b"ABCAST\x00\x01", "little")
+LAYOUT_VERSION = 1
+EMPTY = 2**64 - 1
+BUSY = 2**64 - 2
+
+# Header words (index into the segment viewed as uint64).
+W_MAGIC, W_VERSION, W_CAPACITY, W_SLOT_BYTES, W_MAX_READERS = 0, 1, 2, 3, 4
+W_POLICY, W_CODEC, W_WRITER_PID, W_TOKEN = 5, 6, 7, 8  # token: words 8 and 9
+W_HEAD, W_CLOSED, W_NEXT_MSG = 16, 17, 18
+W_WAIT_TARGET = 24
+WAITING_OFFSET = 256
+
+RECORD_BYTES = 128
+RECORD_WORDS = RECORD_BYTES // 8
+R_ACTIVE, R_CURSOR, R_PID, R_GENERATION, R_RECEIVED, R_NAME_LEN = 0, 1, 2, 3, 4, 5
+R_NAME_OFFSET = 48
+NAME_BYTES = 64
+
+SLOT_HEADER = struct.Struct("<QQIIQ")  # seq, msg, frag_len, flags, total
+SLOT_REST = struct.Struct("<QIIQ")  # the header after seq
+SLOT_HEADER_BYTES = SLOT_HEADER.size
+F_FIRST, F_LAST, F_OOB = 1, 2, 4
+F_WHOLE = F_FIRST | F_LAST
+
+STALE_MIN_AGE_S = 2.0  # a file this new may be mid-creation, not stale
+POLICIES = ("block", "lag")
+CODECS = ("pickle", "pydantic-json")
+NAME_RE = re.compile(r"^aiobroadcast-[0-9a-f]{32}$")
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+def check_platform() -> None:
+    """The ring's memory-ordering argument holds on x86-64 (TSO) only (docs/design.md)."""
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        raise BroadcastError(
+            f"aiobroadcast's shared-memory ring relies on x86-64 memory ordering; "
+            f"this machine is {machine!r}"
+        )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Offsets of one channel's segment, derived from its three size parameters."""
+
+    capacity: int
+    slot_bytes: int
+    max_readers: int
+
+    @property
+    def records_offset(self) -> int:
+        return WAITING_OFFSET + _round_up(8 * self.max_readers, 64)
+
+    @property
+    def data_offset(self) -> int:
+        return _round_up(self.records_offset + RECORD_BYTES * self.max_readers, 4096)
+
+    @property
+    def size(self) -> int:
+        return self.data_offset + self.capacity * self.slot_bytes
+
+    @property
+    def payload_bytes(self) -> int:
+        """Bytes of message body one slot carries."""
+        return self.slot_bytes - SLOT_HEADER_BYTES
+
+    def slot_offset(self, seq: int) -> int:
+        """Byte offset of the slot that holds entry ``seq``."""
+        return self.data_offset + (seq % self.capacity) * self.slot_bytes
+
+    def entries_for(self, body_bytes: int) -> int:
+        """How many ring entries a message body of ``body_bytes`` takes (at least one)."""
+        return max(1, -(-body_bytes // self.payload_bytes))
+
+    def record_word(self, index: int, field: int) -> int:
+        return (self.records_offset + RECORD_BYTES * index) // 8 + field
+
+    def waiting_word(self, index: int) -> int:
+        return WAITING_OFFSET // 8 + index
+
+
+def has_room(head: int, min_cursor: int, entries: int, capacity: int) -> bool:
+    """Whether entries ``head .. head+entries-1`` can be written without overwriting an entry
+    that a reader at ``min_cursor`` still needs: each needs ``e < min_cursor + capacity``."""
+    return head + entries - min_cursor <= capacity
+
+
+def wait_target(head: int, entries: int, capacity: int) -> int:
+    """The smallest ``min_cursor`` for which ``has_room`` becomes true."""
+    return head + entries - capacity
+
+
+def crossed(old_cursor: int, new_cursor: int, target: int) -> bool:
+    """Whether a reader moving from ``old_cursor`` to ``new_cursor`` is the one that reached the
+    writer's ``target`` (0 means the writer is not waiting)."""
+    return target != 0 and old_cursor < target <= new_cursor
+
+
+# --- the fence -------------------------------------------------------------------------------
+_fence_lock = threading.Lock()
+_acquire = _fence_lock.acquire
+_release = _fence_lock.release
+
+
+def fence() -> None:
+    """A full memory barrier: the lock's acquire is a ``lock``-prefixed read-modify-write."""
+    _acquire()
+    _release()
+
+
+# --- liveness locks (open-file-description byte locks) ---------------------------------------
+_FLOCK = struct.Struct("hhqqi4x")
+
+
+def _lock_arg(kind: int, start: int, length: int = 1) -> bytes:
+    return _FLOCK.pack(kind, os.SEEK_SET, start, length, 0)
+
+
+def try_lock(fd: int, start: int, length: int = 1) -> bool:
+    """Take an exclusive lock on ``length`` bytes at ``start`` (0: to the end) without waiting."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _lock_arg(fcntl.F_WRLCK, start, length))
+    except OSError as exc:
+        if exc.errno in (errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def unlock(fd: int, start: int, length: int = 1) -> None:
+    fcntl.fcntl(fd, fcntl.F_OFD_SETLK, _lock_arg(fcntl.F_UNLCK, start, length))
+
+
+def is_locked(fd: int, start: int) -> bool:
+    """Whether another open file description holds a lock on byte ``start``."""
+    res = fcntl.fcntl(fd, fcntl.F_OFD_GETLK, _lock_arg(fcntl.F_WRLCK, start))
+    return bool(_FLOCK.unpack(res)[0] != fcntl.F_UNLCK)
+
+
+WRITER_LOCK_BYTE = 0
+
+
+def reader_lock_byte(index: int) -> int:
+    return 1 + index
+
+
+# --- the segment -----------------------------------------------------------------------------
+class Segment:
+    """One mapping of a channel's file. The creator owns the file; attachers only map it."""
+
+    def __init__(self, path: str, fd: int, layout: Layout) -> None:
+        self.path = path
+        self.fd = fd
+        self.layout = layout
+        self._mmap = mmap.mmap(fd, layout.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self.buf = memoryview(self._mmap)
+        self.words = self.buf.cast("Q")
+        recs = self.words[layout.records_offset // 8 : layout.data_offset // 8]
+        self.rec_active = recs[R_ACTIVE::RECORD_WORDS][: layout.max_readers]
+        self.rec_cursor = recs[R_CURSOR::RECORD_WORDS][: layout.max_readers]
+        w0 = WAITING_OFFSET // 8
+        self.waiting = self.words[w0 : w0 + layout.max_readers]
+        self._views = [recs, self.rec_active, self.rec_cursor, self.waiting, self.words, self.buf]
+
+    @property
+    def token(self) -> str:
+        return (self.words[W_TOKEN].to_bytes(8, "little") + self.words[W_TOKEN + 1].to_bytes(8, "little")).hex()
+
+    def sock_path(self, who: str) -> str:
+        return f"{self.path}-{who}.sock"
+
+    def read_name(self, index: int) -> str:
+        lay = self.layout
+        n = self.words[lay.record_word(index, R_NAME_LEN)]
+        off = lay.records_offset + RECORD_BYTES * index + R_NAME_OFFSET
+        return bytes(self.buf[off : off + min(n, NAME_BYTES)]).decode("utf-8", "replace")
+
+    def write_name(self, index: int, name: str) -> None:
+        raw = name.encode("utf-8")[:NAME_BYTES]
+        off = self.layout.records_offset + RECORD_BYTES * index + R_NAME_OFFSET
+        self.buf[off : off + len(raw)] = raw
+        self.words[self.layout.record_word(index, R_NAME_LEN)] = len(raw)
+
+    def close(self) -> None:
+        for v in self._views:
+            v.release()
+        self._mmap.close()
+        os.close(self.fd)
+
+
+def create_segment(
+    directory: str, token: str, capacity: int, slot_bytes: int, max_readers: int, policy: int, codec: int
+) -> Segment:
+    """Create, size and initialise a channel's file, and take the writer's lock on it."""
+    check_platform()
+    layout = Layout(capacity, slot_bytes, max_readers)
+    path = os.path.join(directory, f"aiobroadcast-{token}")
+    try:
+        st = os.statvfs(directory)
+    except OSError as exc:
+        raise BroadcastError(f"cannot use {directory!r} for shared memory: {exc}") from exc
+    available = st.f_bavail * st.f_frsize
+    if layout.size > available:
+        raise InsufficientSharedMemory(layout.size, available, directory)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if not try_lock(fd, WRITER_LOCK_BYTE):  # pragma: no cover - the file is new
+            raise BroadcastError(f"cannot lock new segment {path}")
+        try:
+            os.posix_fallocate(fd, 0, layout.size)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise InsufficientSharedMemory(layout.size, available, directory) from exc
+            raise
+        seg = Segment(path, fd, layout)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    w = seg.words
+    w[W_VERSION] = LAYOUT_VERSION
+    w[W_CAPACITY] = capacity
+    w[W_SLOT_BYTES] = slot_bytes
+    w[W_MAX_READERS] = max_readers
+    w[W_POLICY] = policy
+    w[W_CODEC] = codec
+    w[W_WRITER_PID] = os.getpid()
+    raw = bytes.fromhex(token)
+    w[W_TOKEN] = int.from_bytes(raw[:8], "little")
+    w[W_TOKEN + 1] = int.from_bytes(raw[8:], "little")
+    for k in range(capacity):
+        w[layout.slot_offset(k) // 8] = EMPTY
+    w[W_MAGIC] = MAGIC
+    return seg
+
+
+def attach_segment(path: str, token: str, capacity: int, slot_bytes: int, max_readers: int) -> Segment:
+    """Map an existing channel's file, checking that it is the channel the handle names."""
+    check_platform()
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError as exc:
+        raise InvalidHandle(f"the channel's segment {path} is gone (the writer closed or exited)") from exc
+    except OSError as exc:
+        raise InvalidHandle(f"cannot open the channel's segment {path}: {exc}") from exc
+    try:
+        layout = Layout(capacity, slot_bytes, max_readers)
+        actual = os.fstat(fd).st_size
+        if actual != layout.size:
+            raise InvalidHandle(
+                f"segment {path} is {actual} bytes, the handle's layout needs {layout.size}: "
+                "it belongs to another layout or another version"
+            )
+        seg = Segment(path, fd, layout)
+    except BaseException:
+        os.close(fd)
+        raise
+    w = seg.words
+    problems = []
+    if w[W_MAGIC] != MAGIC or w[W_VERSION] != LAYOUT_VERSION:
+        problems.append("magic/version")
+    for word, want, what in (
+        (W_CAPACITY, capacity, "capacity"),
+        (W_SLOT_BYTES, slot_bytes, "slot_bytes"),
+        (W_MAX_READERS, max_readers, "max_readers"),
+    ):
+        if w[word] != want:
+            problems.append(f"{what} {w[word]} != {want}")
+    if not problems and seg.token != token:
+        problems.append("token")
+    if problems:
+        seg.close()
+        raise InvalidHandle(f"segment {path} does not match the handle ({', '.join(problems)})")
+    return seg
+
+
+def sweep_stale(directory: str) -> list[str]:
+    """Remove channel files (and their sockets) left by writers that died with no reader left.
+
+    A file is stale when nobody holds any lock on it: the writer's and every reader's lock
+    died with their processes.
+    """
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not NAME_RE.match(name):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError:
+            continue
+        try:
+            young = time.time() - os.fstat(fd).st_mtime < STALE_MIN_AGE_S
+            if not young and try_lock(fd, 0, 0):
+                for extra in os.listdir(directory):
+                    if extra.startswith(name + "-") and extra.endswith(".sock"):
+                        _unlink_quiet(os.path.join(directory, extra))
+                _unlink_quiet(path)
+                removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,0 +1,37 @@
+"""Statistics snapshots returned by ``Writer.statistics()`` and ``Reader.statistics()``."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class ReaderInfo(NamedTuple):
+    """One attached reader, as the writer sees it."""
+
+    index: int  #: its place in the segment
+    name: str  #: the name given to ``open_reader``
+    pid: int  #: its process id (for people; liveness is checked with a lock, not the pid)
+    received: int  #: messages it has taken
+    lag: int  #: ring entries published that it has not read yet (one per message up to slot size)
+    sleeping: bool  #: parked, waiting for the next message
+
+
+class WriterStatistics(NamedTuple):
+    sent: int  #: messages published by this writer
+    head: int  #: ring entries published (messages larger than a slot take several)
+    capacity: int  #: slots in the ring
+    readers: tuple[ReaderInfo, ...]  #: every attached reader
+    waiting_for: tuple[ReaderInfo, ...]  #: the readers a blocked ``put`` is waiting on
+    tasks_waiting: int  #: ``put`` calls waiting for room or for their turn
+    dropped_readers: int  #: readers found dead and removed by this writer
+
+
+class ReaderStatistics(NamedTuple):
+    name: str
+    index: int
+    received: int  #: messages delivered by ``get``/``get_nowait``
+    lagged: int  #: messages lost to ``ReaderLagged`` (policy "lag")
+    lag: int  #: ring entries published that this reader has not read yet
+    tasks_waiting: int  #: ``get`` calls parked on this reader
+    writer_pid: int
+    writer_closed: bool

@@ -1,0 +1,71 @@
+"""Wake-ups between processes: one Unix datagram socket per sleeper.
+
+A datagram means only "look at the ring again"; the ring is the truth (docs/design.md). The
+sockets live beside the segment, so processes that share /dev/shm (a container sharing the
+writer's IPC namespace) reach each other even from another network namespace.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import anyio
+
+
+class Inbox:
+    """The socket a sleeper waits on."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            os.unlink(path)  # left over by a dead process that had this place
+        except FileNotFoundError:
+            pass
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        try:
+            self.sock.bind(path)
+            os.chmod(path, 0o600)
+        except BaseException:
+            self.sock.close()
+            raise
+        self.sock.setblocking(False)
+
+    async def wait(self, timeout: float) -> bool:
+        """Sleep until a datagram arrives or ``timeout`` passes. True if woken."""
+        with anyio.move_on_after(timeout):
+            await anyio.wait_readable(self.sock)
+        return self.drain()
+
+    def drain(self) -> bool:
+        got = False
+        while True:
+            try:
+                self.sock.recv(64)
+            except (BlockingIOError, InterruptedError):
+                return got
+            got = True
+
+    def close(self) -> None:
+        self.sock.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+class Outbox:
+    """Sends wake-ups; never blocks and never fails: a missing or full inbox needs none."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setblocking(False)
+
+    def wake(self, path: str) -> None:
+        try:
+            self.sock.sendto(b"\0", path)
+        except (BlockingIOError, ConnectionRefusedError, FileNotFoundError, InterruptedError):
+            pass  # full: it is being woken already; gone: nobody to wake
+
+    def close(self) -> None:
+        self.sock.close()

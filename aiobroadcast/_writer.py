@@ -1,0 +1,393 @@
+"""The writer role."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import warnings
+import weakref
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Generic, TypeVar, final
+
+import anyio
+import anyio.lowlevel
+
+from . import _ring
+from ._codec import Buffer, PickleEncoder, SchemaCodec
+from ._exceptions import ClosedResourceError, MessageTooLarge, WouldBlock
+from ._handle import Handle
+from ._ring import (
+    BUSY,
+    F_FIRST,
+    F_LAST,
+    F_OOB,
+    R_NAME_LEN,
+    R_PID,
+    R_RECEIVED,
+    SLOT_REST,
+    W_CLOSED,
+    W_HEAD,
+    W_NEXT_MSG,
+    W_WAIT_TARGET,
+    Segment,
+    fence,
+)
+from ._stats import ReaderInfo, WriterStatistics
+from ._wake import Inbox, Outbox
+
+T_contra = TypeVar("T_contra", contravariant=True)
+
+log = logging.getLogger("aiobroadcast")
+
+#: How often a blocked writer re-checks that the readers it waits for are alive (seconds).
+LIVENESS_S = 0.5
+#: A task that never has to wait yields to the event loop once every this many calls.
+YIELD_EVERY = 64
+
+_private = object()
+
+
+@final
+class Writer(Generic[T_contra]):
+    """The sending end of a channel. Built by ``open_writer``; has no ``get``.
+
+    Every attached reader receives every message in order. Under policy ``"block"`` (default)
+    ``put`` waits while the slowest live reader is ``capacity`` entries behind; under ``"lag"``
+    it never waits and readers that fall behind get ``ReaderLagged``.
+    """
+
+    def __init__(
+        self,
+        token: object,
+        seg: Segment,
+        handle: Handle,
+        encoder: PickleEncoder | SchemaCodec,
+        max_message_bytes: int | None,
+    ) -> None:
+        if token is not _private:
+            raise TypeError("Writer cannot be built directly; use aiobroadcast.open_writer()")
+        self._seg = seg
+        self._handle = handle
+        self._encode = encoder.encode
+        self._max_message_bytes = max_message_bytes
+        lay = seg.layout
+        self._cap = lay.capacity
+        self._slot_bytes = lay.slot_bytes
+        self._payload = lay.payload_bytes
+        self._data = lay.data_offset
+        self._block = handle.policy == "block"
+        self._words = seg.words
+        self._buf = seg.buf
+        self._head = 0
+        self._msg = 0
+        self._min_cursor = 0
+        self._notified = [0] * lay.max_readers
+        self._reader_socks = [seg.sock_path(f"r{i}") for i in range(lay.max_readers)]
+        self._inbox = Inbox(seg.sock_path("w"))
+        self._outbox = Outbox()
+        self._lock = anyio.Lock()
+        self._waiting_tasks = 0
+        self._since_yield = 0
+        self._dropped = 0
+        self._closed = False
+        self._finalizer = weakref.finalize(self, _cleanup_files, seg.path, self._inbox.path)
+        atexit.register(self._finalizer)
+
+    # --- public API ----------------------------------------------------------------------
+    @property
+    def handle(self) -> Handle:
+        """What a reader needs to attach: pass it (or its JSON) to ``open_reader``."""
+        return self._handle
+
+    def put_nowait(self, obj: T_contra) -> None:
+        """Publish ``obj`` now, or raise ``WouldBlock`` if a live reader would be overrun (or
+        another ``put`` is in progress). Raises ``SerializationError``,
+        ``pydantic.ValidationError`` or ``MessageTooLarge`` for a bad object, publishing
+        nothing, and ``ClosedResourceError`` after ``aclose``."""
+        self._check_open()
+        if self._lock.locked():
+            raise WouldBlock
+        parts, total, oob = self._encode_checked(obj)
+        entries = self._seg.layout.entries_for(total)
+        if self._block and not self._room(entries):
+            raise WouldBlock
+        self._publish(parts, total, oob, entries)
+
+    async def put(self, obj: T_contra) -> None:
+        """Publish ``obj``, waiting for room while a live reader would be overrun.
+
+        Cancel-safe: a cancelled ``put`` has published nothing (a message larger than the whole
+        ring is streamed; if cancelled midway, readers drop the incomplete message). Raises
+        like ``put_nowait``; a reader that dies while the writer waits for it is dropped within
+        about a second and the ``put`` goes on.
+        """
+        self._check_open()
+        parts, total, oob = self._encode_checked(obj)  # the object as it is now
+        entries = self._seg.layout.entries_for(total)
+        if not self._lock.locked() and (not self._block or (entries <= self._cap and self._room(entries))):
+            # Fast path: room now and nobody queued. Yield to the loop now and then so that
+            # a tight loop of puts does not starve other tasks.
+            self._publish(parts, total, oob, entries)
+            self._since_yield += 1
+            if self._since_yield >= YIELD_EVERY:
+                self._since_yield = 0
+                await anyio.lowlevel.checkpoint()
+            return
+        self._waiting_tasks += 1
+        try:
+            async with self._lock:
+                self._check_open()
+                if entries <= self._cap or not self._block:
+                    if self._block:
+                        await self._wait_room(entries)
+                    self._publish(parts, total, oob, entries)
+                else:
+                    await self._stream(parts, total, oob, entries)
+        finally:
+            self._waiting_tasks -= 1
+
+    def statistics(self) -> WriterStatistics:
+        self._check_open()
+        readers = self._readers()
+        target = self._head + 1 - self._cap
+        waiting_for = tuple(r for r in readers if self._head - r.lag < target) if self._lock.locked() else ()
+        return WriterStatistics(
+            sent=self._msg,
+            head=self._head,
+            capacity=self._cap,
+            readers=readers,
+            waiting_for=waiting_for,
+            tasks_waiting=self._waiting_tasks,
+            dropped_readers=self._dropped,
+        )
+
+    async def aclose(self) -> None:
+        """Close the channel: readers receive what was published, then ``EndOfStream``.
+        The segment is removed now; readers already attached keep their mapping."""
+        if self._closed:
+            return
+        self._closed = True
+        w = self._words
+        w[W_CLOSED] = 1
+        fence()
+        for i, active in enumerate(self._seg.rec_active.tolist()):
+            if active:
+                self._outbox.wake(self._reader_socks[i])
+        self._inbox.close()
+        self._outbox.close()
+        self._finalizer()
+        atexit.unregister(self._finalizer)
+        self._seg.close()
+
+    async def __aenter__(self) -> Writer[T_contra]:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"sent={self._msg}"
+        return f"<aiobroadcast.Writer {self._handle.name} {self._handle.policy} {state}>"
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
+
+    # --- internals -----------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedResourceError("this writer is closed")
+
+    def _encode_checked(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
+        parts, total, oob = self._encode(obj)
+        if self._max_message_bytes is not None and total > self._max_message_bytes:
+            raise MessageTooLarge(total, self._max_message_bytes)
+        return parts, total, oob
+
+    def _rescan(self) -> None:
+        """Recompute the slowest active reader's cursor (docs/design.md, joining)."""
+        fence()
+        m = self._head
+        for active, cursor in zip(self._seg.rec_active.tolist(), self._seg.rec_cursor.tolist(), strict=True):
+            if active and cursor < m:
+                m = cursor
+        self._min_cursor = m
+
+    def _room(self, entries: int) -> bool:
+        if _ring.has_room(self._head, self._min_cursor, entries, self._cap):
+            return True
+        self._rescan()
+        return _ring.has_room(self._head, self._min_cursor, entries, self._cap)
+
+    async def _wait_room(self, entries: int) -> None:
+        if self._room(entries):
+            return
+        w = self._words
+        target = _ring.wait_target(self._head, entries, self._cap)
+        try:
+            while True:
+                w[W_WAIT_TARGET] = target
+                if self._room(entries):  # re-check after announcing (the rescan fences)
+                    return
+                woken = await self._inbox.wait(LIVENESS_S)
+                self._check_open()
+                if not woken:
+                    self._reap(target)
+        finally:
+            w[W_WAIT_TARGET] = 0
+
+    def _reap(self, target: int) -> None:
+        """Drop readers that hold the writer back and whose process is gone."""
+        seg = self._seg
+        fd = seg.fd
+        for i, (active, cursor) in enumerate(zip(seg.rec_active.tolist(), seg.rec_cursor.tolist(), strict=True)):
+            if not active or cursor >= target:
+                continue
+            byte = _ring.reader_lock_byte(i)
+            if not _ring.try_lock(fd, byte):
+                continue  # alive: it holds its lock
+            try:
+                name = seg.read_name(i)
+                pid = self._words[seg.layout.record_word(i, R_PID)]
+                seg.rec_active[i] = 0
+                seg.waiting[i] = 0
+                _ring._unlink_quiet(self._reader_socks[i])
+            finally:
+                _ring.unlock(fd, byte)
+            self._dropped += 1
+            log.warning(
+                "aiobroadcast: reader %r (pid %d, place %d) died at entry %d of %d; dropped it",
+                name, pid, i, cursor, self._head,
+            )
+
+    def _publish(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int) -> None:
+        """Write a whole message into ``entries`` free slots and publish it. No await."""
+        w = self._words
+        buf = self._buf
+        msg = self._msg
+        seq = self._head
+        base_flags = F_OOB if oob else 0
+        if entries == 1 and len(parts) == 1:
+            off = self._data + (seq % self._cap) * self._slot_bytes
+            if not self._block:
+                w[off >> 3] = BUSY
+            buf[off + 32 : off + 32 + total] = parts[0]
+            SLOT_REST.pack_into(buf, off + 8, msg, total, base_flags | F_FIRST | F_LAST, total)
+            w[off >> 3] = seq
+            seq += 1
+        else:
+            seq = self._write_fragments(_Chunks(parts), total, base_flags, seq, entries, first=True)
+        self._msg = msg + 1
+        w[W_NEXT_MSG] = msg + 1
+        self._head = seq
+        w[W_HEAD] = seq
+        self._wake_readers()
+
+    def _write_fragments(
+        self, chunks: _Chunks, total: int, base_flags: int, seq: int, count: int, *, first: bool
+    ) -> int:
+        w = self._words
+        buf = self._buf
+        msg = self._msg
+        payload = self._payload
+        for k in range(count):
+            off = self._data + (seq % self._cap) * self._slot_bytes
+            if not self._block:
+                w[off >> 3] = BUSY
+            n = chunks.copy_into(buf, off + 32, payload)
+            flags = base_flags
+            if first and k == 0:
+                flags |= F_FIRST
+            if chunks.done:
+                flags |= F_LAST
+            SLOT_REST.pack_into(buf, off + 8, msg, n, flags, total)
+            w[off >> 3] = seq
+            seq += 1
+        return seq
+
+    async def _stream(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int) -> None:
+        """Publish a message larger than the ring, a few slots at a time."""
+        chunks = _Chunks(parts)
+        w = self._words
+        first = True
+        base_flags = F_OOB if oob else 0
+        while not chunks.done:
+            await self._wait_room(1)
+            free = self._cap - (self._head - self._min_cursor)
+            remaining = -(-(total - chunks.pos) // self._payload)
+            n = min(free, remaining)
+            self._head = self._write_fragments(chunks, total, base_flags, self._head, n, first=first)
+            if first:
+                w[W_NEXT_MSG] = self._msg + 1
+            first = False
+            w[W_HEAD] = self._head
+            self._wake_readers()
+        self._msg += 1
+
+    def _wake_readers(self) -> None:
+        """Wake the readers that announced they sleep (and only once per sleep)."""
+        fence()
+        waiting = self._seg.waiting.tolist()
+        if any(waiting):
+            notified = self._notified
+            for i, episode in enumerate(waiting):
+                if episode and episode != notified[i]:
+                    notified[i] = episode
+                    self._outbox.wake(self._reader_socks[i])
+
+    def _readers(self) -> tuple[ReaderInfo, ...]:
+        seg = self._seg
+        lay = seg.layout
+        w = self._words
+        out = []
+        for i, (active, cursor) in enumerate(zip(seg.rec_active.tolist(), seg.rec_cursor.tolist(), strict=True)):
+            if not active or not w[lay.record_word(i, R_NAME_LEN)] and not w[lay.record_word(i, R_PID)]:
+                continue
+            out.append(
+                ReaderInfo(
+                    index=i,
+                    name=seg.read_name(i),
+                    pid=w[lay.record_word(i, R_PID)],
+                    received=w[lay.record_word(i, R_RECEIVED)],
+                    lag=max(0, self._head - cursor),
+                    sleeping=bool(seg.waiting[i]),
+                )
+            )
+        return tuple(out)
+
+
+class _Chunks:
+    """Walks a list of buffers, copying them into consecutive slots."""
+
+    def __init__(self, parts: Sequence[Buffer]) -> None:
+        self._parts = [memoryview(p).cast("B") for p in parts]
+        self._i = 0
+        self._off = 0
+        self.pos = 0
+        self.done = not any(p.nbytes for p in self._parts)
+
+    def copy_into(self, buf: memoryview, at: int, room: int) -> int:
+        written = 0
+        parts = self._parts
+        while room and self._i < len(parts):
+            part = parts[self._i]
+            n = min(room, part.nbytes - self._off)
+            buf[at + written : at + written + n] = part[self._off : self._off + n]
+            written += n
+            room -= n
+            self._off += n
+            if self._off == part.nbytes:
+                self._i += 1
+                self._off = 0
+        self.pos += written
+        self.done = self._i >= len(parts)
+        return written
+
+
+def _cleanup_files(segment_path: str, inbox_path: str) -> None:
+    for path in (segment_path, inbox_path):
+        _ring._unlink_quiet(path)

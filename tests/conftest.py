@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+BACKENDS = [
+    pytest.param(("asyncio", {"use_uvloop": False}), id="asyncio"),
+    pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
+    pytest.param(("trio", {}), id="trio"),
+]
+
+
+@pytest.fixture(params=BACKENDS)
+def anyio_backend(request: pytest.FixtureRequest) -> Any:
+    """Every async test runs on asyncio, asyncio with uvloop, and trio."""
+    return request.param
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_segments() -> Iterator[None]:
+    """Every test must leave /dev/shm as it found it (no segment, no socket)."""
+    before = _ours()
+    yield
+    left = _ours() - before
+    assert not left, f"left behind in /dev/shm: {sorted(left)}"
+
+
+def _ours() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("aiobroadcast-")}

@@ -80,7 +80,9 @@ class SchemaCodec:
         self.schema = schema
 
     def encode(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
-        model = self.schema.model_validate(obj)  # raises pydantic.ValidationError
+        # An instance is validated again: model_construct() or assignment may have made it invalid.
+        data = dict(obj) if isinstance(obj, BaseModel) else obj
+        model = self.schema.model_validate(data)  # raises pydantic.ValidationError
         data = model.model_dump_json().encode()
         return (data,), len(data), False
 

@@ -6,7 +6,7 @@ import os
 import secrets
 from collections.abc import Generator
 from types import TracebackType
-from typing import Any, Generic, TypeVar, overload
+from typing import Any, Generic, Protocol, TypeVar, overload
 
 from pydantic import BaseModel
 
@@ -16,11 +16,18 @@ from ._exceptions import InvalidHandle
 from ._handle import Handle, Policy
 from ._reader import Reader
 from ._reader import _private as _reader_token
+from ._shm_reader import ShmSource
 from ._writer import Writer
 from ._writer import _private as _writer_token
 
 M = TypeVar("M", bound=BaseModel)
-R = TypeVar("R", Writer[Any], Reader[Any])
+
+
+class _Closable(Protocol):
+    async def aclose(self) -> None: ...
+
+
+R = TypeVar("R", bound=_Closable)
 
 DEFAULT_DIRECTORY = "/dev/shm"
 
@@ -116,8 +123,13 @@ def open_writer(
         else:
             encoder, codec = SchemaCodec(schema), "pydantic-json"
         seg = _ring.create_segment(
-            directory, token, capacity, slot_bytes, max_readers,
-            _ring.POLICIES.index(policy), _ring.CODECS.index(codec),
+            directory,
+            token,
+            capacity,
+            slot_bytes,
+            max_readers,
+            _ring.POLICIES.index(policy),
+            _ring.CODECS.index(codec),
         )
         try:
             handle = Handle(
@@ -183,10 +195,12 @@ def open_reader(
         else:
             decode = decode_pickle
         seg = _ring.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
+        reader_name = name or f"reader-{os.getpid()}"
         try:
-            return Reader(_reader_token, seg, h, name or f"reader-{os.getpid()}", decode)
+            source = ShmSource(seg, h, reader_name, decode)
         except BaseException:
             seg.close()
             raise
+        return Reader(_reader_token, source, h, reader_name)
 
     return _Opening(make)

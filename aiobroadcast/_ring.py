@@ -57,8 +57,7 @@ def check_platform() -> None:
     machine = platform.machine().lower()
     if machine not in ("x86_64", "amd64"):
         raise BroadcastError(
-            f"aiobroadcast's shared-memory ring relies on x86-64 memory ordering; "
-            f"this machine is {machine!r}"
+            f"aiobroadcast's shared-memory ring relies on x86-64 memory ordering; this machine is {machine!r}"
         )
 
 
@@ -303,7 +302,7 @@ def sweep_stale(directory: str) -> list[str]:
     A file is stale when nobody holds any lock on it: the writer's and every reader's lock
     died with their processes.
     """
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(directory)
     except OSError:

@@ -8,7 +8,7 @@ from typing import NamedTuple
 class ReaderInfo(NamedTuple):
     """One attached reader, as the writer sees it."""
 
-    index: int  #: its place in the segment
+    place: int  #: its place (0 .. max_readers-1) in the segment
     name: str  #: the name given to ``open_reader``
     pid: int  #: its process id (for people; liveness is checked with a lock, not the pid)
     received: int  #: messages it has taken
@@ -28,7 +28,7 @@ class WriterStatistics(NamedTuple):
 
 class ReaderStatistics(NamedTuple):
     name: str
-    index: int
+    place: int  #: its place (0 .. max_readers-1) in the segment
     received: int  #: messages delivered by ``get``/``get_nowait``
     lagged: int  #: messages lost to ``ReaderLagged`` (policy "lag")
     lag: int  #: ring entries published that this reader has not read yet

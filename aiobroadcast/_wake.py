@@ -31,9 +31,9 @@ class Inbox:
             raise
         self.sock.setblocking(False)
 
-    async def wait(self, timeout: float) -> bool:
-        """Sleep until a datagram arrives or ``timeout`` passes. True if woken."""
-        with anyio.move_on_after(timeout):
+    async def wait(self, limit_s: float) -> bool:
+        """Sleep until a datagram arrives or ``limit_s`` seconds pass. True if woken."""
+        with anyio.move_on_after(limit_s):
             await anyio.wait_readable(self.sock)
         return self.drain()
 

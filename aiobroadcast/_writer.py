@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import os
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -261,7 +260,11 @@ class Writer(Generic[T_contra]):
             self._dropped += 1
             log.warning(
                 "aiobroadcast: reader %r (pid %d, place %d) died at entry %d of %d; dropped it",
-                name, pid, i, cursor, self._head,
+                name,
+                pid,
+                i,
+                cursor,
+                self._head,
             )
 
     def _publish(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int) -> None:
@@ -345,11 +348,11 @@ class Writer(Generic[T_contra]):
         w = self._words
         out = []
         for i, (active, cursor) in enumerate(zip(seg.rec_active.tolist(), seg.rec_cursor.tolist(), strict=True)):
-            if not active or not w[lay.record_word(i, R_NAME_LEN)] and not w[lay.record_word(i, R_PID)]:
+            if not active or (not w[lay.record_word(i, R_NAME_LEN)] and not w[lay.record_word(i, R_PID)]):
                 continue
             out.append(
                 ReaderInfo(
-                    index=i,
+                    place=i,
                     name=seg.read_name(i),
                     pid=w[lay.record_word(i, R_PID)],
                     received=w[lay.record_word(i, R_RECEIVED)],

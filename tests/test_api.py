@@ -1,0 +1,156 @@
+"""The public API within one process: handles, errors, schema, statistics."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import stat
+import threading
+from pathlib import Path
+
+import anyio
+import pydantic
+import pytest
+from pydantic import BaseModel
+
+import aiobroadcast as ab
+
+pytestmark = pytest.mark.anyio
+
+
+class Tick(BaseModel):
+    symbol: str
+    price: float
+
+
+async def test_handle_is_frozen_picklable_and_round_trips_json(tmp_path: Path) -> None:
+    async with ab.open_writer(capacity=4, slot_bytes=256) as writer:
+        h = writer.handle
+        assert ab.Handle.parse(h.to_json()) == h
+        assert pickle.loads(pickle.dumps(h)) == h
+        with pytest.raises(pydantic.ValidationError):
+            h.capacity = 5
+        path = tmp_path / "handle.json"
+        h.save(path)
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert ab.Handle.load(path) == h
+        async with ab.open_reader(h.to_json(), name="from-json") as reader:
+            await writer.put("hello")
+            assert await reader.get() == "hello"
+
+
+@pytest.mark.parametrize("text", ["", "{}", "not json", '{"version": 1}'])
+def test_unparsable_handle_raises_invalid_handle(text: str) -> None:
+    with pytest.raises(ab.InvalidHandle, match="not an aiobroadcast handle"):
+        ab.Handle.parse(text)
+
+
+async def test_unpicklable_object_publishes_nothing() -> None:
+    async with ab.open_writer(capacity=4, slot_bytes=256) as writer:
+        async with ab.open_reader(writer.handle) as reader:
+            with pytest.raises(ab.SerializationError, match="cannot pickle"):
+                await writer.put(threading.Lock())
+            with pytest.raises(ab.SerializationError):
+                writer.put_nowait(lambda: None)
+            assert writer.statistics().sent == 0
+            with pytest.raises(ab.WouldBlock):
+                reader.get_nowait()
+            await writer.put(1)
+            assert reader.get_nowait() == 1
+
+
+async def test_schema_validates_and_readers_get_models() -> None:
+    async with ab.open_writer(capacity=4, slot_bytes=256, schema=Tick) as writer:
+        assert writer.handle.codec == "pydantic-json"
+        async with ab.open_reader(writer.handle, schema=Tick) as reader:
+            with pytest.raises(pydantic.ValidationError):
+                await writer.put({"symbol": "X"})  # type: ignore[arg-type]
+            with pytest.raises(pydantic.ValidationError):
+                writer.put_nowait(Tick.model_construct(symbol="Y", price="cheap"))
+            assert writer.statistics().sent == 0
+            await writer.put(Tick(symbol="ACME", price=1.5))
+            got = await reader.get()
+            assert got == Tick(symbol="ACME", price=1.5)
+            assert isinstance(got, Tick)
+        # The reader can find the schema from the handle alone.
+        async with ab.open_reader(writer.handle) as reader2:
+            await writer.put(Tick(symbol="B", price=2))
+            assert await reader2.get() == Tick(symbol="B", price=2)
+
+
+async def test_message_too_large_publishes_nothing() -> None:
+    async with ab.open_writer(capacity=4, slot_bytes=256, max_message_bytes=1000) as writer:
+        with pytest.raises(ab.MessageTooLarge) as info:
+            await writer.put(b"x" * 2000)
+        assert info.value.limit == 1000
+        assert writer.statistics().sent == 0
+
+
+async def test_closed_roles_raise_closed_resource_error() -> None:
+    async with ab.open_writer(capacity=4, slot_bytes=256) as writer:
+        reader = await ab.open_reader(writer.handle)
+        await reader.aclose()
+        await reader.aclose()  # idempotent
+        with pytest.raises(ab.ClosedResourceError):
+            reader.get_nowait()
+        with pytest.raises(ab.ClosedResourceError):
+            await reader.get()
+    with pytest.raises(ab.ClosedResourceError):
+        await writer.put(1)
+    with pytest.raises(ab.ClosedResourceError):
+        writer.put_nowait(1)
+
+
+async def test_writer_close_lets_readers_drain_then_end_of_stream() -> None:
+    async with ab.open_writer(capacity=8, slot_bytes=256) as writer:
+        reader = await ab.open_reader(writer.handle)
+        for i in range(5):
+            await writer.put(i)
+    try:
+        assert [x async for x in reader] == [0, 1, 2, 3, 4]
+        with pytest.raises(ab.EndOfStream):
+            await reader.get()
+        with pytest.raises(ab.EndOfStream):
+            reader.get_nowait()
+    finally:
+        await reader.aclose()
+
+
+async def test_put_nowait_would_block_when_a_reader_would_be_overrun() -> None:
+    async with ab.open_writer(capacity=4, slot_bytes=256) as writer:
+        async with ab.open_reader(writer.handle, name="slow") as reader:
+            for i in range(4):
+                writer.put_nowait(i)
+            with pytest.raises(ab.WouldBlock):
+                writer.put_nowait(4)
+            assert reader.get_nowait() == 0
+            writer.put_nowait(4)
+            assert [reader.get_nowait() for _ in range(4)] == [1, 2, 3, 4]
+
+
+async def test_statistics_name_the_reader_the_writer_waits_for() -> None:
+    async with ab.open_writer(capacity=2, slot_bytes=256) as writer:
+        async with ab.open_reader(writer.handle, name="fast") as fast, ab.open_reader(writer.handle, name="stuck") as _:
+            await writer.put(0)
+            await writer.put(1)
+            assert fast.get_nowait() == 0
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(writer.put, 2)
+                await anyio.sleep(0.05)
+                stats = writer.statistics()
+                assert [r.name for r in stats.waiting_for] == ["stuck"]
+                assert stats.waiting_for[0].pid == os.getpid()
+                assert stats.tasks_waiting == 1
+                lags = {r.name: r.lag for r in stats.readers}
+                assert lags == {"fast": 1, "stuck": 2}
+                tg.cancel_scope.cancel()
+            rs = fast.statistics()
+            assert (rs.name, rs.received, rs.lag) == ("fast", 1, 1)
+
+
+async def test_repr_shows_state() -> None:
+    async with ab.open_writer(capacity=2, slot_bytes=256) as writer:
+        assert "sent=0" in repr(writer)
+        async with ab.open_reader(writer.handle, name="r1") as reader:
+            assert "'r1'" in repr(reader)
+    assert "closed" in repr(writer)

@@ -14,6 +14,7 @@ from ._exceptions import MessageTooLarge as MessageTooLarge
 from ._exceptions import ReaderLagged as ReaderLagged
 from ._exceptions import SerializationError as SerializationError
 from ._exceptions import TooManyReaders as TooManyReaders
+from ._exceptions import TransportError as TransportError
 from ._exceptions import WouldBlock as WouldBlock
 from ._exceptions import WriterGone as WriterGone
 from ._handle import Handle as Handle
@@ -41,6 +42,7 @@ __all__ = [
     "ReaderStatistics",
     "SerializationError",
     "TooManyReaders",
+    "TransportError",
     "WouldBlock",
     "Writer",
     "WriterGone",

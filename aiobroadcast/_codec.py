@@ -9,6 +9,7 @@ the ring.
 from __future__ import annotations
 
 import importlib
+import json
 import pickle
 import struct
 from collections.abc import Sequence
@@ -88,6 +89,21 @@ class SchemaCodec:
 
     def decode(self, body: memoryview | bytes | bytearray) -> Any:
         return self.schema.model_validate_json(bytes(body))
+
+
+class JsonCodec:
+    """Plain JSON values (dicts, lists, strings, numbers, booleans, None): never pickle."""
+
+    def encode(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
+        try:
+            data = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise SerializationError(f"cannot encode {type(obj).__qualname__} object as JSON: {exc}") from exc
+        return (data,), len(data), False
+
+
+def decode_json(body: memoryview | bytes | bytearray, oob: bool) -> Any:
+    return json.loads(bytes(body))
 
 
 def schema_path(schema: type[BaseModel]) -> str:

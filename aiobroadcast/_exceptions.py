@@ -95,3 +95,8 @@ class InsufficientSharedMemory(BroadcastError):
             f"the ring needs {needed} bytes but {directory} has {available} bytes free; "
             "lower capacity or slot_bytes, or give the container a larger /dev/shm"
         )
+
+
+class TransportError(BroadcastError):
+    """Raised by ``open_reader`` when a remote writer cannot be reached or refuses the reader
+    (wrong keys, not listening), and by ``get`` when the writer's server refuses it later."""

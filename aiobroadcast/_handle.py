@@ -11,13 +11,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ._exceptions import InvalidHandle
 
 Policy = Literal["block", "lag"]
-Codec = Literal["pickle", "pydantic-json"]
+Codec = Literal["pickle", "json", "pydantic-json"]
 
 
 class Handle(BaseModel):
     """Names a channel. Frozen, picklable, and round-trips through JSON
     (``Handle.parse(handle.to_json()) == handle``). Pass it to ``open_reader`` in any
-    process on the host."""
+    process on the host, or on another host when the writer serves TCP.
+
+    A handle of a TCP channel holds the readers' keys: treat it as a secret. ``repr`` hides
+    the key material and ``save`` writes it readable by its owner only."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -33,6 +36,13 @@ class Handle(BaseModel):
         default=None, description="'module:QualName' of the pydantic model, for codec pydantic-json"
     )
     writer_pid: int
+    tcp: str | None = Field(default=None, description="the TCP endpoint the writer bound for remote readers")
+    insecure: bool = Field(default=False, description="plain TCP (messages still HMAC-signed)")
+    server_key: str | None = Field(default=None, description="the writer's CurveZMQ public key (Z85)")
+    client_public_key: str | None = Field(default=None, description="readers' CurveZMQ public key (Z85)")
+    # Secrets: never shown by repr(); a saved handle is written with mode 0600.
+    client_secret_key: str | None = Field(default=None, repr=False)
+    hmac_key: str | None = Field(default=None, repr=False)
 
     @property
     def token(self) -> str:

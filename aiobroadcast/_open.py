@@ -2,25 +2,32 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
-from collections.abc import Generator
+from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
-from typing import Any, Generic, Protocol, TypeVar, overload
+from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
+import zmq
 from pydantic import BaseModel
 
 from . import _ring
-from ._codec import PickleEncoder, SchemaCodec, decode_pickle, import_schema, schema_path
-from ._exceptions import InvalidHandle
+from ._codec import JsonCodec, PickleEncoder, SchemaCodec, decode_json, decode_pickle, import_schema, schema_path
+from ._exceptions import BroadcastError, InvalidHandle
 from ._handle import Handle, Policy
-from ._reader import Reader
+from ._reader import Reader, Source
 from ._reader import _private as _reader_token
 from ._shm_reader import ShmSource
 from ._writer import Writer
 from ._writer import _private as _writer_token
 
 M = TypeVar("M", bound=BaseModel)
+
+log = logging.getLogger("aiobroadcast")
+
+DEFAULT_DIRECTORY = "/dev/shm"
+Transport = Literal["auto", "shm", "tcp"]
 
 
 class _Closable(Protocol):
@@ -29,26 +36,20 @@ class _Closable(Protocol):
 
 R = TypeVar("R", bound=_Closable)
 
-DEFAULT_DIRECTORY = "/dev/shm"
-
 
 class _Opening(Generic[R]):
     """Returned by ``open_writer``/``open_reader``: use ``async with`` (closes at the end) or
     ``await`` (then call ``aclose()`` yourself)."""
 
-    def __init__(self, make: Any) -> None:
+    def __init__(self, make: Callable[[], Awaitable[R]]) -> None:
         self._make = make
         self._obj: R | None = None
 
     def __await__(self) -> Generator[Any, None, R]:
-        async def _open() -> R:
-            obj: R = self._make()
-            return obj
-
-        return _open().__await__()
+        return self._make().__await__()
 
     async def __aenter__(self) -> R:
-        self._obj = self._make()
+        self._obj = await self._make()
         return self._obj
 
     async def __aexit__(
@@ -66,8 +67,13 @@ def open_writer(
     max_readers: int = ...,
     policy: Policy = ...,
     schema: None = ...,
+    codec: Literal["pickle", "json"] = ...,
     max_message_bytes: int | None = ...,
     directory: str = ...,
+    tcp: str | None = ...,
+    insecure: bool = ...,
+    heartbeat_s: float = ...,
+    tcp_window: int = ...,
 ) -> _Opening[Writer[Any]]: ...
 @overload
 def open_writer(
@@ -77,8 +83,13 @@ def open_writer(
     max_readers: int = ...,
     policy: Policy = ...,
     schema: type[M],
+    codec: Literal["pickle", "json"] = ...,
     max_message_bytes: int | None = ...,
     directory: str = ...,
+    tcp: str | None = ...,
+    insecure: bool = ...,
+    heartbeat_s: float = ...,
+    tcp_window: int = ...,
 ) -> _Opening[Writer[M]]: ...
 def open_writer(
     *,
@@ -87,22 +98,34 @@ def open_writer(
     max_readers: int = 16,
     policy: Policy = "block",
     schema: type[BaseModel] | None = None,
+    codec: Literal["pickle", "json"] = "pickle",
     max_message_bytes: int | None = None,
     directory: str = DEFAULT_DIRECTORY,
+    tcp: str | None = None,
+    insecure: bool = False,
+    heartbeat_s: float = 0.5,
+    tcp_window: int = 256,
 ) -> _Opening[Writer[Any]]:
     """Create a channel in shared memory and return its writer.
 
     - ``capacity``: slots in the ring; ``slot_bytes``: bytes per slot (rounded up to 64; a
       message larger than a slot takes several, of any size). The ring takes
       ``capacity * slot_bytes`` of ``directory`` (``/dev/shm``), reserved now.
-    - ``max_readers``: readers that may be attached at once.
+    - ``max_readers``: local readers that may be attached at once (and, with ``tcp``, remote ones).
     - ``policy``: ``"block"`` (``put`` waits for the slowest live reader) or ``"lag"`` (never
       waits; a reader more than ``capacity`` behind gets ``ReaderLagged``).
     - ``schema``: a pydantic model; ``put`` validates and sends JSON, readers get the model.
+      ``codec="json"`` sends plain JSON values without a schema. Neither ever runs pickle.
     - ``max_message_bytes``: encoded messages above this raise ``MessageTooLarge``.
+    - ``tcp``: also serve remote readers on this ZeroMQ endpoint, e.g. ``"tcp://10.0.0.5:0"``
+      (port 0: a free port, read back into the handle). Only that address is bound. The stream
+      is encrypted and authenticated with CurveZMQ; ``insecure=True`` sends plain TCP (still
+      HMAC-signed) for closed test networks, and logs a warning.
+    - ``heartbeat_s``: remote liveness; a silent remote reader is dropped after 6 heartbeats.
+    - ``tcp_window``: messages a remote reader may have in flight (its credit).
 
     Raises ``ValueError`` for bad arguments, ``InsufficientSharedMemory`` when the ring does not
-    fit, ``BroadcastError`` on a platform the ring does not support.
+    fit, ``BroadcastError`` when the endpoint cannot be bound or the platform is not supported.
     """
     if capacity < 2:
         raise ValueError("capacity must be at least 2")
@@ -112,24 +135,31 @@ def open_writer(
         raise ValueError("slot_bytes must be at least 64")
     if policy not in _ring.POLICIES:
         raise ValueError(f"policy must be one of {_ring.POLICIES}, not {policy!r}")
+    if codec not in ("pickle", "json"):
+        raise ValueError(f"codec must be 'pickle' or 'json', not {codec!r}")
+    if tcp is not None and not tcp.startswith("tcp://"):
+        raise ValueError(f"tcp must be a tcp:// endpoint, not {tcp!r}")
     slot_bytes = (slot_bytes + 63) // 64 * 64
+    ring_readers = max_readers + (1 if tcp else 0)  # a place for the TCP server
 
-    def make() -> Writer[Any]:
+    async def make() -> Writer[Any]:
         _ring.sweep_stale(directory)
         token = secrets.token_hex(16)
-        encoder: PickleEncoder | SchemaCodec
-        if schema is None:
-            encoder, codec = PickleEncoder(), "pickle"
+        encoder: PickleEncoder | SchemaCodec | JsonCodec
+        if schema is not None:
+            encoder, channel_codec = SchemaCodec(schema), "pydantic-json"
+        elif codec == "json":
+            encoder, channel_codec = JsonCodec(), "json"
         else:
-            encoder, codec = SchemaCodec(schema), "pydantic-json"
+            encoder, channel_codec = PickleEncoder(), "pickle"
         seg = _ring.create_segment(
             directory,
             token,
             capacity,
             slot_bytes,
-            max_readers,
+            ring_readers,
             _ring.POLICIES.index(policy),
-            _ring.CODECS.index(codec),
+            _ring.CODECS.index(channel_codec),
         )
         try:
             handle = Handle(
@@ -137,70 +167,189 @@ def open_writer(
                 name=f"aiobroadcast-{token}",
                 capacity=capacity,
                 slot_bytes=slot_bytes,
-                max_readers=max_readers,
+                max_readers=ring_readers,
                 policy=policy,
-                codec=codec,  # type: ignore[arg-type]
+                codec=channel_codec,  # type: ignore[arg-type]
                 schema_path=schema_path(schema) if schema is not None else None,
                 writer_pid=os.getpid(),
             )
-            return Writer(_writer_token, seg, handle, encoder, max_message_bytes)
+            writer: Writer[Any] = Writer(_writer_token, seg, handle, encoder, max_message_bytes)
         except BaseException:
             seg.close()
             _ring._unlink_quiet(seg.path)
             raise
+        if tcp is not None:
+            try:
+                _start_server(writer, seg, handle, tcp, insecure, heartbeat_s, tcp_window, max_readers)
+            except BaseException:
+                await writer.aclose()
+                raise
+        return writer
 
     return _Opening(make)
 
 
+def _start_server(
+    writer: Writer[Any],
+    seg: _ring.Segment,
+    handle: Handle,
+    endpoint: str,
+    insecure: bool,
+    heartbeat_s: float,
+    window: int,
+    max_remote: int,
+) -> None:
+    from ._tcp_server import TcpServer
+
+    bridge_seg = _ring.attach_segment(seg.path, handle.token, handle.capacity, handle.slot_bytes, handle.max_readers)
+    if insecure:
+        log.warning(
+            "aiobroadcast: serving %s WITHOUT encryption (insecure=True); use only on a closed network", endpoint
+        )
+        server_public = server_secret = client_public = client_secret = None
+        hmac_key: str | None = secrets.token_hex(32)
+    else:
+        server_public, server_secret = zmq.curve_keypair()
+        client_public, client_secret = zmq.curve_keypair()
+        hmac_key = None
+    try:
+        server = TcpServer(
+            bridge_seg,
+            handle,
+            endpoint,
+            insecure=insecure,
+            server_secret=server_secret,
+            client_public=client_public,
+            hmac_key=hmac_key.encode() if hmac_key else None,
+            window=window,
+            buffer_max=max(window, handle.capacity) * 2,
+            hb_interval=heartbeat_s,
+            hb_timeout=6 * heartbeat_s,
+            max_remote=max_remote,
+        )
+    except BaseException:
+        bridge_seg.close()
+        raise
+    full = handle.model_copy(
+        update={
+            "tcp": server.endpoint,
+            "insecure": insecure,
+            "server_key": server_public.decode() if server_public else None,
+            "client_public_key": client_public.decode() if client_public else None,
+            "client_secret_key": client_secret.decode() if client_secret else None,
+            "hmac_key": hmac_key,
+        }
+    )
+    writer._serve_tcp(server, Handle.model_validate(full.model_dump()))
+
+
 @overload
-def open_reader(handle: Handle | str, *, name: str | None = ..., schema: None = ...) -> _Opening[Reader[Any]]: ...
-@overload
-def open_reader(handle: Handle | str, *, name: str | None = ..., schema: type[M]) -> _Opening[Reader[M]]: ...
 def open_reader(
-    handle: Handle | str, *, name: str | None = None, schema: type[BaseModel] | None = None
+    handle: Handle | str,
+    *,
+    name: str | None = ...,
+    schema: None = ...,
+    transport: Transport = ...,
+    trust_pickle: bool = ...,
+    connect_timeout: float = ...,
+) -> _Opening[Reader[Any]]: ...
+@overload
+def open_reader(
+    handle: Handle | str,
+    *,
+    name: str | None = ...,
+    schema: type[M],
+    transport: Transport = ...,
+    trust_pickle: bool = ...,
+    connect_timeout: float = ...,
+) -> _Opening[Reader[M]]: ...
+def open_reader(
+    handle: Handle | str,
+    *,
+    name: str | None = None,
+    schema: type[BaseModel] | None = None,
+    transport: Transport = "auto",
+    trust_pickle: bool = True,
+    connect_timeout: float = 10.0,
 ) -> _Opening[Reader[Any]]:
-    """Attach to a channel from any process on the host and return a reader.
+    """Attach to a channel and return a reader. It starts with the next message published.
 
-    The reader starts with the next message published. ``handle`` is a ``Handle`` or its JSON;
-    ``name`` identifies the reader in statistics and logs (default ``reader-<pid>``); ``schema``
-    is the pydantic model of a schema channel (default: imported from the handle).
+    - ``handle``: a ``Handle`` or its JSON.
+    - ``name``: identifies the reader in statistics and logs (default ``reader-<pid>``).
+    - ``schema``: the pydantic model of a schema channel (default: imported from the handle).
+    - ``transport``: ``"shm"`` (same host), ``"tcp"`` (the writer's TCP endpoint), or
+      ``"auto"``: shared memory when the writer's ring is reachable from here, else TCP.
+    - ``trust_pickle=False`` refuses a channel that sends pickle (only JSON or schema codecs).
 
-    Raises ``InvalidHandle`` (does not parse, segment gone, other layout, writer gone),
-    ``TooManyReaders``.
+    Raises ``InvalidHandle`` (does not parse, segment gone, other layout, writer gone, pickle
+    refused), ``TooManyReaders``, ``TransportError`` (remote writer unreachable or refusing).
     """
     h = Handle.parse(handle)
+    if transport not in ("auto", "shm", "tcp"):
+        raise ValueError(f"transport must be 'auto', 'shm' or 'tcp', not {transport!r}")
 
-    def make() -> Reader[Any]:
-        decode: Any
-        model = schema
-        if h.codec == "pydantic-json":
-            if model is None:
-                if h.schema_path is None:
-                    raise InvalidHandle("schema channel without schema_path: pass schema=")
-                try:
-                    model = import_schema(h.schema_path)
-                except (ImportError, AttributeError, TypeError, ValueError) as exc:
-                    raise InvalidHandle(
-                        f"cannot import the channel's schema {h.schema_path!r} here: {exc}; pass schema="
-                    ) from exc
-            codec = SchemaCodec(model)
-
-            def decode(body: Any, oob: bool) -> Any:
-                return codec.decode(body)
-        elif model is not None:
-            checked = model
-
-            def decode(body: Any, oob: bool) -> Any:
-                return checked.model_validate(decode_pickle(body, oob))
-        else:
-            decode = decode_pickle
-        seg = _ring.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
+    async def make() -> Reader[Any]:
+        if h.codec == "pickle" and not trust_pickle:
+            raise InvalidHandle("this channel sends pickle, and trust_pickle=False refuses it")
+        decode = _decoder(h, schema)
         reader_name = name or f"reader-{os.getpid()}"
-        try:
-            source = ShmSource(seg, h, reader_name, decode)
-        except BaseException:
-            seg.close()
-            raise
+        use_tcp = transport == "tcp" or (transport == "auto" and h.tcp is not None and not _ring_reachable(h))
+        source: Source
+        if use_tcp:
+            if h.tcp is None:
+                raise InvalidHandle("this channel has no TCP endpoint (open_writer(tcp=...) serves one)")
+            from ._tcp_client import TcpSource
+
+            tcp_source = TcpSource(h, reader_name, decode)
+            await tcp_source.wait_welcome(connect_timeout)
+            source = tcp_source
+        else:
+            seg = _ring.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
+            try:
+                source = ShmSource(seg, h, reader_name, decode)
+            except BaseException:
+                seg.close()
+                raise
         return Reader(_reader_token, source, h, reader_name)
 
     return _Opening(make)
+
+
+def _ring_reachable(h: Handle) -> bool:
+    """The ring is reachable when its file exists here and carries the handle's token."""
+    try:
+        seg = _ring.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
+    except (InvalidHandle, BroadcastError):
+        return False
+    seg.close()
+    return True
+
+
+def _decoder(h: Handle, schema: type[BaseModel] | None) -> Callable[[Any, bool], Any]:
+    model = schema
+    if h.codec == "pydantic-json":
+        if model is None:
+            if h.schema_path is None:
+                raise InvalidHandle("schema channel without schema_path: pass schema=")
+            try:
+                model = import_schema(h.schema_path)
+            except (ImportError, AttributeError, TypeError, ValueError) as exc:
+                raise InvalidHandle(
+                    f"cannot import the channel's schema {h.schema_path!r} here: {exc}; pass schema="
+                ) from exc
+        codec = SchemaCodec(model)
+
+        def decode_model(body: Any, oob: bool) -> Any:
+            return codec.decode(body)
+
+        return decode_model
+    if h.codec == "json":
+        return decode_json
+    if model is not None:
+        checked = model
+
+        def decode_checked(body: Any, oob: bool) -> Any:
+            return checked.model_validate(decode_pickle(body, oob))
+
+        return decode_checked
+    return decode_pickle

@@ -44,7 +44,7 @@ F_WHOLE = F_FIRST | F_LAST
 
 STALE_MIN_AGE_S = 2.0  # a file this new may be mid-creation, not stale
 POLICIES = ("block", "lag")
-CODECS = ("pickle", "pydantic-json")
+CODECS = ("pickle", "pydantic-json", "json")
 NAME_RE = re.compile(r"^aiobroadcast-[0-9a-f]{32}$")
 
 
@@ -206,7 +206,10 @@ class Segment:
     def close(self) -> None:
         for v in self._views:
             v.release()
-        self._mmap.close()
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # a slice of the ring is still referenced (a kept traceback): unmapped when freed
         os.close(self.fd)
 
 

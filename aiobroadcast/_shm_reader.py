@@ -6,6 +6,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+import anyio
+
 from . import _ring
 from ._exceptions import (
     DeserializationError,
@@ -99,6 +101,9 @@ class ShmSource:
             self._wait_word = lay.waiting_word(i)
             w[lay.record_word(i, R_PID)] = os.getpid()
             w[lay.record_word(i, R_GENERATION)] += 1
+            # Sleep episodes unique to this occupant of place i: the writer skips a wake-up for an
+            # episode it already woke, and a previous occupant's episodes must not match ours.
+            self._episode = w[lay.record_word(i, R_GENERATION)] << 32
             w[self._recv_word] = 0
             seg.write_name(i, self._name)
             w[self._wait_word] = 0
@@ -255,17 +260,21 @@ class ShmSource:
         entry still held and report how many messages were lost."""
         w = self._words
         buf = self._buf
+        head = w[W_HEAD]
+        # The ring holds entries head-capacity .. head-1; the oldest may be being overwritten
+        # now (the seqlock check tells), then the next one is the oldest still held.
+        new_c = max(c, head - self._cap)
         while True:
-            head = w[W_HEAD]
-            new_c = max(c, head - self._cap + 1)
+            if new_c >= head:  # nothing held: everything up to head was lost
+                new_c = head
+                msg, flags = w[W_NEXT_MSG], F_FIRST
+                break
             off = self._data + (new_c % self._cap) * self._slot_bytes
             seq = w[off >> 3]
             msg, _flen, flags, _total = SLOT_REST.unpack_from(buf, off + 8)
             if w[off >> 3] == seq == new_c:
                 break
-            if new_c == head:  # nothing held yet: everything up to head was lost
-                msg, flags = w[W_NEXT_MSG], F_FIRST
-                break
+            new_c += 1
         first_kept = msg if flags & F_FIRST else msg + 1
         missed = max(1, first_kept - self._next_msg)
         self._partial = None
@@ -285,17 +294,44 @@ class ShmSource:
     async def sleep(self) -> None:
         """Park until the ring may have changed (one task at a time). Announces the sleep,
         re-checks, then waits on the socket; on a quiet timeout, checks the writer is alive."""
-        w = self._words
-        self._episode += 1
-        w[self._wait_word] = self._episode
+        if self.begin_sleep():
+            return
+        woken = False
         try:
-            fence()
-            if self.ready():
-                return
             assert self._inbox is not None
-            woken = await self._inbox.wait(LIVENESS_S)
-            if not woken and not self.ready() and not _ring.is_locked(self._seg.fd, _ring.WRITER_LOCK_BYTE):
-                self._writer_gone = True
+            try:
+                woken = await self._inbox.wait(LIVENESS_S)
+            except anyio.ClosedResourceError:
+                return  # closed by aclose() meanwhile: Reader raises ClosedResourceError
         finally:
-            if not self._closed:
-                w[self._wait_word] = 0
+            self.end_sleep(woken)
+
+    def begin_sleep(self) -> bool:
+        """Announce that this reader sleeps. True if it need not: the ring changed meanwhile
+        (then the sleep is already over)."""
+        self._episode += 1
+        self._words[self._wait_word] = self._episode
+        fence()
+        if self.ready():
+            self._words[self._wait_word] = 0
+            return True
+        return False
+
+    def end_sleep(self, woken: bool) -> None:
+        """End a sleep begun with ``begin_sleep``. ``woken``: a datagram arrived (otherwise the
+        liveness timeout passed, and the writer's lock is checked)."""
+        if self._closed:
+            return
+        self._words[self._wait_word] = 0
+        if not woken and not self.ready() and not _ring.is_locked(self._seg.fd, _ring.WRITER_LOCK_BYTE):
+            self._writer_gone = True
+
+    @property
+    def inbox_fd(self) -> int:
+        """The file descriptor a sleeper polls (for callers outside an event loop)."""
+        assert self._inbox is not None
+        return self._inbox.sock.fileno()
+
+    def drain_inbox(self) -> bool:
+        assert self._inbox is not None
+        return self._inbox.drain()

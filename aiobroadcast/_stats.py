@@ -14,6 +14,7 @@ class ReaderInfo(NamedTuple):
     received: int  #: messages it has taken
     lag: int  #: ring entries published that it has not read yet (one per message up to slot size)
     sleeping: bool  #: parked, waiting for the next message
+    transport: str = "shm"  #: "shm", or "tcp" for a remote reader (then ``place`` is -1)
 
 
 class WriterStatistics(NamedTuple):

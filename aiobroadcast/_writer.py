@@ -8,13 +8,14 @@ import warnings
 import weakref
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Generic, TypeVar, final
+from typing import TYPE_CHECKING, Generic, TypeVar, final
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 
 from . import _ring
-from ._codec import Buffer, PickleEncoder, SchemaCodec
+from ._codec import Buffer, JsonCodec, PickleEncoder, SchemaCodec
 from ._exceptions import ClosedResourceError, MessageTooLarge, WouldBlock
 from ._handle import Handle
 from ._ring import (
@@ -35,6 +36,9 @@ from ._ring import (
 )
 from ._stats import ReaderInfo, WriterStatistics
 from ._wake import Inbox, Outbox
+
+if TYPE_CHECKING:
+    from ._tcp_server import TcpServer
 
 T_contra = TypeVar("T_contra", contravariant=True)
 
@@ -62,7 +66,7 @@ class Writer(Generic[T_contra]):
         token: object,
         seg: Segment,
         handle: Handle,
-        encoder: PickleEncoder | SchemaCodec,
+        encoder: PickleEncoder | SchemaCodec | JsonCodec,
         max_message_bytes: int | None,
     ) -> None:
         if token is not _private:
@@ -91,8 +95,14 @@ class Writer(Generic[T_contra]):
         self._since_yield = 0
         self._dropped = 0
         self._closed = False
-        self._finalizer = weakref.finalize(self, _cleanup_files, seg.path, self._inbox.path)
+        self._server: TcpServer | None = None
+        # The readers' sockets too: a reader that died unnoticed (never reaped) leaves its own.
+        self._finalizer = weakref.finalize(self, _cleanup_files, seg.path, self._inbox.path, *self._reader_socks)
         atexit.register(self._finalizer)
+
+    def _serve_tcp(self, server: TcpServer, handle: Handle) -> None:
+        self._server = server
+        self._handle = handle
 
     # --- public API ----------------------------------------------------------------------
     @property
@@ -152,6 +162,8 @@ class Writer(Generic[T_contra]):
         readers = self._readers()
         target = self._head + 1 - self._cap
         waiting_for = tuple(r for r in readers if self._head - r.lag < target) if self._lock.locked() else ()
+        if self._server is not None:
+            readers = readers + tuple(self._server.readers())
         return WriterStatistics(
             sent=self._msg,
             head=self._head,
@@ -159,7 +171,7 @@ class Writer(Generic[T_contra]):
             readers=readers,
             waiting_for=waiting_for,
             tasks_waiting=self._waiting_tasks,
-            dropped_readers=self._dropped,
+            dropped_readers=self._dropped + (self._server.dropped if self._server is not None else 0),
         )
 
     async def aclose(self) -> None:
@@ -174,6 +186,9 @@ class Writer(Generic[T_contra]):
         for i, active in enumerate(self._seg.rec_active.tolist()):
             if active:
                 self._outbox.wake(self._reader_socks[i])
+        if self._server is not None:
+            # Remote readers drain what the server holds, within the heartbeat timeout.
+            await anyio.to_thread.run_sync(self._server.stop, self._server.drain_timeout)
         self._inbox.close()
         self._outbox.close()
         self._finalizer()
@@ -232,12 +247,16 @@ class Writer(Generic[T_contra]):
                 w[W_WAIT_TARGET] = target
                 if self._room(entries):  # re-check after announcing (the rescan fences)
                     return
-                woken = await self._inbox.wait(LIVENESS_S)
+                try:
+                    woken = await self._inbox.wait(LIVENESS_S)
+                except anyio.ClosedResourceError:
+                    woken = False  # aclose() meanwhile: _check_open raises
                 self._check_open()
                 if not woken:
                     self._reap(target)
         finally:
-            w[W_WAIT_TARGET] = 0
+            if not self._closed:  # after aclose the mapping is gone
+                w[W_WAIT_TARGET] = 0
 
     def _reap(self, target: int) -> None:
         """Drop readers that hold the writer back and whose process is gone."""
@@ -391,6 +410,6 @@ class _Chunks:
         return written
 
 
-def _cleanup_files(segment_path: str, inbox_path: str) -> None:
-    for path in (segment_path, inbox_path):
+def _cleanup_files(*paths: str) -> None:
+    for path in paths:
         _ring._unlink_quiet(path)

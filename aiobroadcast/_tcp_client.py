@@ -1,0 +1,317 @@
+"""A remote reader's source: ZeroMQ I/O in a thread, messages handed to the event loop.
+
+The thread keeps the connection alive (heartbeats, acknowledgements, resend requests) even
+while the reader's event loop is busy; the loop only pops decoded-on-demand messages from a
+queue bounded by the credit window.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import zmq
+
+from . import _wire as wire
+from ._exceptions import EndOfStream, ReaderLagged, TransportError, WouldBlock, WriterGone
+from ._handle import Handle
+from ._stats import ReaderStatistics
+
+_MSG, _LAG, _END, _GONE, _ERROR = range(5)
+
+
+class TcpSource:
+    def __init__(
+        self,
+        handle: Handle,
+        name: str,
+        decode: Callable[[Any, bool], Any],
+        *,
+        window: int = 256,
+        gone_timeout: float | None = None,
+    ) -> None:
+        assert handle.tcp is not None
+        self._handle = handle
+        self._name = name
+        self._decode = decode
+        self._window = window
+        self._key = handle.hmac_key.encode() if handle.insecure and handle.hmac_key else None
+        self._lock = threading.Lock()
+        self._items: collections.deque[tuple[int, Any, Any]] = collections.deque()
+        self._sleeping = False
+        self._consumed = 0  # next seq the user has not consumed
+        self._received = 0
+        self._lagged_total = 0
+        self._closed = False
+        self._terminal: tuple[int, Any, Any] | None = None
+        self._welcome = threading.Event()
+        self._welcome_error: str | None = None
+        self._hb_interval = 0.5
+        self._hb_timeout = 3.0
+        self._gone_timeout = gone_timeout
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._ctrl_r, self._ctrl_w = socket.socketpair()
+        self._ctrl_r.setblocking(False)
+        self._ctrl_w.setblocking(False)
+        self._ctx = zmq.Context()
+        d = self._dealer = self._ctx.socket(zmq.DEALER)
+        d.linger = 0
+        d.sndhwm = 0
+        d.rcvhwm = 0
+        d.maxmsgsize = wire.DEFAULT_MAX_FRAME
+        d.reconnect_ivl = 100
+        d.reconnect_ivl_max = 1000
+        d.routing_id = os.urandom(16)
+        if not handle.insecure:
+            assert handle.server_key and handle.client_public_key and handle.client_secret_key
+            d.curve_serverkey = handle.server_key.encode()
+            d.curve_publickey = handle.client_public_key.encode()
+            d.curve_secretkey = handle.client_secret_key.encode()
+        d.connect(handle.tcp)
+        self._thread = threading.Thread(target=self._run, name="aiobroadcast-tcp-reader", daemon=True)
+        self._stop = False
+        self._thread.start()
+
+    async def wait_welcome(self, limit_s: float) -> None:
+        got = await anyio.to_thread.run_sync(self._welcome.wait, limit_s)
+        if self._welcome_error is not None or not got:
+            reason = self._welcome_error or (
+                f"no answer from the writer at {self._handle.tcp} within {limit_s:g} s "
+                "(not reachable, not running, or it does not hold the key in the handle)"
+            )
+            self.close()
+            raise TransportError(reason)
+
+    # --- Source ----------------------------------------------------------------------------
+    def get_nowait(self) -> Any:
+        with self._lock:
+            if not self._items:
+                raise WouldBlock
+            kind, a, b = self._items[0]
+            if kind in (_MSG, _LAG):
+                self._items.popleft()
+        if kind == _MSG:
+            seq, flags = a[0], a[1]
+            self._consumed = seq + 1
+            self._received += 1
+            if self._consumed % max(1, self._window // 2) == 0:
+                self._poke()
+            return self._decode(b, bool(flags & 1))
+        if kind == _LAG:
+            self._lagged_total += a
+            raise ReaderLagged(a)
+        if kind == _END:
+            raise EndOfStream
+        if kind == _GONE:
+            raise WriterGone(self._handle.writer_pid)
+        raise TransportError(str(a))
+
+    def ready(self) -> bool:
+        with self._lock:
+            return bool(self._items)
+
+    async def sleep(self) -> None:
+        with self._lock:
+            if self._items:
+                return
+            self._sleeping = True
+        try:
+            with anyio.move_on_after(self._hb_interval * 2):
+                await anyio.wait_readable(self._wake_r)
+            try:
+                while self._wake_r.recv(64):
+                    pass
+            except BlockingIOError:
+                pass
+        finally:
+            with self._lock:
+                self._sleeping = False
+
+    def statistics(self, tasks_waiting: int) -> ReaderStatistics:
+        return ReaderStatistics(
+            name=self._name,
+            place=-1,
+            received=self._received,
+            lagged=self._lagged_total,
+            lag=len(self._items),
+            tasks_waiting=tasks_waiting,
+            writer_pid=self._handle.writer_pid,
+            writer_closed=self._terminal is not None and self._terminal[0] == _END,
+        )
+
+    def describe(self) -> str:
+        return f"tcp {self._handle.tcp} received={self._received}"
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._stop = True
+        self._poke()
+        self._thread.join()
+        for s in (self._wake_r, self._wake_w, self._ctrl_r, self._ctrl_w):
+            s.close()
+
+    # --- the I/O thread ----------------------------------------------------------------------
+    def _poke(self) -> None:
+        try:
+            self._ctrl_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _push(self, kind: int, a: Any = None, b: Any = None) -> None:
+        with self._lock:
+            self._items.append((kind, a, b))
+            if kind in (_END, _GONE, _ERROR):
+                self._terminal = (kind, a, b)
+            wake = self._sleeping
+        if wake:
+            try:
+                self._wake_w.send(b"\0")
+            except BlockingIOError:
+                pass
+
+    def _send(self, frames: list[bytes]) -> None:
+        try:
+            self._dealer.send_multipart(wire.sign(self._key, frames), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _hello(self, resume: int | None) -> None:
+        hello = {
+            "version": wire.PROTOCOL_VERSION,
+            "name": self._name,
+            "pid": os.getpid(),
+            "window": self._window,
+            "resume": resume,
+        }
+        self._send([wire.HELLO, wire.encode_json(hello)])
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            try:
+                self._send([wire.BYE])
+            finally:
+                self._dealer.close(linger=0)
+                self._ctx.term()
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._ctrl_r, zmq.POLLIN)
+        self._next = -1  # next seq expected; -1 before WELCOME
+        self._hello(None)
+        last_heard = time.monotonic()
+        last_ack_sent = -1
+        next_ack = time.monotonic() + self._hb_interval
+        last_batch = time.monotonic()
+        server_end = 0
+        while not self._stop:
+            poller.poll(int(self._hb_interval * 500))
+            try:
+                self._ctrl_r.recv(4096)
+            except BlockingIOError:
+                pass
+            now = time.monotonic()
+            for _ in range(256):
+                try:
+                    frames = self._dealer.recv_multipart(zmq.NOBLOCK, copy=True)
+                except zmq.Again:
+                    break
+                try:
+                    frames = wire.verify(self._key, frames)
+                    got = self._on_frames(frames)
+                except (wire.FrameError, ValueError, KeyError, TypeError, IndexError):
+                    continue  # not authentic or malformed: dropped, the stream goes on
+                last_heard = now
+                if got is not None:
+                    kind, value = got
+                    if kind == "batch":
+                        last_batch = now
+                    elif kind == "end":
+                        server_end = max(server_end, value)
+            if self._terminal is not None:
+                return  # the writer closed or is gone: everything it sent is queued
+            gone_after = self._gone_timeout if self._gone_timeout is not None else 3 * self._hb_timeout
+            if self._welcome.is_set() and now - last_heard > gone_after:
+                self._push(_GONE)
+                return
+            if not self._welcome.is_set():
+                if now - last_heard > self._hb_interval * 4:
+                    self._hello(None)  # maybe lost before the connection was up
+                    last_heard = now
+                continue
+            consumed = self._consumed
+            if consumed - last_ack_sent >= max(1, self._window // 2) or now >= next_ack:
+                self._send([wire.ACK, wire.U64.pack(consumed)])
+                last_ack_sent = consumed
+                next_ack = now + self._hb_interval
+            # Starved while the server has more and we have room: something was lost in transit.
+            if (
+                server_end > self._next
+                and self._next - consumed < self._window
+                and now - last_batch > self._hb_interval * 2
+            ):
+                self._send([wire.NACK, wire.U64.pack(self._next)])
+                last_batch = now
+
+    def _on_frames(self, frames: list[bytes]) -> tuple[str, int] | None:
+        kind = frames[0]
+        if kind == wire.BATCH:
+            if self._next < 0:
+                return None
+            first, items = wire.decode_batch(frames[1], frames[2])
+            if first > self._next:
+                self._send([wire.NACK, wire.U64.pack(self._next)])  # a gap: ask again
+                return None
+            skip = self._next - first
+            for k, (body, flags) in enumerate(items[skip:]):
+                self._push(_MSG, (first + skip + k, flags), body)
+            self._next = max(self._next, first + len(items))
+            return ("batch", 0)
+        if kind == wire.HEARTBEAT:
+            end, _done = wire.U64x2.unpack(frames[1])
+            return ("end", end)
+        if kind == wire.WELCOME:
+            welcome = wire.decode_json(frames[1])
+            start = int(welcome["start"])
+            self._hb_interval = float(welcome["hb_interval"])
+            self._hb_timeout = float(welcome["hb_timeout"])
+            if self._next < 0:
+                self._next = start
+                self._consumed = start
+            self._welcome.set()
+            return None
+        if kind == wire.LAGGED:
+            from_seq, _missed = wire.U64x2.unpack(frames[1])
+            if from_seq > self._next >= 0:
+                self._push(_LAG, from_seq - self._next)
+                self._next = from_seq
+            return None
+        if kind == wire.END:
+            (final,) = wire.U64.unpack(frames[1])
+            if self._next >= final:
+                self._push(_END if frames[2] == b"closed" else _GONE)
+            return None
+        if kind == wire.UNKNOWN:
+            self._hello(self._next if self._next >= 0 else None)  # the server dropped us: resume
+            return None
+        if kind == wire.REFUSED:
+            reason = frames[1].decode("utf-8", "replace")
+            if not self._welcome.is_set():
+                self._welcome_error = f"the writer refused this reader: {reason}"
+                self._welcome.set()
+            else:
+                self._push(_ERROR, f"the writer refused this reader: {reason}")
+            return None
+        raise wire.FrameError(f"unknown frame kind {kind[:8]!r}")

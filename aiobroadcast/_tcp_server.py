@@ -1,0 +1,382 @@
+"""The writer's TCP server: serves remote readers from the ring, with credit flow control,
+heartbeats, resend on loss and CurveZMQ (docs/design.md, "Remote readers").
+
+It runs in its own thread with its own ZeroMQ context, so heartbeats go on while the writer's
+event loop is busy. It reads the ring as one more local reader (its place is reserved), so under
+policy "block" a slow remote reader holds the writer back exactly like a local one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+import zmq.auth.thread
+
+from . import _wire as wire
+from ._exceptions import BroadcastError, EndOfStream, ReaderLagged, WouldBlock, WriterGone
+from ._handle import Handle
+from ._ring import Segment
+from ._shm_reader import ShmSource
+from ._stats import ReaderInfo
+
+log = logging.getLogger("aiobroadcast")
+
+BRIDGE_NAME = "tcp-server"
+
+
+def _raw(body: Any, oob: bool) -> tuple[bytes, int]:
+    return bytes(body), 1 if oob else 0
+
+
+@dataclass
+class _Client:
+    ident: bytes
+    name: str
+    pid: int
+    window: int
+    next_send: int
+    acked: int
+    last_heard: float
+    ended: bool = False
+    received_total: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class _Allow:
+    """ZAP credentials check: only the readers' public key gets in."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self._key
+
+
+class TcpServer:
+    def __init__(
+        self,
+        seg: Segment,
+        handle: Handle,
+        endpoint: str,
+        *,
+        insecure: bool,
+        server_secret: bytes | None,
+        client_public: bytes | None,
+        hmac_key: bytes | None,
+        window: int,
+        buffer_max: int,
+        hb_interval: float,
+        hb_timeout: float,
+        max_remote: int,
+    ) -> None:
+        self._handle = handle
+        self._window = window
+        self._buffer_max = buffer_max
+        self._hb_interval = hb_interval
+        self._hb_timeout = hb_timeout
+        self.drain_timeout = 2 * hb_timeout
+        self._max_remote = max_remote
+        self._block = handle.policy == "block"
+        self._key = hmac_key if insecure else None
+        self._ctx = zmq.Context()
+        self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
+        self._router = self._ctx.socket(zmq.ROUTER)
+        try:
+            r = self._router
+            r.linger = 0
+            r.sndhwm = 0  # bounded by the credit windows instead
+            r.rcvhwm = 0
+            r.maxmsgsize = wire.MAX_CONTROL_FRAME
+            r.router_mandatory = False
+            if not insecure:
+                assert server_secret is not None and client_public is not None
+                self._auth = zmq.auth.thread.ThreadAuthenticator(self._ctx, log=logging.getLogger("aiobroadcast.zap"))
+                self._auth.start()
+                self._auth.configure_curve_callback("aiobroadcast", credentials_provider=_Allow(client_public))
+                r.zap_domain = b"aiobroadcast"
+                r.curve_server = True
+                r.curve_secretkey = server_secret
+            try:
+                r.bind(_port_star(endpoint))
+            except zmq.ZMQError as exc:
+                raise BroadcastError(f"cannot bind {endpoint}: {exc}") from exc
+            self.endpoint = r.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._src = ShmSource(seg, handle, BRIDGE_NAME, _raw)
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._ctrl_r, self._ctrl_w = os.pipe()
+        os.set_blocking(self._ctrl_r, False)
+        self._lock = threading.Lock()
+        self._clients: dict[bytes, _Client] = {}
+        self._buf: list[tuple[bytes, int]] = []
+        self._base = 0  # seq of self._buf[0]
+        self._end = 0  # next seq the server will have
+        self._ring_done: str | None = None  # "closed" or "gone"
+        self._stopping = False
+        self._stop_deadline = 0.0
+        self.dropped = 0
+        self.rejected_frames = 0
+        self._thread = threading.Thread(target=self._run, name="aiobroadcast-tcp-server", daemon=True)
+        self._thread.start()
+
+    # --- called from the writer's thread ---------------------------------------------------
+    def stop(self, timeout: float) -> None:
+        """Let remote readers drain (up to ``timeout`` seconds), then shut down."""
+        self._stopping = True
+        self._stop_deadline = time.monotonic() + timeout
+        os.write(self._ctrl_w, b"\0")
+        self._thread.join()
+        os.close(self._ctrl_r)
+        os.close(self._ctrl_w)
+
+    def readers(self) -> list[ReaderInfo]:
+        with self._lock:
+            return [
+                ReaderInfo(
+                    place=-1,
+                    name=c.name,
+                    pid=c.pid,
+                    received=c.acked,
+                    lag=max(0, self._end - c.acked),
+                    sleeping=False,
+                    transport="tcp",
+                )
+                for c in self._clients.values()
+            ]
+
+    # --- the server thread -------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except Exception:  # pragma: no cover - a bug; readers will see the writer as gone
+            log.exception("aiobroadcast: TCP server failed")
+        finally:
+            self._src.close()
+            self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._router.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        self._ctx.term()
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._ctrl_r, zmq.POLLIN)
+        inbox = self._src.inbox_fd
+        next_hb = time.monotonic() + self._hb_interval
+        while True:
+            pulled = self._pull_ring()
+            self._recv_clients()
+            sent = self._send_clients()
+            self._trim()
+            now = time.monotonic()
+            if now >= next_hb:
+                self._heartbeat(now)
+                next_hb = now + self._hb_interval
+            if self._stopping and (self._all_done() or now >= self._stop_deadline):
+                return
+            if pulled or sent:
+                continue
+            want_ring = self._ring_done is None and (not self._block or len(self._buf) < self._buffer_max)
+            ring_sleep = want_ring and not self._src.begin_sleep()
+            if want_ring and not ring_sleep:
+                continue  # the ring changed while we announced the sleep
+            if ring_sleep:
+                poller.register(inbox, zmq.POLLIN)
+            try:
+                poller.poll(int(max(0.0, next_hb - time.monotonic()) * 1000) + 1)
+            finally:
+                if ring_sleep:
+                    poller.unregister(inbox)
+                    self._src.end_sleep(self._src.drain_inbox())
+            try:
+                os.read(self._ctrl_r, 64)
+            except BlockingIOError:
+                pass
+
+    def _pull_ring(self) -> int:
+        n = 0
+        buf = self._buf
+        while self._ring_done is None and (not self._block or len(buf) < self._buffer_max) and n < 4096:
+            try:
+                item = self._src.get_nowait()
+            except WouldBlock:
+                break
+            except ReaderLagged as exc:
+                # The ring overwrote messages before we took them (policy "lag"): everyone
+                # behind the gap is told exactly what it missed.
+                with self._lock:
+                    self._end += exc.missed
+                    self._base = self._end
+                    buf.clear()
+                continue
+            except EndOfStream:
+                self._ring_done = "closed"
+                break
+            except WriterGone:
+                self._ring_done = "gone"
+                break
+            buf.append(item)
+            with self._lock:
+                self._end += 1
+            n += 1
+        return n
+
+    def _send(self, ident: bytes, frames: list[bytes]) -> None:
+        try:
+            self._router.send_multipart([ident, *wire.sign(self._key, frames)], flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:  # pragma: no cover - sndhwm is unlimited
+            pass
+
+    def _recv_clients(self) -> None:
+        router = self._router
+        for _ in range(1024):
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            ident, rest = frames[0], frames[1:]
+            try:
+                self._handle_frames(ident, wire.verify(self._key, rest))
+            except (wire.FrameError, ValueError, KeyError, TypeError) as exc:
+                self.rejected_frames += 1
+                log.warning("aiobroadcast: rejected a malformed frame from a remote reader: %s", exc)
+
+    def _handle_frames(self, ident: bytes, frames: list[bytes]) -> None:
+        if not frames:
+            raise wire.FrameError("empty message")
+        kind = frames[0]
+        now = time.monotonic()
+        client = self._clients.get(ident)
+        if kind == wire.HELLO:
+            hello = wire.decode_json(frames[1])
+            if hello.get("version") != wire.PROTOCOL_VERSION:
+                self._send(ident, [wire.REFUSED, b"protocol version mismatch"])
+                return
+            if client is None and len(self._clients) >= self._max_remote:
+                self._send(ident, [wire.REFUSED, f"all {self._max_remote} remote reader places are taken".encode()])
+                return
+            resume = hello.get("resume")
+            start = self._end if resume is None else int(resume)
+            client = _Client(
+                ident=ident,
+                name=str(hello.get("name", "?"))[:64],
+                pid=int(hello.get("pid", 0)),
+                window=max(1, min(int(hello.get("window", self._window)), self._window)),
+                next_send=start,
+                acked=start,
+                last_heard=now,
+            )
+            with self._lock:
+                self._clients[ident] = client
+            welcome = {
+                "start": start,
+                "policy": self._handle.policy,
+                "hb_interval": self._hb_interval,
+                "hb_timeout": self._hb_timeout,
+            }
+            self._send(ident, [wire.WELCOME, wire.encode_json(welcome)])
+            self._rewind(client, start)
+            return
+        if client is None:
+            if kind != wire.BYE:
+                self._send(ident, [wire.UNKNOWN])
+            return
+        client.last_heard = now
+        if kind == wire.ACK:
+            (n,) = wire.U64.unpack(frames[1])
+            if n > client.acked:
+                client.acked = min(n, client.next_send)
+        elif kind == wire.NACK:
+            (n,) = wire.U64.unpack(frames[1])
+            self._rewind(client, n)
+        elif kind == wire.BYE:
+            with self._lock:
+                del self._clients[ident]
+        else:
+            raise wire.FrameError(f"unknown frame kind {kind[:8]!r}")
+
+    def _rewind(self, client: _Client, n: int) -> None:
+        """Send again from ``n``; if the server no longer has it, say exactly what is lost."""
+        n = min(n, self._end)
+        if n < self._base:
+            self._send(client.ident, [wire.LAGGED, wire.U64x2.pack(self._base, self._base - n)])
+            n = self._base
+        client.next_send = n
+        client.acked = min(max(client.acked, self._base), n)
+        client.ended = False
+
+    def _send_clients(self) -> int:
+        sent = 0
+        for client in list(self._clients.values()):
+            limit = min(self._end, client.acked + client.window)
+            if client.next_send < limit:
+                lo = client.next_send - self._base
+                hi = limit - self._base
+                items = []
+                size = 0
+                for item in self._buf[lo:hi]:
+                    items.append(item)
+                    size += len(item[0])
+                    if size >= 1 << 20:
+                        break
+                self._send(client.ident, wire.encode_batch(client.next_send, items))
+                client.next_send += len(items)
+                sent += len(items)
+            elif self._ring_done and not client.ended and client.next_send >= self._end:
+                self._send(client.ident, [wire.END, wire.U64.pack(self._end), self._ring_done.encode()])
+                client.ended = True
+        return sent
+
+    def _trim(self) -> None:
+        buf = self._buf
+        if self._block:
+            keep_from = min((c.acked for c in self._clients.values()), default=self._end)
+        else:
+            keep_from = max(self._base, self._end - self._buffer_max)
+        drop = keep_from - self._base
+        if drop > 0:
+            del buf[:drop]
+            with self._lock:
+                self._base = keep_from
+            for client in self._clients.values():
+                if client.next_send < self._base:  # policy "lag": it fell behind the buffer
+                    self._rewind(client, client.next_send)
+
+    def _heartbeat(self, now: float) -> None:
+        done = 1 if self._ring_done else 0
+        for ident, client in list(self._clients.items()):
+            if now - client.last_heard > self._hb_timeout:
+                with self._lock:
+                    del self._clients[ident]
+                self.dropped += 1
+                log.warning(
+                    "aiobroadcast: remote reader %r (pid %d) silent for %.1f s; dropped it at message %d of %d",
+                    client.name,
+                    client.pid,
+                    now - client.last_heard,
+                    client.acked,
+                    self._end,
+                )
+                continue
+            self._send(ident, [wire.HEARTBEAT, wire.U64x2.pack(self._end, done)])
+
+    def _all_done(self) -> bool:
+        # Every remote reader has everything (it says BYE when it has the end) or was dropped.
+        return self._ring_done is not None and all(c.ended and c.acked >= self._end for c in self._clients.values())
+
+
+def _port_star(endpoint: str) -> str:
+    """``tcp://host:0`` binds an ephemeral port; the real one is read back from the socket."""
+    if endpoint.endswith(":0"):
+        return endpoint[:-2] + ":*"
+    return endpoint

@@ -21,6 +21,7 @@ from ._handle import Handle as Handle
 from ._open import open_reader as open_reader
 from ._open import open_writer as open_writer
 from ._reader import Reader as Reader
+from ._relay import relay as relay
 from ._ring import sweep_stale as sweep_stale
 from ._stats import ReaderInfo as ReaderInfo
 from ._stats import ReaderStatistics as ReaderStatistics
@@ -49,6 +50,7 @@ __all__ = [
     "WriterStatistics",
     "open_reader",
     "open_writer",
+    "relay",
     "sweep_stale",
 ]
 __version__ = "0.1.0"

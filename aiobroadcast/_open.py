@@ -353,3 +353,31 @@ def _decoder(h: Handle, schema: type[BaseModel] | None) -> Callable[[Any, bool],
 
         return decode_checked
     return decode_pickle
+
+
+def _raw(body: Any, oob: bool) -> tuple[bytes, bool]:
+    return bytes(body), oob
+
+
+def _open_raw_reader(h: Handle, *, name: str, transport: Transport) -> _Opening[Reader[tuple[bytes, bool]]]:
+    """A reader that hands out message bodies undecoded, as ``(body, out_of_band)``: relays
+    republish them without ever unpickling."""
+
+    async def make() -> Reader[tuple[bytes, bool]]:
+        source: Source
+        if transport == "tcp" or (transport == "auto" and h.tcp is not None and not _ring_reachable(h)):
+            from ._tcp_client import TcpSource
+
+            tcp_source = TcpSource(h, name, _raw)
+            await tcp_source.wait_welcome(10.0)
+            source = tcp_source
+        else:
+            seg = _ring.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
+            try:
+                source = ShmSource(seg, h, name, _raw)
+            except BaseException:
+                seg.close()
+                raise
+        return Reader(_reader_token, source, h, name)
+
+    return _Opening(make)

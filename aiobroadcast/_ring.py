@@ -39,7 +39,7 @@ NAME_BYTES = 64
 SLOT_HEADER = struct.Struct("<QQIIQ")  # seq, msg, frag_len, flags, total
 SLOT_REST = struct.Struct("<QIIQ")  # the header after seq
 SLOT_HEADER_BYTES = SLOT_HEADER.size
-F_FIRST, F_LAST, F_OOB = 1, 2, 4
+F_FIRST, F_LAST, F_OOB, F_GAP = 1, 2, 4, 8  # F_GAP: `total` messages were lost upstream
 F_WHOLE = F_FIRST | F_LAST
 
 STALE_MIN_AGE_S = 2.0  # a file this new may be mid-creation, not stale

@@ -23,6 +23,7 @@ from ._ring import (
     BUSY,
     EMPTY,
     F_FIRST,
+    F_GAP,
     F_LAST,
     F_OOB,
     F_WHOLE,
@@ -153,6 +154,11 @@ class ShmSource:
                 continue
             msg, flen, flags, total = SLOT_REST.unpack_from(buf, off + 8)
             if flags & F_WHOLE == F_WHOLE and self._partial is None:
+                if flags & F_GAP:  # a relay lost messages upstream
+                    self._advance(c, 0)
+                    self._next_msg = msg + 1
+                    self._lagged_total += total
+                    raise ReaderLagged(total)
                 if self._block:
                     body: memoryview | bytes = buf[off + 32 : off + 32 + flen]
                 else:

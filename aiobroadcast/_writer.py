@@ -21,6 +21,7 @@ from ._handle import Handle
 from ._ring import (
     BUSY,
     F_FIRST,
+    F_GAP,
     F_LAST,
     F_OOB,
     R_NAME_LEN,
@@ -28,6 +29,7 @@ from ._ring import (
     R_RECEIVED,
     SLOT_REST,
     W_CLOSED,
+    W_CODEC,
     W_HEAD,
     W_NEXT_MSG,
     W_WAIT_TARGET,
@@ -119,6 +121,9 @@ class Writer(Generic[T_contra]):
         if self._lock.locked():
             raise WouldBlock
         parts, total, oob = self._encode_checked(obj)
+        self._put_encoded_nowait(parts, total, oob)
+
+    def _put_encoded_nowait(self, parts: Sequence[Buffer], total: int, oob: bool) -> None:
         entries = self._seg.layout.entries_for(total)
         if self._block and not self._room(entries):
             raise WouldBlock
@@ -134,6 +139,9 @@ class Writer(Generic[T_contra]):
         """
         self._check_open()
         parts, total, oob = self._encode_checked(obj)  # the object as it is now
+        await self._put_encoded(parts, total, oob)
+
+    async def _put_encoded(self, parts: Sequence[Buffer], total: int, oob: bool) -> None:
         entries = self._seg.layout.entries_for(total)
         if not self._lock.locked() and (not self._block or (entries <= self._cap and self._room(entries))):
             # Fast path: room now and nobody queued. Yield to the loop now and then so that
@@ -156,6 +164,38 @@ class Writer(Generic[T_contra]):
                     await self._stream(parts, total, oob, entries)
         finally:
             self._waiting_tasks -= 1
+
+    # --- for relays: republish bodies as they are, and gaps --------------------------------
+    async def _put_raw(self, body: bytes, oob: bool) -> None:
+        self._check_open()
+        await self._put_encoded((body,), len(body), oob)
+
+    async def _put_gap(self, missed: int) -> None:
+        """Publish a marker that makes every reader raise ``ReaderLagged(missed)``."""
+        self._check_open()
+        async with self._lock:
+            if self._block:
+                await self._wait_room(1)
+            self._publish((b"",), 0, False, 1, gap=missed)
+
+    def _relay_codec(self, codec: str, schema_path: str | None) -> None:
+        """A relay's channel carries the upstream's bodies: say how to decode them."""
+        self._handle = self._handle.model_copy(update={"codec": codec, "schema_path": schema_path})
+        self._words[W_CODEC] = _ring.CODECS.index(codec)
+
+    async def _abandon(self) -> None:
+        """Stop as if this process had died: readers drain, then get ``WriterGone``."""
+        if self._closed:
+            return
+        _ring.unlock(self._seg.fd, _ring.WRITER_LOCK_BYTE)
+        self._closed = True
+        if self._server is not None:
+            await anyio.to_thread.run_sync(self._server.stop, 0.0)
+        self._inbox.close()
+        self._outbox.close()
+        self._finalizer()
+        atexit.unregister(self._finalizer)
+        self._seg.close()
 
     def statistics(self) -> WriterStatistics:
         self._check_open()
@@ -286,7 +326,7 @@ class Writer(Generic[T_contra]):
                 self._head,
             )
 
-    def _publish(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int) -> None:
+    def _publish(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int = 0) -> None:
         """Write a whole message into ``entries`` free slots and publish it. No await."""
         w = self._words
         buf = self._buf
@@ -298,7 +338,10 @@ class Writer(Generic[T_contra]):
             if not self._block:
                 w[off >> 3] = BUSY
             buf[off + 32 : off + 32 + total] = parts[0]
-            SLOT_REST.pack_into(buf, off + 8, msg, total, base_flags | F_FIRST | F_LAST, total)
+            if gap:
+                SLOT_REST.pack_into(buf, off + 8, msg, 0, F_FIRST | F_LAST | F_GAP, gap)
+            else:
+                SLOT_REST.pack_into(buf, off + 8, msg, total, base_flags | F_FIRST | F_LAST, total)
             w[off >> 3] = seq
             seq += 1
         else:

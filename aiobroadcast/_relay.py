@@ -1,0 +1,108 @@
+"""Relays: a remote reader on host B that republishes into a shared-memory ring on B, so that
+N readers on B cost the writer one TCP stream. Order, backpressure (policy "block"), lag
+reports (policy "lag") and liveness carry through end to end."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+
+from ._exceptions import EndOfStream, ReaderLagged, WriterGone
+from ._handle import Handle
+from ._open import DEFAULT_DIRECTORY, Transport, _open_raw_reader, open_writer
+
+
+async def relay(
+    upstream: Handle | str,
+    *,
+    name: str = "relay",
+    capacity: int | None = None,
+    slot_bytes: int | None = None,
+    max_readers: int = 16,
+    directory: str = DEFAULT_DIRECTORY,
+    transport: Transport = "tcp",
+    tcp: str | None = None,
+    insecure: bool = False,
+    on_ready: Callable[[Handle], Any] | None = None,
+) -> None:
+    """Read ``upstream`` (over TCP by default) and republish every message, unchanged and
+    undecoded, into a new local channel. ``on_ready`` receives the local channel's handle.
+
+    Returns when the upstream writer closes (local readers then get ``EndOfStream``). If the
+    upstream writer dies, local readers get ``WriterGone``; messages lost upstream (policy
+    "lag") reach local readers as ``ReaderLagged`` with the same count.
+    """
+    up = Handle.parse(upstream)
+    async with _open_raw_reader(up, name=name, transport=transport) as source:
+        down = await open_writer(
+            capacity=capacity or up.capacity,
+            slot_bytes=slot_bytes or up.slot_bytes,
+            max_readers=max_readers,
+            policy=up.policy,
+            directory=directory,
+            tcp=tcp,
+            insecure=insecure,
+        )
+        try:
+            down._relay_codec(up.codec, up.schema_path)
+            if on_ready is not None:
+                on_ready(down.handle)
+            while True:
+                try:
+                    body, oob = await source.get()
+                except ReaderLagged as exc:
+                    await down._put_gap(exc.missed)
+                    continue
+                except EndOfStream:
+                    break
+                except WriterGone:
+                    await down._abandon()
+                    return
+                await down._put_raw(body, oob)
+        finally:
+            await down.aclose()
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "relay",
+        help="re-publish a remote channel into a shared-memory ring on this host",
+        description=(
+            "Read the channel named by UPSTREAM (a handle file) over TCP and re-publish every "
+            "message into a new shared-memory channel here, whose handle is written to --out "
+            "(mode 0600). Local readers then cost the upstream writer one TCP stream."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("upstream", help="handle file of the upstream channel")
+    p.add_argument("--out", required=True, help="where to write the local channel's handle")
+    p.add_argument("--name", default="relay", help="the relay's reader name upstream")
+    p.add_argument("--capacity", type=int, default=None, help="slots of the local ring (default: upstream's)")
+    p.add_argument("--slot-bytes", type=int, default=None, help="bytes per slot (default: upstream's)")
+    p.add_argument("--max-readers", type=int, default=16, help="local readers")
+    p.add_argument("--tcp", default=None, help="also serve the local channel on this endpoint")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    upstream = Handle.load(args.upstream)
+
+    def ready(h: Handle) -> None:
+        h.save(args.out)
+        print(f"relaying {upstream.tcp} into {h.name}; handle in {args.out}", flush=True)
+
+    anyio.run(
+        lambda: relay(
+            upstream,
+            name=args.name,
+            capacity=args.capacity,
+            slot_bytes=args.slot_bytes,
+            max_readers=args.max_readers,
+            tcp=args.tcp,
+            on_ready=ready,
+        )
+    )
+    return 0

@@ -17,6 +17,7 @@ from ._exceptions import TooManyReaders as TooManyReaders
 from ._exceptions import TransportError as TransportError
 from ._exceptions import WouldBlock as WouldBlock
 from ._exceptions import WriterGone as WriterGone
+from ._handle import CurveKeys as CurveKeys
 from ._handle import Handle as Handle
 from ._open import open_reader as open_reader
 from ._open import open_writer as open_writer
@@ -31,6 +32,7 @@ from ._writer import Writer as Writer
 __all__ = [
     "BroadcastError",
     "ClosedResourceError",
+    "CurveKeys",
     "DeserializationError",
     "EndOfStream",
     "Handle",

@@ -69,12 +69,7 @@ class Handle(BaseModel):
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the handle as JSON, readable by its owner only (mode 0600)."""
-        target = Path(path)
-        tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(self.to_json())
-        os.replace(tmp, target)
+        _write_private(Path(path), self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Handle:
@@ -84,3 +79,47 @@ class Handle(BaseModel):
         except OSError as exc:
             raise InvalidHandle(f"cannot read handle file {os.fspath(path)!r}: {exc}") from exc
         return cls.parse(text)
+
+
+class CurveKeys(BaseModel):
+    """CurveZMQ key pairs for a TCP channel (Z85 text): the writer's server pair and the pair
+    every reader presents. Made by ``CurveKeys.generate()`` (or ``aiobroadcast keygen``);
+    pass to ``open_writer(tcp=..., keys=...)`` to keep the same keys across writer restarts.
+    Secret: ``repr`` hides the secret keys and ``save`` writes mode 0600."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    server_public: str
+    server_secret: str = Field(repr=False)
+    client_public: str
+    client_secret: str = Field(repr=False)
+
+    @classmethod
+    def generate(cls) -> CurveKeys:
+        import zmq
+
+        sp, ss = zmq.curve_keypair()
+        cp, cs = zmq.curve_keypair()
+        return cls(
+            server_public=sp.decode(), server_secret=ss.decode(), client_public=cp.decode(), client_secret=cs.decode()
+        )
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the keys as JSON, readable by their owner only (mode 0600)."""
+        _write_private(Path(path), self.model_dump_json())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> CurveKeys:
+        """Read keys saved with ``save``. Raises ``InvalidHandle`` if the file is not a key file."""
+        try:
+            return cls.model_validate_json(Path(path).read_text())
+        except (OSError, ValidationError) as exc:
+            raise InvalidHandle(f"not an aiobroadcast key file: {os.fspath(path)!r}: {exc}") from exc
+
+
+def _write_private(target: Path, text: str) -> None:
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, target)

@@ -9,13 +9,12 @@ from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
-import zmq
 from pydantic import BaseModel
 
 from . import _ring
 from ._codec import JsonCodec, PickleEncoder, SchemaCodec, decode_json, decode_pickle, import_schema, schema_path
 from ._exceptions import BroadcastError, InvalidHandle
-from ._handle import Handle, Policy
+from ._handle import CurveKeys, Handle, Policy
 from ._reader import Reader, Source
 from ._reader import _private as _reader_token
 from ._shm_reader import ShmSource
@@ -72,6 +71,8 @@ def open_writer(
     directory: str = ...,
     tcp: str | None = ...,
     insecure: bool = ...,
+    advertise: str | None = ...,
+    keys: CurveKeys | None = ...,
     heartbeat_s: float = ...,
     tcp_window: int = ...,
 ) -> _Opening[Writer[Any]]: ...
@@ -88,6 +89,8 @@ def open_writer(
     directory: str = ...,
     tcp: str | None = ...,
     insecure: bool = ...,
+    advertise: str | None = ...,
+    keys: CurveKeys | None = ...,
     heartbeat_s: float = ...,
     tcp_window: int = ...,
 ) -> _Opening[Writer[M]]: ...
@@ -103,6 +106,8 @@ def open_writer(
     directory: str = DEFAULT_DIRECTORY,
     tcp: str | None = None,
     insecure: bool = False,
+    advertise: str | None = None,
+    keys: CurveKeys | None = None,
     heartbeat_s: float = 0.5,
     tcp_window: int = 256,
 ) -> _Opening[Writer[Any]]:
@@ -121,6 +126,9 @@ def open_writer(
       (port 0: a free port, read back into the handle). Only that address is bound. The stream
       is encrypted and authenticated with CurveZMQ; ``insecure=True`` sends plain TCP (still
       HMAC-signed) for closed test networks, and logs a warning.
+    - ``advertise``: the host name readers should connect to, when it differs from the bound
+      address (e.g. ``tcp="tcp://0.0.0.0:5555", advertise="writer"`` in a container network).
+    - ``keys``: fixed ``CurveKeys`` (default: fresh keys for this channel).
     - ``heartbeat_s``: remote liveness; a silent remote reader is dropped after 6 heartbeats.
     - ``tcp_window``: messages a remote reader may have in flight (its credit).
 
@@ -180,7 +188,7 @@ def open_writer(
             raise
         if tcp is not None:
             try:
-                _start_server(writer, seg, handle, tcp, insecure, heartbeat_s, tcp_window, max_readers)
+                _start_server(writer, seg, handle, tcp, insecure, advertise, keys, heartbeat_s, tcp_window, max_readers)
             except BaseException:
                 await writer.aclose()
                 raise
@@ -195,6 +203,8 @@ def _start_server(
     handle: Handle,
     endpoint: str,
     insecure: bool,
+    advertise: str | None,
+    keys: CurveKeys | None,
     heartbeat_s: float,
     window: int,
     max_remote: int,
@@ -209,8 +219,9 @@ def _start_server(
         server_public = server_secret = client_public = client_secret = None
         hmac_key: str | None = secrets.token_hex(32)
     else:
-        server_public, server_secret = zmq.curve_keypair()
-        client_public, client_secret = zmq.curve_keypair()
+        k = keys or CurveKeys.generate()
+        server_public, server_secret = k.server_public.encode(), k.server_secret.encode()
+        client_public, client_secret = k.client_public.encode(), k.client_secret.encode()
         hmac_key = None
     try:
         server = TcpServer(
@@ -232,7 +243,7 @@ def _start_server(
         raise
     full = handle.model_copy(
         update={
-            "tcp": server.endpoint,
+            "tcp": _advertised(server.endpoint, advertise),
             "insecure": insecure,
             "server_key": server_public.decode() if server_public else None,
             "client_public_key": client_public.decode() if client_public else None,
@@ -241,6 +252,13 @@ def _start_server(
         }
     )
     writer._serve_tcp(server, Handle.model_validate(full.model_dump()))
+
+
+def _advertised(endpoint: str, host: str | None) -> str:
+    if host is None:
+        return endpoint
+    port = endpoint.rsplit(":", 1)[1]
+    return f"tcp://{host}:{port}"
 
 
 @overload

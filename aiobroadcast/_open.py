@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
 
+import anyio
+import anyio.to_thread
 from pydantic import BaseModel
 
 from . import _ring
@@ -26,6 +31,8 @@ M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger("aiobroadcast")
 
 DEFAULT_DIRECTORY = "/dev/shm"
+#: how long open_writer(tcp=...) waits for its TCP server process to bind
+SERVER_START_S = 30.0
 Transport = Literal["auto", "shm", "tcp"]
 
 
@@ -188,7 +195,9 @@ def open_writer(
             raise
         if tcp is not None:
             try:
-                _start_server(writer, seg, handle, tcp, insecure, advertise, keys, heartbeat_s, tcp_window, max_readers)
+                await _start_server(
+                    writer, seg, handle, tcp, insecure, advertise, keys, heartbeat_s, tcp_window, max_readers
+                )
             except BaseException:
                 await writer.aclose()
                 raise
@@ -197,7 +206,23 @@ def open_writer(
     return _Opening(make)
 
 
-def _start_server(
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _spawn_server() -> subprocess.Popen[bytes]:
+    # The child imports this very package, from wherever it was imported here.
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+    return subprocess.Popen(
+        [sys.executable, "-m", "aiobroadcast._tcp_server"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        close_fds=True,
+        env=env,
+    )
+
+
+async def _start_server(
     writer: Writer[Any],
     seg: _ring.Segment,
     handle: Handle,
@@ -209,49 +234,58 @@ def _start_server(
     window: int,
     max_remote: int,
 ) -> None:
-    from ._tcp_server import TcpServer
-
-    bridge_seg = _ring.attach_segment(seg.path, handle.token, handle.capacity, handle.slot_bytes, handle.max_readers)
+    """Start the TCP server process for ``writer`` and give the writer the full handle."""
     if insecure:
         log.warning(
             "aiobroadcast: serving %s WITHOUT encryption (insecure=True); use only on a closed network", endpoint
         )
-        server_public = server_secret = client_public = client_secret = None
+        k = None
         hmac_key: str | None = secrets.token_hex(32)
     else:
         k = keys or CurveKeys.generate()
-        server_public, server_secret = k.server_public.encode(), k.server_secret.encode()
-        client_public, client_secret = k.client_public.encode(), k.client_secret.encode()
         hmac_key = None
+    stats_path = seg.sock_path("tcp").removesuffix(".sock") + ".json"
+    cfg = {
+        "handle": handle.model_dump(),
+        "endpoint": endpoint,
+        "insecure": insecure,
+        "server_secret": k.server_secret if k else None,
+        "client_public": k.client_public if k else None,
+        "hmac_key": hmac_key,
+        "window": window,
+        "buffer_max": max(window, handle.capacity) * 2,
+        "hb_interval": heartbeat_s,
+        "hb_timeout": 6 * heartbeat_s,
+        "max_remote": max_remote,
+        "stats_path": stats_path,
+    }
+    proc = _spawn_server()
+    assert proc.stdin is not None and proc.stdout is not None
     try:
-        server = TcpServer(
-            bridge_seg,
-            handle,
-            endpoint,
-            insecure=insecure,
-            server_secret=server_secret,
-            client_public=client_public,
-            hmac_key=hmac_key.encode() if hmac_key else None,
-            window=window,
-            buffer_max=max(window, handle.capacity) * 2,
-            hb_interval=heartbeat_s,
-            hb_timeout=6 * heartbeat_s,
-            max_remote=max_remote,
-        )
+        proc.stdin.write(json.dumps(cfg).encode() + b"\n")
+        proc.stdin.flush()
+        with anyio.move_on_after(SERVER_START_S):
+            line = await anyio.to_thread.run_sync(proc.stdout.readline, abandon_on_cancel=True)
+        answer = json.loads(line) if line else {"error": "the TCP server process did not start"}
+        if "error" in answer:
+            raise BroadcastError(f"cannot serve {endpoint}: {answer['error']}")
     except BaseException:
-        bridge_seg.close()
+        proc.kill()
+        proc.wait()
+        proc.stdin.close()
+        proc.stdout.close()
         raise
     full = handle.model_copy(
         update={
-            "tcp": _advertised(server.endpoint, advertise),
+            "tcp": _advertised(answer["endpoint"], advertise),
             "insecure": insecure,
-            "server_key": server_public.decode() if server_public else None,
-            "client_public_key": client_public.decode() if client_public else None,
-            "client_secret_key": client_secret.decode() if client_secret else None,
+            "server_key": k.server_public if k else None,
+            "client_public_key": k.client_public if k else None,
+            "client_secret_key": k.client_secret if k else None,
             "hmac_key": hmac_key,
         }
     )
-    writer._serve_tcp(server, Handle.model_validate(full.model_dump()))
+    writer._serve_tcp(proc, Handle.model_validate(full.model_dump()), stats_path, 12 * heartbeat_s)
 
 
 def _advertised(endpoint: str, host: str | None) -> str:

@@ -322,7 +322,7 @@ def sweep_stale(directory: str) -> list[str]:
             young = time.time() - os.fstat(fd).st_mtime < STALE_MIN_AGE_S
             if not young and try_lock(fd, 0, 0):
                 for extra in os.listdir(directory):
-                    if extra.startswith(name + "-") and extra.endswith(".sock"):
+                    if extra.startswith(name + "-") and extra.endswith((".sock", ".json")):
                         _unlink_quiet(os.path.join(directory, extra))
                 _unlink_quiet(path)
                 removed.append(path)

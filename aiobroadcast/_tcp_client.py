@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import os
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -107,6 +108,8 @@ class TcpSource:
             return self._decode(b, bool(flags & 1))
         if kind == _LAG:
             self._lagged_total += a
+            self._consumed = max(self._consumed, b)  # the gap counts as taken: credit for what follows
+            self._poke()
             raise ReaderLagged(a)
         if kind == _END:
             raise EndOfStream
@@ -169,7 +172,12 @@ class TcpSource:
 
     def _push(self, kind: int, a: Any = None, b: Any = None) -> None:
         with self._lock:
-            self._items.append((kind, a, b))
+            if kind == _LAG and self._items and self._items[-1][0] == _LAG:
+                # Gaps reported one after another while the user did not read: one report, like
+                # a local reader's (and the queue stays bounded by the window).
+                self._items[-1] = (_LAG, self._items[-1][1] + a, b)
+            else:
+                self._items.append((kind, a, b))
             if kind in (_END, _GONE, _ERROR):
                 self._terminal = (kind, a, b)
             wake = self._sleeping
@@ -231,7 +239,7 @@ class TcpSource:
                 try:
                     frames = wire.verify(self._key, frames)
                     got = self._on_frames(frames)
-                except (wire.FrameError, ValueError, KeyError, TypeError, IndexError):
+                except (wire.FrameError, ValueError, KeyError, TypeError, IndexError, struct.error):
                     continue  # not authentic or malformed: dropped, the stream goes on
                 last_heard = now
                 if got is not None:
@@ -295,7 +303,7 @@ class TcpSource:
         if kind == wire.LAGGED:
             from_seq, _missed = wire.U64x2.unpack(frames[1])
             if from_seq > self._next >= 0:
-                self._push(_LAG, from_seq - self._next)
+                self._push(_LAG, from_seq - self._next, from_seq)
                 self._next = from_seq
             return None
         if kind == wire.END:

@@ -1,15 +1,21 @@
 """The writer's TCP server: serves remote readers from the ring, with credit flow control,
 heartbeats, resend on loss and CurveZMQ (docs/design.md, "Remote readers").
 
-It runs in its own thread with its own ZeroMQ context, so heartbeats go on while the writer's
-event loop is busy. It reads the ring as one more local reader (its place is reserved), so under
-policy "block" a slow remote reader holds the writer back exactly like a local one.
+It runs as its own process (``python -m aiobroadcast._tcp_server``, started by ``open_writer``),
+so it neither competes with the writer for the GIL nor depends on the writer's event loop: heartbeats
+go on while the writer is busy, and it notices the writer's death like any reader. It reads the
+ring as one more local reader (its place is reserved), so under policy "block" a slow remote
+reader holds the writer back exactly like a local one. Closing its stdin asks it to stop once
+remote readers have drained; it publishes who is connected in a small JSON file beside the ring.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import struct
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,9 +27,8 @@ import zmq.auth.thread
 from . import _wire as wire
 from ._exceptions import BroadcastError, EndOfStream, ReaderLagged, WouldBlock, WriterGone
 from ._handle import Handle
-from ._ring import Segment
+from ._ring import Segment, attach_segment
 from ._shm_reader import ShmSource
-from ._stats import ReaderInfo
 
 log = logging.getLogger("aiobroadcast")
 
@@ -74,8 +79,11 @@ class TcpServer:
         hb_interval: float,
         hb_timeout: float,
         max_remote: int,
+        stop_fd: int,
+        stats_path: str,
     ) -> None:
         self._handle = handle
+        self._stats_path = stats_path
         self._window = window
         self._buffer_max = buffer_max
         self._hb_interval = hb_interval
@@ -111,7 +119,7 @@ class TcpServer:
         except BaseException:
             self._close_sockets()
             raise
-        self._ctrl_r, self._ctrl_w = os.pipe()
+        self._ctrl_r = stop_fd
         os.set_blocking(self._ctrl_r, False)
         self._lock = threading.Lock()
         self._clients: dict[bytes, _Client] = {}
@@ -123,36 +131,25 @@ class TcpServer:
         self._stop_deadline = 0.0
         self.dropped = 0
         self.rejected_frames = 0
-        self._thread = threading.Thread(target=self._run, name="aiobroadcast-tcp-server", daemon=True)
-        self._thread.start()
 
-    # --- called from the writer's thread ---------------------------------------------------
-    def stop(self, timeout: float) -> None:
-        """Let remote readers drain (up to ``timeout`` seconds), then shut down."""
-        self._stopping = True
-        self._stop_deadline = time.monotonic() + timeout
-        os.write(self._ctrl_w, b"\0")
-        self._thread.join()
-        os.close(self._ctrl_r)
-        os.close(self._ctrl_w)
-
-    def readers(self) -> list[ReaderInfo]:
-        with self._lock:
-            return [
-                ReaderInfo(
-                    place=-1,
-                    name=c.name,
-                    pid=c.pid,
-                    received=c.acked,
-                    lag=max(0, self._end - c.acked),
-                    sleeping=False,
-                    transport="tcp",
-                )
+    def _write_stats(self) -> None:
+        """Who is connected, for ``Writer.statistics()`` and ``aiobroadcast stats``."""
+        snapshot = {
+            "pid": os.getpid(),
+            "end": self._end,
+            "dropped": self.dropped,
+            "rejected_frames": self.rejected_frames,
+            "readers": [
+                {"name": c.name, "pid": c.pid, "received": c.acked, "lag": max(0, self._end - c.acked)}
                 for c in self._clients.values()
-            ]
+            ],
+        }
+        tmp = f"{self._stats_path}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(snapshot, f)
+        os.replace(tmp, self._stats_path)
 
-    # --- the server thread -------------------------------------------------------------------
-    def _run(self) -> None:
+    def run(self) -> None:
         try:
             self._loop()
         except Exception:  # pragma: no cover - a bug; readers will see the writer as gone
@@ -181,6 +178,7 @@ class TcpServer:
             now = time.monotonic()
             if now >= next_hb:
                 self._heartbeat(now)
+                self._write_stats()
                 next_hb = now + self._hb_interval
             if self._stopping and (self._all_done() or now >= self._stop_deadline):
                 return
@@ -198,10 +196,14 @@ class TcpServer:
                 if ring_sleep:
                     poller.unregister(inbox)
                     self._src.end_sleep(self._src.drain_inbox())
-            try:
-                os.read(self._ctrl_r, 64)
-            except BlockingIOError:
-                pass
+            if not self._stopping:
+                try:
+                    if os.read(self._ctrl_r, 64) == b"":  # the writer closed our stdin: drain, then stop
+                        self._stopping = True
+                        self._stop_deadline = time.monotonic() + self.drain_timeout
+                        poller.unregister(self._ctrl_r)  # EOF stays readable: stop polling it
+                except BlockingIOError:
+                    pass
 
     def _pull_ring(self) -> int:
         n = 0
@@ -233,7 +235,7 @@ class TcpServer:
 
     def _send(self, ident: bytes, frames: list[bytes]) -> None:
         try:
-            self._router.send_multipart([ident, *wire.sign(self._key, frames)], flags=zmq.NOBLOCK, copy=False)
+            self._router.send_multipart([ident, *wire.sign(self._key, frames)], flags=zmq.NOBLOCK)
         except zmq.Again:  # pragma: no cover - sndhwm is unlimited
             pass
 
@@ -247,7 +249,7 @@ class TcpServer:
             ident, rest = frames[0], frames[1:]
             try:
                 self._handle_frames(ident, wire.verify(self._key, rest))
-            except (wire.FrameError, ValueError, KeyError, TypeError) as exc:
+            except (wire.FrameError, ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
                 self.rejected_frames += 1
                 log.warning("aiobroadcast: rejected a malformed frame from a remote reader: %s", exc)
 
@@ -312,12 +314,16 @@ class TcpServer:
             self._send(client.ident, [wire.LAGGED, wire.U64x2.pack(self._base, self._base - n)])
             n = self._base
         client.next_send = n
-        client.acked = min(max(client.acked, self._base), n)
+        # Credit is not granted for the gap: the reader acknowledges it once it has taken the
+        # LAGGED report (it then holds at most `window` messages, however long it stalls).
+        client.acked = min(client.acked, n)
         client.ended = False
 
     def _send_clients(self) -> int:
         sent = 0
         for client in list(self._clients.values()):
+            if client.next_send < self._base:  # the server's own ring reader lagged: say so
+                self._rewind(client, client.next_send)
             limit = min(self._end, client.acked + client.window)
             if client.next_send < limit:
                 lo = client.next_send - self._base
@@ -380,3 +386,50 @@ def _port_star(endpoint: str) -> str:
     if endpoint.endswith(":0"):
         return endpoint[:-2] + ":*"
     return endpoint
+
+
+def main() -> int:
+    """Entry point of the server process. Reads its configuration (with the keys: never on the
+    command line) as one JSON line on stdin, answers with one JSON line on stdout (the endpoint
+    it bound, or the error), then serves until stdin closes and remote readers have drained."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    cfg = json.loads(sys.stdin.readline())
+    handle = Handle.model_validate(cfg["handle"])
+
+    def key(name: str) -> bytes | None:
+        value = cfg.get(name)
+        return value.encode() if value else None
+
+    try:
+        seg = attach_segment(handle.path, handle.token, handle.capacity, handle.slot_bytes, handle.max_readers)
+        try:
+            server = TcpServer(
+                seg,
+                handle,
+                cfg["endpoint"],
+                insecure=cfg["insecure"],
+                server_secret=key("server_secret"),
+                client_public=key("client_public"),
+                hmac_key=key("hmac_key"),
+                window=cfg["window"],
+                buffer_max=cfg["buffer_max"],
+                hb_interval=cfg["hb_interval"],
+                hb_timeout=cfg["hb_timeout"],
+                max_remote=cfg["max_remote"],
+                stop_fd=sys.stdin.fileno(),
+                stats_path=cfg["stats_path"],
+            )
+        except BaseException:
+            seg.close()
+            raise
+    except BroadcastError as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return 1
+    print(json.dumps({"endpoint": server.endpoint}), flush=True)
+    server._write_stats()
+    server.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import json
 import logging
+import subprocess
 import warnings
 import weakref
 from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Generic, TypeVar, final
+from typing import Generic, TypeVar, final
 
 import anyio
 import anyio.lowlevel
@@ -38,9 +40,6 @@ from ._ring import (
 )
 from ._stats import ReaderInfo, WriterStatistics
 from ._wake import Inbox, Outbox
-
-if TYPE_CHECKING:
-    from ._tcp_server import TcpServer
 
 T_contra = TypeVar("T_contra", contravariant=True)
 
@@ -97,14 +96,48 @@ class Writer(Generic[T_contra]):
         self._since_yield = 0
         self._dropped = 0
         self._closed = False
-        self._server: TcpServer | None = None
+        self._server: subprocess.Popen[bytes] | None = None
+        self._server_stats = ""
+        self._server_stop_s = 0.0
         # The readers' sockets too: a reader that died unnoticed (never reaped) leaves its own.
         self._finalizer = weakref.finalize(self, _cleanup_files, seg.path, self._inbox.path, *self._reader_socks)
         atexit.register(self._finalizer)
 
-    def _serve_tcp(self, server: TcpServer, handle: Handle) -> None:
-        self._server = server
+    def _serve_tcp(self, proc: subprocess.Popen[bytes], handle: Handle, stats_path: str, stop_s: float) -> None:
+        self._server = proc
+        self._server_stats = stats_path
+        self._server_stop_s = stop_s
         self._handle = handle
+
+    async def _stop_server(self) -> None:
+        """Ask the TCP server to stop once remote readers have drained, and wait for it."""
+        proc = self._server
+        if proc is None:
+            return
+        self._server = None
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.close()
+        try:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(proc.wait, self._server_stop_s)
+        except subprocess.TimeoutExpired:
+            log.warning("aiobroadcast: the TCP server did not stop in %.0f s; killed it", self._server_stop_s)
+            proc.kill()
+            proc.wait()
+        finally:
+            proc.stdout.close()
+            _ring._unlink_quiet(self._server_stats)
+
+    def _remote_readers(self) -> tuple[tuple[ReaderInfo, ...], int]:
+        try:
+            with open(self._server_stats) as f:
+                snap = json.load(f)
+        except (OSError, ValueError):
+            return (), 0
+        infos = tuple(
+            ReaderInfo(-1, r["name"], r["pid"], r["received"], r["lag"], False, "tcp") for r in snap["readers"]
+        )
+        return infos, int(snap["dropped"])
 
     # --- public API ----------------------------------------------------------------------
     @property
@@ -145,12 +178,13 @@ class Writer(Generic[T_contra]):
         entries = self._seg.layout.entries_for(total)
         if not self._lock.locked() and (not self._block or (entries <= self._cap and self._room(entries))):
             # Fast path: room now and nobody queued. Yield to the loop now and then so that
-            # a tight loop of puts does not starve other tasks.
+            # a tight loop of puts does not starve other tasks. Shielded: the message is
+            # published, so a cancellation here would report a published message as not sent.
             self._publish(parts, total, oob, entries)
             self._since_yield += 1
             if self._since_yield >= YIELD_EVERY:
                 self._since_yield = 0
-                await anyio.lowlevel.checkpoint()
+                await anyio.lowlevel.cancel_shielded_checkpoint()
             return
         self._waiting_tasks += 1
         try:
@@ -189,8 +223,7 @@ class Writer(Generic[T_contra]):
             return
         _ring.unlock(self._seg.fd, _ring.WRITER_LOCK_BYTE)
         self._closed = True
-        if self._server is not None:
-            await anyio.to_thread.run_sync(self._server.stop, 0.0)
+        await self._stop_server()  # it sees the writer gone and tells remote readers
         self._inbox.close()
         self._outbox.close()
         self._finalizer()
@@ -202,8 +235,8 @@ class Writer(Generic[T_contra]):
         readers = self._readers()
         target = self._head + 1 - self._cap
         waiting_for = tuple(r for r in readers if self._head - r.lag < target) if self._lock.locked() else ()
-        if self._server is not None:
-            readers = readers + tuple(self._server.readers())
+        remote, remote_dropped = self._remote_readers() if self._server is not None else ((), 0)
+        readers = readers + remote
         return WriterStatistics(
             sent=self._msg,
             head=self._head,
@@ -211,7 +244,7 @@ class Writer(Generic[T_contra]):
             readers=readers,
             waiting_for=waiting_for,
             tasks_waiting=self._waiting_tasks,
-            dropped_readers=self._dropped + (self._server.dropped if self._server is not None else 0),
+            dropped_readers=self._dropped + remote_dropped,
         )
 
     async def aclose(self) -> None:
@@ -226,9 +259,8 @@ class Writer(Generic[T_contra]):
         for i, active in enumerate(self._seg.rec_active.tolist()):
             if active:
                 self._outbox.wake(self._reader_socks[i])
-        if self._server is not None:
-            # Remote readers drain what the server holds, within the heartbeat timeout.
-            await anyio.to_thread.run_sync(self._server.stop, self._server.drain_timeout)
+        # Remote readers drain what the TCP server holds, within its drain timeout.
+        await self._stop_server()
         self._inbox.close()
         self._outbox.close()
         self._finalizer()

@@ -3,7 +3,8 @@
 A body is what travels in the ring. With the pickle codec, large buffers (numpy arrays and other
 ``PickleBuffer`` producers, 64 KiB and up) travel out of band after the pickle, so they are
 copied once into shared memory and once out; the reader gets writable copies that never alias
-the ring.
+the ring. Large ``bytes`` objects (the message itself, or an item of a top-level tuple, list or
+dict) travel out of band too: pickle would otherwise copy them once more into the pickle.
 """
 
 from __future__ import annotations
@@ -22,8 +23,26 @@ from ._exceptions import SerializationError
 OOB_MIN_BYTES = 64 * 1024
 _OOB_COUNT = struct.Struct("<Q")
 _OOB_LEN = struct.Struct("<Q")
+_BYTES_KIND = 1 << 63  # set in an out-of-band length: the buffer becomes a bytes object (copied)
+_SHALLOW_MAX = 64  # containers larger than this are not scanned for large bytes
 
 Buffer = bytes | bytearray | memoryview
+
+
+class _LargeBytes:
+    """Stands in for a large ``bytes`` while pickling, so it can travel out of band (pickle
+    never offers exact ``bytes`` to a reducer). Unpickles as ``bytes``."""
+
+    __slots__ = ("data", "encoder")
+
+    def __init__(self, data: bytes, encoder: PickleEncoder) -> None:
+        self.data = data
+        self.encoder = encoder
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        pb = pickle.PickleBuffer(self.data)
+        self.encoder._bytes_ids.add(id(pb))
+        return (bytes, (pb,))
 
 
 class PickleEncoder:
@@ -31,6 +50,24 @@ class PickleEncoder:
 
     def __init__(self) -> None:
         self._bufs: list[pickle.PickleBuffer] = []
+        self._bytes_ids: set[int] = set()
+
+    def _lift(self, obj: Any) -> Any:
+        """Replace large ``bytes`` at the top of ``obj`` by ``_LargeBytes`` (cheap for small
+        messages: a type check, or a short loop over a small container)."""
+        t = type(obj)
+        if t is bytes:
+            return _LargeBytes(obj, self) if len(obj) >= OOB_MIN_BYTES else obj
+        if (t is tuple or t is list) and len(obj) <= _SHALLOW_MAX:
+            for x in obj:
+                if type(x) is bytes and len(x) >= OOB_MIN_BYTES:
+                    return t(self._lift(y) if type(y) is bytes else y for y in obj)
+            return obj
+        if t is dict and len(obj) <= _SHALLOW_MAX:
+            for x in obj.values():
+                if type(x) is bytes and len(x) >= OOB_MIN_BYTES:
+                    return {k: self._lift(v) if type(v) is bytes else v for k, v in obj.items()}
+        return obj
 
     def _callback(self, pb: pickle.PickleBuffer) -> bool:
         if pb.raw().nbytes < OOB_MIN_BYTES:
@@ -42,17 +79,18 @@ class PickleEncoder:
         """Return the body as parts, its total length, and whether it has out-of-band parts."""
         self._bufs = []
         try:
-            data = pickle.dumps(obj, protocol=5, buffer_callback=self._callback)
+            data = pickle.dumps(self._lift(obj), protocol=5, buffer_callback=self._callback)
         except Exception as exc:
             raise SerializationError(f"cannot pickle {type(obj).__qualname__} object: {exc}") from exc
         if not self._bufs:
             return (data,), len(data), False
-        raws = [pb.raw() for pb in self._bufs]
-        self._bufs = []
+        bufs, self._bufs = self._bufs, []
+        ours, self._bytes_ids = self._bytes_ids, set()
+        raws = [pb.raw() for pb in bufs]
         head = bytearray(_OOB_COUNT.pack(len(raws)))
         head += _OOB_LEN.pack(len(data))
-        for r in raws:
-            head += _OOB_LEN.pack(r.nbytes)
+        for pb, r in zip(bufs, raws, strict=True):
+            head += _OOB_LEN.pack(r.nbytes | (_BYTES_KIND if id(pb) in ours else 0))
         parts: list[Buffer] = [bytes(head), data, *raws]
         return parts, sum(memoryview(p).nbytes for p in parts), True
 
@@ -67,9 +105,13 @@ def decode_pickle(body: memoryview | bytes | bytearray, oob: bool) -> Any:
     pos = 8 + 8 * (n + 1)
     data = mv[pos : pos + lens[0]]
     pos += lens[0]
-    buffers = []
-    for ln in lens[1:]:
-        buffers.append(bytearray(mv[pos : pos + ln]))  # a writable copy, never a view of the ring
+    buffers: list[Buffer] = []
+    for word in lens[1:]:
+        ln = word & ~_BYTES_KIND
+        if word & _BYTES_KIND:
+            buffers.append(mv[pos : pos + ln])  # bytes(view) copies it: no alias of the ring
+        else:
+            buffers.append(bytearray(mv[pos : pos + ln]))  # a writable copy, never a view of the ring
         pos += ln
     return pickle.loads(data, buffers=buffers)
 

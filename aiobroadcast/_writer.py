@@ -88,6 +88,7 @@ class Writer(Generic[T_contra]):
         self._msg = 0
         self._min_cursor = 0
         self._notified = [0] * lay.max_readers
+        self._waiting = seg.waiting
         self._reader_socks = [seg.sock_path(f"r{i}") for i in range(lay.max_readers)]
         self._inbox = Inbox(seg.sock_path("w"))
         self._outbox = Outbox()
@@ -157,8 +158,8 @@ class Writer(Generic[T_contra]):
         self._put_encoded_nowait(parts, total, oob)
 
     def _put_encoded_nowait(self, parts: Sequence[Buffer], total: int, oob: bool) -> None:
-        entries = self._seg.layout.entries_for(total)
-        if self._block and not self._room(entries):
+        entries = 1 if total <= self._payload else -(-total // self._payload)
+        if self._block and self._head + entries - self._min_cursor > self._cap and not self._room(entries):
             raise WouldBlock
         self._publish(parts, total, oob, entries)
 
@@ -175,8 +176,12 @@ class Writer(Generic[T_contra]):
         await self._put_encoded(parts, total, oob)
 
     async def _put_encoded(self, parts: Sequence[Buffer], total: int, oob: bool) -> None:
-        entries = self._seg.layout.entries_for(total)
-        if not self._lock.locked() and (not self._block or (entries <= self._cap and self._room(entries))):
+        entries = 1 if total <= self._payload else -(-total // self._payload)
+        if not self._lock.locked() and (
+            not self._block
+            or self._head + entries - self._min_cursor <= self._cap  # room, as last seen (has_room)
+            or (entries <= self._cap and self._room(entries))
+        ):
             # Fast path: room now and nobody queued. Yield to the loop now and then so that
             # a tight loop of puts does not starve other tasks. Shielded: the message is
             # published, so a cancellation here would report a published message as not sent.
@@ -428,7 +433,7 @@ class Writer(Generic[T_contra]):
     def _wake_readers(self) -> None:
         """Wake the readers that announced they sleep (and only once per sleep)."""
         fence()
-        waiting = self._seg.waiting.tolist()
+        waiting = self._waiting.tolist()
         if any(waiting):
             notified = self._notified
             for i, episode in enumerate(waiting):

@@ -86,9 +86,10 @@ class Reader(Generic[T_co]):
                 continue
             self._since_yield += 1
             if self._since_yield >= YIELD_EVERY:
-                # A reader that never has to wait still lets other tasks run now and then.
+                # A reader that never has to wait still lets other tasks run now and then. Shielded:
+                # the message is taken, so a cancellation here would lose it.
                 self._since_yield = 0
-                await anyio.lowlevel.checkpoint()
+                await anyio.lowlevel.cancel_shielded_checkpoint()
             return obj
 
     def statistics(self) -> ReaderStatistics:

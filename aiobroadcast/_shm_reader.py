@@ -79,7 +79,11 @@ class ShmSource:
         self._inbox: Inbox | None = None
         self._outbox = Outbox()
         self._writer_sock = seg.sock_path("w")
-        self._join()
+        try:
+            self._join()
+        except BaseException:
+            self._outbox.close()  # else its socket leaks (ResourceWarning) on TooManyReaders etc.
+            raise
         self._closed = False
 
     # --- joining and leaving -------------------------------------------------------------

@@ -32,9 +32,12 @@ class Inbox:
         self.sock.setblocking(False)
 
     async def wait(self, limit_s: float) -> bool:
-        """Sleep until a datagram arrives or ``limit_s`` seconds pass. True if woken."""
+        """Sleep until a datagram arrives or ``limit_s`` seconds pass. True if woken.
+        Raises ``anyio.ClosedResourceError`` if ``close`` is called meanwhile."""
         with anyio.move_on_after(limit_s):
             await anyio.wait_readable(self.sock)
+        if self.sock.fileno() < 0:  # closed while the wait was ending
+            raise anyio.ClosedResourceError
         return self.drain()
 
     def drain(self) -> bool:
@@ -47,6 +50,11 @@ class Inbox:
             got = True
 
     def close(self) -> None:
+        if self.sock.fileno() >= 0:
+            try:
+                anyio.notify_closing(self.sock)  # a task parked in wait() raises ClosedResourceError
+            except RuntimeError:  # no event loop here, so no task can be parked
+                pass
         self.sock.close()
         try:
             os.unlink(self.path)

@@ -18,10 +18,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Broadcast Python objects from one async writer to many async readers.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from . import _demo, _relay
+    from . import _cli_keygen, _cli_pubsub, _cli_stats, _demo, _relay
 
     _demo.register(sub)
     _relay.register(sub)
+    _cli_pubsub.register(sub)
+    _cli_stats.register(sub)
+    _cli_keygen.register(sub)
     try:
         bench = importlib.import_module(f"{__package__}._bench")
     except ImportError:  # pragma: no cover - while the benchmark module does not exist

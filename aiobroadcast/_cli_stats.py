@@ -1,0 +1,302 @@
+"""``aiobroadcast stats HANDLE_FILE``: a live view of a running channel from another process.
+
+It maps the channel's segment read-only (``O_RDONLY``, ``PROT_READ``: it cannot disturb the ring)
+and reads what docs/design.md lays out: the head, each reader's record (name, pid, cursor,
+messages received), the waiting bytes, and ``wait_target``, which a blocked writer sets to the
+cursor it needs. The readers whose cursor is below it are the ones holding the writer, so a stuck
+writer is explained in one line. Liveness is read from the kernel's locks (``F_OFD_GETLK``), as
+the writer itself does. Remote (TCP) readers are not in the segment: the writer's TCP server
+reads the ring in one place of its own (``tcp-server``), which holds the writer back when a remote
+reader is slow, and lists its remote readers in a file beside the segment
+(``<segment>-tcp.json``), which is read too when it is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import os
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from . import _ring
+from ._cli_common import EXIT_FAILED, EXIT_OK, fail, load_handle, run_sync
+from ._handle import Handle
+from ._ring import (
+    MAGIC,
+    R_ACTIVE,
+    R_CURSOR,
+    R_NAME_LEN,
+    R_NAME_OFFSET,
+    R_PID,
+    R_RECEIVED,
+    RECORD_BYTES,
+    W_CLOSED,
+    W_HEAD,
+    W_MAGIC,
+    W_NEXT_MSG,
+    W_TOKEN,
+    W_WAIT_TARGET,
+    W_WRITER_PID,
+    Layout,
+)
+from ._tcp_server import BRIDGE_NAME as TCP_SERVER_NAME
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "stats",
+        help="show a running channel: readers by name and pid, their lag and rates, who the writer waits for",
+        description=(
+            "Show the channel named by HANDLE_FILE as it runs, refreshed every --interval seconds: the "
+            "writer, each reader (place, name, pid, alive, lag in ring entries, messages received, rate) "
+            "and, when the writer is blocked, a line 'writer is waiting for: NAME (pid N) at entry X of Y' "
+            "for each reader holding it. The segment is mapped read-only. --once prints one snapshot (rates "
+            "measured over --interval) and exits. Exit codes: 0 the writer is alive and the channel open (the "
+            "live view: also when it closes), 1 the channel is closed (--once) or its writer died, 2 the handle "
+            "file is missing or bad or the channel is gone, 130 Ctrl-C."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("handle_file", metavar="HANDLE_FILE", help="the handle file the writer saved")
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between snapshots (and for rates)")
+    p.set_defaults(func=_run)
+
+
+@dataclass(frozen=True)
+class ReaderRow:
+    place: int
+    name: str
+    pid: int
+    alive: bool
+    cursor: int
+    received: int
+    sleeping: bool
+
+
+@dataclass(frozen=True)
+class RemoteRow:
+    """A remote reader, as the writer's TCP server last reported it."""
+
+    name: str
+    pid: int  #: on the reader's host
+    received: int
+    lag: int  #: messages the server holds that this reader has not acknowledged
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    at: float
+    head: int
+    messages: int
+    closed: bool
+    writer_pid: int
+    writer_alive: bool
+    wait_target: int
+    readers: tuple[ReaderRow, ...]
+    remote: tuple[RemoteRow, ...] | None = None  #: None: no TCP server, or its report is unreadable
+
+    def holding(self) -> list[ReaderRow]:
+        """The readers a blocked writer waits for: their cursor is below ``wait_target``."""
+        if not self.wait_target:
+            return []
+        return [r for r in self.readers if r.cursor < self.wait_target]
+
+
+class SegmentView:
+    """A read-only mapping of a channel's segment."""
+
+    def __init__(self, handle: Handle) -> None:
+        self.handle = handle
+        self.layout = Layout(handle.capacity, handle.slot_bytes, handle.max_readers)
+        try:
+            self._fd = os.open(handle.path, os.O_RDONLY)
+        except FileNotFoundError:
+            fail(f"the channel's segment {handle.path} is gone: its writer closed or exited (or runs elsewhere)")
+        except OSError as exc:
+            fail(f"cannot open the channel's segment {handle.path}: {exc.strerror or exc}")
+        try:
+            size = os.fstat(self._fd).st_size
+            if size != self.layout.size:
+                fail(f"segment {handle.path} is {size} bytes, the handle says {self.layout.size}: another layout")
+            self._map = mmap.mmap(self._fd, self.layout.size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self._buf = memoryview(self._map)
+        self._words = self._buf.cast("Q")
+        w = self._words
+        token = (w[W_TOKEN].to_bytes(8, "little") + w[W_TOKEN + 1].to_bytes(8, "little")).hex()
+        if w[W_MAGIC] != MAGIC or token != handle.token:
+            self.close()
+            fail(f"segment {handle.path} does not belong to this handle (another channel or version)")
+
+    def snapshot(self) -> Snapshot:
+        w = self._words
+        lay = self.layout
+        readers = []
+        for i in range(lay.max_readers):
+            if not w[lay.record_word(i, R_ACTIVE)]:
+                continue
+            readers.append(
+                ReaderRow(
+                    place=i,
+                    name=self._name(i),
+                    pid=w[lay.record_word(i, R_PID)],
+                    alive=_ring.is_locked(self._fd, _ring.reader_lock_byte(i)),
+                    cursor=w[lay.record_word(i, R_CURSOR)],
+                    received=w[lay.record_word(i, R_RECEIVED)],
+                    sleeping=bool(w[lay.waiting_word(i)]),
+                )
+            )
+        return Snapshot(
+            remote=self._remote(),
+            at=time.monotonic(),
+            head=w[W_HEAD],
+            messages=w[W_NEXT_MSG],
+            closed=bool(w[W_CLOSED]),
+            writer_pid=w[W_WRITER_PID],
+            writer_alive=_ring.is_locked(self._fd, _ring.WRITER_LOCK_BYTE),
+            wait_target=w[W_WAIT_TARGET],
+            readers=tuple(readers),
+        )
+
+    def _remote(self) -> tuple[RemoteRow, ...] | None:
+        if self.handle.tcp is None:
+            return None
+        try:
+            with open(f"{self.handle.path}-tcp.json", encoding="utf-8") as f:
+                report = json.load(f)
+            return tuple(
+                RemoteRow(str(r["name"]), int(r["pid"]), int(r["received"]), int(r["lag"])) for r in report["readers"]
+            )
+        except (OSError, ValueError, KeyError, TypeError):
+            return None  # an older writer, or the report is being replaced: show what the ring says
+
+    def _name(self, index: int) -> str:
+        lay = self.layout
+        n = min(self._words[lay.record_word(index, R_NAME_LEN)], _ring.NAME_BYTES)
+        off = lay.records_offset + RECORD_BYTES * index + R_NAME_OFFSET
+        return bytes(self._buf[off : off + n]).decode("utf-8", "replace")
+
+    def close(self) -> None:
+        self._words.release()
+        self._buf.release()
+        self._map.close()
+        os.close(self._fd)
+
+
+def render(h: Handle, now: Snapshot, before: Snapshot | None) -> list[str]:
+    """The lines of one view; rates come from the previous snapshot, when there is one."""
+    if now.closed:
+        state = "closed by the writer"
+    elif not now.writer_alive:
+        state = "WRITER GONE (died without closing the channel)"
+    elif now.wait_target:
+        state = "writer BLOCKED"
+    else:
+        state = "open"
+    span = now.at - before.at if before is not None else 0.0
+
+    def rate(new: int, old: int | None) -> str:
+        return f"{(new - old) / span:,.1f}" if old is not None and span > 0 else "-"
+
+    lines = [
+        f"channel {h.name}  writer pid {now.writer_pid}  {state}",
+        f"  policy {h.policy}, codec {h.codec}, ring {h.capacity} x {h.slot_bytes} B"
+        + (f", tcp {h.tcp}" if h.tcp else ""),
+        f"  published {now.messages} messages ({now.head} ring entries)"
+        + (f", {rate(now.messages, before.messages)} msg/s" if before is not None and span > 0 else ""),
+    ]
+    if not now.readers and not now.remote:
+        lines.append("  no readers attached")
+    else:
+        lines.append(
+            f"  {'place':>5}  {'name':<24} {'pid':>8}  {'alive':<5} {'lag':>7} {'received':>10} {'msg/s':>10}  state"
+        )
+    prev = {(r.place, r.pid): r for r in before.readers} if before is not None else {}
+    holding = {r.place for r in now.holding()}
+    for r in now.readers:
+        old = prev.get((r.place, r.pid))
+        if r.place in holding:
+            what = "HOLDING THE WRITER"
+        elif r.sleeping:
+            what = "waiting for messages"
+        else:
+            what = "reading" if r.cursor < now.head else "idle"
+        if _is_tcp_server(h, r):
+            what += " (the TCP server: reads for the remote readers)"
+        r_rate = rate(r.received, old.received if old else None)
+        lines.append(
+            f"  {r.place:>5}  {r.name[:24]:<24} {r.pid:>8}  {'yes' if r.alive else 'NO':<5} "
+            f"{max(0, now.head - r.cursor):>7} {r.received:>10} {r_rate:>10}  {what}"
+        )
+    prev_remote = {(r.name, r.pid): r for r in (before.remote or ())} if before is not None else {}
+    for rr in now.remote or ():
+        old_rr = prev_remote.get((rr.name, rr.pid))
+        lines.append(
+            f"  {'tcp':>5}  {rr.name[:24]:<24} {rr.pid:>8}  {'yes':<5} {rr.lag:>7} {rr.received:>10} "
+            f"{rate(rr.received, old_rr.received if old_rr else None):>10}  remote (pid on its own host)"
+        )
+    for r in now.holding():
+        line = f"writer is waiting for: {r.name} (pid {r.pid}) at entry {r.cursor} of {now.head}"
+        if not r.alive:
+            line += " - its process is gone; the writer drops it within a second"
+        elif _is_tcp_server(h, r):
+            slowest = max(now.remote or (), key=lambda rr: rr.lag, default=None)
+            line += " - the TCP server, held by a slow remote reader"
+            if slowest is not None:
+                line += f": {slowest.name} (remote pid {slowest.pid}, {slowest.lag} messages unacknowledged)"
+        else:
+            line += " - it is alive but not reading (busy, stopped, or not calling get)"
+        lines.append(line)
+    if now.wait_target and not holding:
+        lines.append("writer is waiting for room; the readers holding it have just moved")
+    return lines
+
+
+def _is_tcp_server(h: Handle, r: ReaderRow) -> bool:
+    return h.tcp is not None and r.name == TCP_SERVER_NAME
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.interval < 0 or (args.interval == 0 and not args.once):
+        return run_sync(lambda: fail("--interval must be more than 0 (or 0 with --once: no rates)"))
+    return run_sync(lambda: _stats(args))
+
+
+def _stats(args: argparse.Namespace) -> int:
+    handle = load_handle(args.handle_file)
+    view = SegmentView(handle)
+    try:
+        if args.once:
+            before = view.snapshot() if args.interval > 0 else None
+            if before is not None:
+                time.sleep(args.interval)
+            now = view.snapshot()
+            print("\n".join(render(handle, now, before)), flush=True)
+            return EXIT_OK if now.writer_alive and not now.closed else EXIT_FAILED
+        return _live(view, handle, args.interval)
+    finally:
+        view.close()
+
+
+def _live(view: SegmentView, handle: Handle, interval: float) -> int:
+    out = sys.stdout
+    tty = out.isatty()
+    before: Snapshot | None = None
+    while True:
+        now = view.snapshot()
+        lines = render(handle, now, before)
+        if tty:
+            out.write("\x1b[H\x1b[J")  # home and clear: the view updates in place
+        out.write("\n".join(lines) + "\n" + ("" if tty else "\n"))
+        out.flush()
+        if now.closed or not now.writer_alive:
+            return EXIT_FAILED if not now.closed else EXIT_OK
+        before = now
+        time.sleep(interval)

@@ -65,7 +65,7 @@ class Handle(BaseModel):
                 return cls.model_validate(data)
             return cls.model_validate_json(data)
         except ValidationError as exc:
-            raise InvalidHandle(f"not an aiobroadcast handle: {exc}") from exc
+            raise InvalidHandle(f"not an aiobroadcast handle: {_first_problem(exc)}") from exc
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the handle as JSON, readable by its owner only (mode 0600)."""
@@ -114,7 +114,8 @@ class CurveKeys(BaseModel):
         try:
             return cls.model_validate_json(Path(path).read_text())
         except (OSError, ValidationError) as exc:
-            raise InvalidHandle(f"not an aiobroadcast key file: {os.fspath(path)!r}: {exc}") from exc
+            reason = _first_problem(exc) if isinstance(exc, ValidationError) else str(exc)
+            raise InvalidHandle(f"not an aiobroadcast key file: {os.fspath(path)!r}: {reason}") from exc
 
 
 def _write_private(target: Path, text: str) -> None:
@@ -123,3 +124,14 @@ def _write_private(target: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(text)
     os.replace(tmp, target)
+
+
+def _first_problem(exc: ValidationError) -> str:
+    """One line for an error message (pydantic's own text spans several)."""
+    errors = exc.errors()
+    if not errors:
+        return str(exc).splitlines()[0]
+    first = errors[0]
+    where = ".".join(str(p) for p in first["loc"]) or "input"
+    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    return f"{where}: {first['msg']}{more}"

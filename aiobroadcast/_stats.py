@@ -14,7 +14,9 @@ class ReaderInfo(NamedTuple):
     received: int  #: messages it has taken
     lag: int  #: ring entries published that it has not read yet (one per message up to slot size)
     sleeping: bool  #: parked, waiting for the next message
-    transport: str = "shm"  #: "shm", or "tcp" for a remote reader (then ``place`` is -1)
+    #: "shm"; "tcp" for a remote reader (then ``place`` is -1); "tcp-server" for the ring place
+    #: of the process that serves remote readers (it holds the writer back for them)
+    transport: str = "shm"
 
 
 class WriterStatistics(NamedTuple):

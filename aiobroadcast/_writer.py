@@ -446,17 +446,20 @@ class Writer(Generic[T_contra]):
         lay = seg.layout
         w = self._words
         out = []
+        server_pid = self._server.pid if self._server is not None else -1
         for i, (active, cursor) in enumerate(zip(seg.rec_active.tolist(), seg.rec_cursor.tolist(), strict=True)):
             if not active or (not w[lay.record_word(i, R_NAME_LEN)] and not w[lay.record_word(i, R_PID)]):
                 continue
+            pid = w[lay.record_word(i, R_PID)]
             out.append(
                 ReaderInfo(
                     place=i,
                     name=seg.read_name(i),
-                    pid=w[lay.record_word(i, R_PID)],
+                    pid=pid,
                     received=w[lay.record_word(i, R_RECEIVED)],
                     lag=max(0, self._head - cursor),
                     sleeping=bool(seg.waiting[i]),
+                    transport="tcp-server" if pid == server_pid else "shm",
                 )
             )
         return tuple(out)

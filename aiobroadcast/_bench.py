@@ -1,0 +1,427 @@
+"""``aiobroadcast bench``: the broadcast benchmark protocol, against vLLM and pyzmq if asked.
+
+Every run is a fresh set of processes: ``python -m aiobroadcast._bench_ours`` for aiobroadcast,
+``PEER_PYTHON .../_bench_peers.py PEER`` for a peer (in the peer's own interpreter). Each prints
+one JSON object; this module runs them A B A B ..., takes medians and prints the table.
+docs/performance.md explains the protocol and every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ._bench_ours import default_loop, ring_for, tcp_available
+from ._bench_peers import MODES, PEERS
+
+OURS = "aiobroadcast"
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+PEERS_SCRIPT = Path(__file__).with_name("_bench_peers.py")
+PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+
+
+@dataclass(frozen=True)
+class Cell:
+    mode: str
+    readers: int
+    size: int
+    count: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode} r={self.readers} {fmt_size(self.size)}"
+
+
+#: The cells of the protocol, in the order they run.
+PROTOCOL_CELLS = (
+    Cell("tput", 1, 64, 20000),
+    Cell("tput", 2, 64, 20000),
+    Cell("tput", 4, 64, 20000),
+    Cell("tput", 1, 65536, 5000),
+    Cell("tput", 2, 65536, 5000),
+    Cell("tput", 1, 4194304, 300),
+    Cell("tput", 2, 4194304, 300),
+    Cell("lat", 1, 64, 1000),
+    Cell("lat", 2, 64, 1000),
+    Cell("lat", 4, 64, 1000),
+    Cell("idle", 2, 64, 100),
+)
+
+
+def default_count(mode: str, size: int) -> int:
+    if mode == "lat":
+        return 1000
+    if mode == "idle":
+        return 100
+    return 20000 if size <= 1024 else 5000 if size <= 65536 else 300
+
+
+def fmt_size(n: int) -> str:
+    for unit, scale in (("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale} {unit}"
+    return f"{n} B"
+
+
+# --- the command line -----------------------------------------------------------------------------
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the ``bench`` subcommand."""
+    p = subparsers.add_parser(
+        "bench",
+        help="run the broadcast benchmark (optionally against vLLM's MessageQueue and pyzmq)",
+        description=(
+            "Run the benchmark protocol (docs/performance.md): one writer process and READERS reader "
+            "processes; modes tput (as fast as possible), lat (one message per ms: one-way latency) and "
+            "idle (CPU of waiting readers, wake-up latency after a pause). Without --mode/--readers/--size "
+            "every protocol cell runs; they select cells, and all three together name one cell. Each cell "
+            "runs --repeat times and medians are reported. --peers runs vLLM's MessageQueue and pyzmq "
+            "asyncio PUB/SUB in the same sitting, alternating with aiobroadcast, and prints the ratios "
+            "aiobroadcast / peer. Progress goes to stderr; the table to stdout (stderr with --json)."
+        ),
+    )
+    p.add_argument("--mode", choices=MODES, help="only cells of this mode")
+    p.add_argument("--readers", type=int, help="only cells with this many reader processes")
+    p.add_argument("--size", type=int, help="only cells with this payload size (bytes)")
+    p.add_argument("--count", type=int, help="messages per run (default: the protocol's count for the cell)")
+    p.add_argument("--repeat", type=int, default=3, help="runs per cell and system; medians are reported (default: 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per cell and system on stdout")
+    p.add_argument("--transport", choices=("shm", "tcp"), default="shm",
+                   help="aiobroadcast over shared memory (default), or over TCP on 127.0.0.1")
+    p.add_argument("--peers", action="store_true", help="also run the peers (vllm, pyzmq), alternating")
+    p.add_argument("--peer", action="append", choices=PEERS, dest="only_peers",
+                   help="run this peer (repeatable; implies --peers)")
+    p.add_argument("--peer-python", default=sys.executable,
+                   help="interpreter for the peer drivers (needs pyzmq; vLLM also needs torch; default: this one)")
+    p.add_argument("--vllm-path", default=None,
+                   help="folder that makes vllm.distributed.device_communicators.shm_broadcast importable "
+                        "(added to the peers' PYTHONPATH; default: $AIOBROADCAST_VLLM_PATH)")
+    p.add_argument("--idle-s", type=float, default=None,
+                   help="pause of mode idle in seconds (default: $IDLE_S or 5)")
+    p.add_argument("--capacity", type=int,
+                   help="aiobroadcast ring slots (default: 256 up to 4 KiB messages, 64 up to 64 KiB, else 10)")
+    p.add_argument("--slot-bytes", type=int, help="aiobroadcast slot size (default: message size + 4 KiB)")
+    p.add_argument("--loop", choices=("uvloop", "asyncio", "trio"), default=default_loop(),
+                   help="event loop of aiobroadcast's writer and readers (default: uvloop if installed)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is killed (default: 300)")
+    p.add_argument("--gap-s", type=float, default=0.5, help="pause between runs in seconds (default: 0.5)")
+    p.set_defaults(func=run)
+
+
+def select_cells(args: argparse.Namespace) -> list[Cell]:
+    if args.mode is not None and args.readers is not None and args.size is not None:
+        cells = [Cell(args.mode, args.readers, args.size, default_count(args.mode, args.size))]
+    else:
+        cells = [
+            c for c in PROTOCOL_CELLS
+            if (args.mode is None or c.mode == args.mode)
+            and (args.readers is None or c.readers == args.readers)
+            and (args.size is None or c.size == args.size)
+        ]
+        if not cells and args.mode is not None:
+            readers = args.readers or 1
+            size = 64 if args.size is None else args.size
+            cells = [Cell(args.mode, readers, size, default_count(args.mode, size))]
+    if args.count is not None:
+        cells = [Cell(c.mode, c.readers, c.size, args.count) for c in cells]
+    return cells
+
+
+# --- running one driver ---------------------------------------------------------------------------
+class Unavailable(Exception):
+    """The peer cannot be imported by its interpreter."""
+
+
+class RunFailed(Exception):
+    pass
+
+
+def _command(system: str, cell: Cell, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    env = dict(os.environ)
+    env["IDLE_S"] = repr(args.idle_s)
+    base = [cell.mode, str(cell.readers), str(cell.size), str(cell.count)]
+    old_path = env.get("PYTHONPATH")
+    if system == OURS:
+        cmd = [sys.executable, "-m", "aiobroadcast._bench_ours", *base, "--transport", args.transport,
+               "--loop", args.loop]
+        if args.capacity:
+            cmd += ["--capacity", str(args.capacity)]
+        if args.slot_bytes:
+            cmd += ["--slot-bytes", str(args.slot_bytes)]
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, old_path) if p)
+    else:
+        cmd = [args.peer_python, str(PEERS_SCRIPT), system, *base, "--transport", args.transport]
+        if args.vllm_path:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (args.vllm_path, old_path) if p)
+    return cmd, env
+
+
+def run_once(system: str, cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
+    """Run one driver in its own process group; return its JSON object."""
+    cmd, env = _command(system, cell, args)
+    try:
+        proc = subprocess.Popen(
+            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            start_new_session=True,
+        )
+    except OSError as exc:
+        if system == OURS:
+            raise RunFailed(f"cannot start {cmd[0]}: {exc}") from exc
+        raise Unavailable(f"cannot start {cmd[0]}: {exc}") from exc
+    try:
+        out, err = proc.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc, signal.SIGKILL)
+        proc.communicate()
+        raise RunFailed(f"timed out after {args.timeout:g} s") from None
+    except BaseException:  # Ctrl-C: let the drivers close their channels, then make sure
+        _kill_group(proc, signal.SIGINT)
+        try:
+            proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc, signal.SIGKILL)
+            proc.communicate()
+        raise
+    lines = [ln for ln in out.splitlines() if ln.strip()]
+    obj: dict[str, Any] | None = None
+    if lines:
+        try:
+            obj = json.loads(lines[-1])
+        except json.JSONDecodeError:
+            obj = None
+    if obj is not None and "unavailable" in obj:
+        raise Unavailable(str(obj.get("reason")))
+    if proc.returncode != 0 or obj is None:
+        if system == OURS and proc.returncode == EXIT_USAGE and "tcp transport not available" in err:
+            raise RunFailed("tcp transport not available yet")
+        tail = " | ".join(err.strip().splitlines()[-3:])
+        raise RunFailed(f"exit status {proc.returncode}: {tail or 'no output'}")
+    return obj
+
+
+def _kill_group(proc: subprocess.Popen[str], sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# --- medians and the table ------------------------------------------------------------------------
+def _med(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def aggregate(cell: Cell, system: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One object for a cell and system: the protocol's figures as medians over the runs."""
+    first = runs[0]
+    out: dict[str, Any] = {"system": system, "mode": cell.mode, "readers": cell.readers, "size": cell.size,
+                           "count": cell.count}
+    for key in ("peer", "transport", "loop", "capacity", "slot_bytes", "max_chunk_bytes", "max_chunks", "hwm",
+                "lossless"):
+        if key in first:
+            out[key] = first[key]
+    out["runs"] = len(runs)
+    out["received"] = first["received"]
+    out["in_order"] = all(r["in_order"] for r in runs)
+    if cell.mode == "tput":
+        out["msgs_per_s"] = round(_med([r["msgs_per_s"] for r in runs]))
+        out["MB_per_s"] = round(_med([r["MB_per_s"] for r in runs]), 1)
+        out["samples_msgs_per_s"] = [r["msgs_per_s"] for r in runs]
+    elif cell.mode == "lat":
+        out["p50_us"] = round(_med([r["p50_us"] for r in runs]), 1)
+        out["p99_us"] = round(_med([r["p99_us"] for r in runs]), 1)
+        out["samples_p50_us"] = [r["p50_us"] for r in runs]
+        out["samples_p99_us"] = [r["p99_us"] for r in runs]
+    else:
+        cpu = [r["reader_cpu_s_while_idle"] for r in runs]
+        wake = [r["wake_latency_us"] for r in runs]
+        out["idle_s"] = first["idle_s"]
+        out["reader_cpu_s_while_idle"] = [round(_med(col), 3) for col in zip(*cpu, strict=True)]
+        out["wake_latency_us"] = [round(_med(col), 1) for col in zip(*wake, strict=True)]
+        out["reader_cpu_s_while_idle_max"] = max(out["reader_cpu_s_while_idle"])
+        out["wake_latency_us_p50"] = round(_med([x for r in wake for x in r]), 1)
+        out["samples_reader_cpu_s_while_idle"] = cpu
+        out["samples_wake_latency_us"] = wake
+    return out
+
+
+def figures_of(agg: dict[str, Any]) -> list[tuple[str, float]]:
+    """The headline figures of one aggregate: (name, value) rows of the table."""
+    if agg["mode"] == "tput":
+        return [("msgs/s", agg["msgs_per_s"]), ("MB/s", agg["MB_per_s"])]
+    if agg["mode"] == "lat":
+        return [("p50 us", agg["p50_us"]), ("p99 us", agg["p99_us"])]
+    return [("idle CPU s (worst reader's median)", agg["reader_cpu_s_while_idle_max"]),
+            ("wake us (p50 of readers x runs)", agg["wake_latency_us_p50"])]
+
+
+def _fmt(v: float) -> str:
+    if v >= 1000:
+        return f"{v:,.0f}"
+    if v >= 100:
+        return f"{v:.1f}"
+    return f"{v:.3g}" if v >= 0.01 else f"{v:.3f}"
+
+
+def table(cells: list[Cell], results: dict[Cell, dict[str, dict[str, Any]]], systems: list[str]) -> str:
+    peers = [s for s in systems if s != OURS]
+    head = ["cell", "figure", OURS, *peers, *[f"{OURS}/{p}" for p in peers]]
+    rows: list[list[str]] = []
+    for cell in cells:
+        by_sys = results.get(cell, {})
+        if OURS not in by_sys and not by_sys:
+            continue
+        names = figures_of(next(iter(by_sys.values())))
+        for k, (name, _) in enumerate(names):
+            vals: dict[str, float] = {s: figures_of(a)[k][1] for s, a in by_sys.items()}
+            row = [cell.label if k == 0 else "", name]
+            row += [_fmt(vals[s]) if s in vals else "-" for s in [OURS, *peers]]
+            for p in peers:
+                if OURS in vals and p in vals and vals[p] > 0:
+                    row.append(f"{vals[OURS] / vals[p]:.2f}x")
+                else:
+                    row.append("-")
+            rows.append(row)
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = ["  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(r, widths, strict=True)))
+             for r in [head, *rows]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if peers:
+        lines.append("ratio = aiobroadcast / peer: for msgs/s and MB/s above 1 is better; for latency and CPU, "
+                     "below 1 is better.")
+    return "\n".join(lines)
+
+
+# --- the command ----------------------------------------------------------------------------------
+class _Progress:
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.width = 0
+
+    def show(self, text: str, *, transient: bool = False) -> None:
+        """A progress line: overwritten by the next one on a terminal; elsewhere one line per
+        result (``transient`` lines only appear on a terminal)."""
+        if self.tty:
+            sys.stderr.write("\r" + text.ljust(self.width))
+            self.width = len(text)
+        elif not transient:
+            sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+    def say(self, text: str) -> None:
+        """A line that stays."""
+        if self.tty and self.width:
+            sys.stderr.write("\r" + " " * self.width + "\r")
+            self.width = 0
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
+def _headline(system: str, cell: Cell, res: dict[str, Any]) -> str:
+    if cell.mode == "tput":
+        return f"{res['msgs_per_s']:,} msgs/s {res['MB_per_s']} MB/s"
+    if cell.mode == "lat":
+        return f"p50 {res['p50_us']} us p99 {res['p99_us']} us"
+    return f"idle CPU {res['reader_cpu_s_while_idle']} s, wake {res['wake_latency_us']} us"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.repeat < 1:
+        print("aiobroadcast bench: --repeat must be at least 1", file=sys.stderr)
+        return EXIT_USAGE
+    if (args.readers is not None and args.readers < 1) or (args.size is not None and args.size < 0) or (
+        args.count is not None and args.count < 1
+    ):
+        print("aiobroadcast bench: --readers and --count must be at least 1, --size at least 0", file=sys.stderr)
+        return EXIT_USAGE
+    if args.transport == "tcp" and not tcp_available():
+        print("aiobroadcast bench: tcp transport not available yet", file=sys.stderr)
+        return EXIT_USAGE
+    if args.idle_s is None:
+        args.idle_s = float(os.environ.get("IDLE_S", "5"))
+    if args.vllm_path is None:
+        args.vllm_path = os.environ.get("AIOBROADCAST_VLLM_PATH") or None
+    cells = select_cells(args)
+    if not cells:
+        print("aiobroadcast bench: no protocol cell matches; give --mode, --readers and --size for one cell",
+              file=sys.stderr)
+        return EXIT_USAGE
+    peers = list(dict.fromkeys(args.only_peers or (PEERS if args.peers else ())))
+    systems = [OURS, *peers]
+    skipped: dict[str, str] = {}
+    results: dict[Cell, dict[str, dict[str, Any]]] = {}
+    failures: list[str] = []
+    progress = _Progress()
+    progress.say(
+        f"aiobroadcast bench: {len(cells)} cell(s) x {args.repeat} run(s) of {', '.join(systems)}; "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, aiobroadcast over {args.transport} "
+        f"on {args.loop}"
+    )
+    for size in dict.fromkeys(c.size for c in cells):
+        cap, slot = ring_for(size)
+        cap, slot = args.capacity or cap, args.slot_bytes or slot
+        progress.say(f"  ring for {fmt_size(size)} messages: capacity {cap} x slot_bytes {slot} "
+                     f"({fmt_size(cap * slot) if cap * slot % 1024 == 0 else f'{cap * slot} B'})")
+    out_table = sys.stderr if args.json else sys.stdout
+    total = len(cells) * args.repeat * len(systems)
+    step = 0
+    for cell in cells:
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+        for rep in range(args.repeat):
+            for system in systems:
+                step += 1
+                if system in skipped:
+                    continue
+                progress.show(f"[{step}/{total}] {cell.label} count={cell.count} run {rep + 1}/{args.repeat}: "
+                              f"{system} ...", transient=True)
+                try:
+                    res = run_once(system, cell, args)
+                except Unavailable as exc:
+                    skipped[system] = str(exc)
+                    where = f"{args.peer_python}" + (f" with PYTHONPATH={args.vllm_path}" if args.vllm_path else "")
+                    hint = " (set --vllm-path or AIOBROADCAST_VLLM_PATH, and --peer-python)" if system == "vllm" else ""
+                    progress.say(f"skipping peer {system}: not importable by {where}: {exc}{hint}")
+                    continue
+                except RunFailed as exc:
+                    failures.append(f"{cell.label} {system}: {exc}")
+                    progress.say(f"{cell.label} run {rep + 1}: {system} FAILED: {exc}")
+                    if str(exc) == "tcp transport not available yet":
+                        return EXIT_USAGE
+                    continue
+                runs[system].append(res)
+                progress.show(f"[{step}/{total}] {cell.label} run {rep + 1}/{args.repeat}: {system}: "
+                              f"{_headline(system, cell, res)}")
+                if args.gap_s > 0:
+                    time.sleep(args.gap_s)
+        results[cell] = {}
+        for system in systems:
+            if runs[system]:
+                agg = aggregate(cell, system, runs[system])
+                results[cell][system] = agg
+                if args.json:
+                    print(json.dumps(agg), flush=True)
+        progress.say(
+            f"{cell.label}: "
+            + "; ".join(f"{s} {_headline(s, cell, a)}" for s, a in results[cell].items())
+            + f" (medians of {args.repeat})"
+        )
+    shown = [s for s in systems if s not in skipped]
+    print(table(cells, results, shown), file=out_table, flush=True)
+    for system, reason in skipped.items():
+        print(f"skipped peer {system}: {reason}", file=out_table)
+    if failures:
+        print(f"{len(failures)} run(s) failed:", file=sys.stderr)
+        for f in failures:
+            print(f"  {f}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK

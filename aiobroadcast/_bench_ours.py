@@ -1,0 +1,221 @@
+"""aiobroadcast's benchmark driver: one writer process (this one), READERS reader processes.
+
+    python -m aiobroadcast._bench_ours MODE READERS SIZE COUNT [--capacity N] [--slot-bytes N]
+                                       [--transport shm|tcp] [--loop uvloop|asyncio|trio]
+
+Same protocol and figures as the peer drivers in ``_bench_peers`` (see docs/performance.md);
+prints one JSON object on its last line. ``IDLE_S`` (environment, default 5) is the pause of
+mode ``idle``. Writer and readers use the public async API (``await writer.put``,
+``await reader.get``) on their own event loops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import multiprocessing as mp
+import os
+import queue
+import sys
+import time
+from typing import Any
+
+import anyio
+import anyio.to_thread
+
+from ._bench_peers import MODES, PACE_S, STEP_TIMEOUT_S, figures, reader_result
+
+#: Ring sizes by message size: (largest payload, capacity). Above the last: ``LARGE_CAPACITY``
+#: (what vLLM uses: 10 chunks).
+CAPACITIES = ((4096, 256), (64 * 1024, 64))
+LARGE_CAPACITY = 10
+#: Room for the pickle framing around the payload and the 32-byte slot header.
+SLOT_HEADROOM = 4096
+
+
+def ring_for(size: int) -> tuple[int, int]:
+    """The default ring for messages of ``size`` payload bytes: ``(capacity, slot_bytes)``.
+
+    One message fits in one slot (as in vLLM's driver, where a chunk holds a whole message):
+    ``slot_bytes = size + 4 KiB`` rounded up to 64. ``capacity`` is 256 slots up to 4 KiB, 64 up
+    to 64 KiB and 10 above (vLLM's ``max_chunks``). The ring never takes more shared memory than
+    vLLM's ``MessageQueue`` does in the same cell (64 B: 1 MiB vs 10 MiB; 64 KiB: 4.3 MiB vs
+    10 MiB; 4 MiB: 40 MiB vs 80 MiB).
+    """
+    slot_bytes = (size + SLOT_HEADROOM + 63) // 64 * 64
+    capacity = next((cap for limit, cap in CAPACITIES if size <= limit), LARGE_CAPACITY)
+    return capacity, slot_bytes
+
+
+def default_loop() -> str:
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return "asyncio"
+    return "uvloop"
+
+
+def tcp_available() -> bool:
+    """Whether this aiobroadcast has the TCP transport (``open_writer(tcp=...)``)."""
+    from . import open_writer
+
+    return "tcp" in inspect.signature(open_writer).parameters
+
+
+def _run_loop(loop: str, func: Any, *args: Any) -> Any:
+    if loop == "trio":
+        return anyio.run(func, *args, backend="trio")
+    return anyio.run(func, *args, backend="asyncio", backend_options={"use_uvloop": loop == "uvloop"})
+
+
+# --- readers --------------------------------------------------------------------------------------
+def _reader_process(
+    handle: str, rank: int, mode: str, count: int, transport: str, loop: str, results: Any, ready: Any
+) -> None:
+    try:
+        res = _run_loop(loop, _reader_main, handle, rank, mode, count, transport, ready)
+    except BaseException as exc:
+        results.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+        raise
+    results.put(res)
+
+
+async def _reader_main(handle: str, rank: int, mode: str, count: int, transport: str, ready: Any) -> dict[str, Any]:
+    from . import open_reader
+
+    extra: dict[str, Any] = {"transport": "tcp"} if transport == "tcp" else {}
+    async with open_reader(handle, name=f"bench-reader-{rank}", **extra) as reader:
+        ready.set()
+        lats: list[int] = []
+        last = 0
+        in_order = True
+        lat = mode == "lat"
+        get = reader.get
+        for _ in range(count):
+            ts, _payload = await get()
+            if lat:
+                lats.append(time.perf_counter_ns() - ts)
+            if ts < last:
+                in_order = False
+            last = ts
+        t_end = time.perf_counter_ns()
+        received = count
+        idle_cpu = wake = None
+        if mode == "idle":
+            c0 = time.process_time()
+            ts, _payload = await get()
+            wake = time.perf_counter_ns() - ts
+            idle_cpu = time.process_time() - c0
+            received += 1
+    return reader_result(rank, t_end, lats, received, in_order, idle_cpu, wake)
+
+
+# --- the writer -----------------------------------------------------------------------------------
+async def _writer_main(
+    mode: str, readers: int, size: int, count: int, capacity: int, slot_bytes: int, transport: str, loop: str,
+    idle_s: float,
+) -> dict[str, Any]:
+    from . import open_writer
+
+    ctx = mp.get_context("spawn")
+    results_q = ctx.Queue()
+    readies = [ctx.Event() for _ in range(readers)]
+    extra: dict[str, Any] = {"tcp": "tcp://127.0.0.1:0", "insecure": False} if transport == "tcp" else {}
+    procs: list[Any] = []
+    async with open_writer(capacity=capacity, slot_bytes=slot_bytes, max_readers=readers, **extra) as writer:
+        handle = writer.handle.to_json()
+        procs = [
+            ctx.Process(
+                target=_reader_process,
+                args=(handle, r, mode, count, transport, loop, results_q, readies[r]),
+                daemon=True,
+            )
+            for r in range(readers)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            deadline = time.monotonic() + STEP_TIMEOUT_S
+            while not all(e.is_set() for e in readies):
+                if time.monotonic() > deadline or any(p.exitcode is not None for p in procs):
+                    raise RuntimeError("reader processes did not attach")
+                await anyio.sleep(0.005)
+            payload = b"x" * size
+            put = writer.put
+            t0 = time.perf_counter_ns()
+            if mode == "lat":
+                for _ in range(count):
+                    await anyio.sleep(PACE_S)
+                    await put((time.perf_counter_ns(), payload))
+            else:
+                for _ in range(count):
+                    await put((time.perf_counter_ns(), payload))
+            if mode == "idle":
+                await anyio.sleep(idle_s)
+                await put((time.perf_counter_ns(), payload))
+            results = await anyio.to_thread.run_sync(_collect, results_q, procs)
+        finally:
+            for p in procs:
+                p.join(timeout=10)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return figures(mode, count, size, t0, results, idle_s)
+
+
+def _collect(q: Any, procs: list[Any]) -> list[dict[str, Any]]:
+    results: list[dict[str, Any]] = []
+    deadline = time.monotonic() + STEP_TIMEOUT_S
+    while len(results) < len(procs):
+        try:
+            res = q.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"reader processes failed (exit codes {dead})") from None
+            continue
+        if "error" in res:
+            raise RuntimeError(f"reader {res['rank']} failed: {res['error']}")
+        results.append(res)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m aiobroadcast._bench_ours", description=(__doc__ or "").split("\n")[0])
+    p.add_argument("mode", choices=MODES)
+    p.add_argument("readers", type=int)
+    p.add_argument("size", type=int)
+    p.add_argument("count", type=int)
+    p.add_argument("--capacity", type=int)
+    p.add_argument("--slot-bytes", type=int)
+    p.add_argument("--transport", choices=("shm", "tcp"), default="shm")
+    p.add_argument("--loop", choices=("uvloop", "asyncio", "trio"), default=default_loop())
+    args = p.parse_args(argv)
+    if args.transport == "tcp" and not tcp_available():
+        print("tcp transport not available yet", file=sys.stderr)
+        return 2
+    capacity, slot_bytes = ring_for(args.size)
+    capacity = args.capacity or capacity
+    slot_bytes = args.slot_bytes or slot_bytes
+    idle_s = float(os.environ.get("IDLE_S", "5"))
+    out: dict[str, Any] = {
+        "system": "aiobroadcast", "mode": args.mode, "readers": args.readers, "size": args.size, "count": args.count,
+        "transport": args.transport, "loop": args.loop, "capacity": capacity, "slot_bytes": slot_bytes,
+    }
+    out.update(
+        _run_loop(
+            args.loop, _writer_main, args.mode, args.readers, args.size, args.count, capacity, slot_bytes,
+            args.transport, args.loop, idle_s,
+        )
+    )
+    print(json.dumps(out), flush=True)
+    expected = args.count + 1 if args.mode == "idle" else args.count
+    if out["received"] != [expected] * args.readers or not out["in_order"]:
+        print(f"aiobroadcast: readers received {out['received']} (expected {expected} each, in order)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Smoke test of ``aiobroadcast bench``: it runs and prints valid JSON. No timing assertions."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from aiobroadcast import _bench, _bench_ours
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "aiobroadcast", "bench", "--repeat", "1", "--gap-s", "0", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def objects(proc: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
+    assert proc.returncode == 0, proc.stderr
+    out = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
+    assert all(isinstance(o, dict) for o in out)
+    return out
+
+
+def check_common(obj: dict[str, Any], system: str, mode: str, readers: int, count: int) -> None:
+    assert obj["system"] == system
+    assert (obj["mode"], obj["readers"], obj["size"], obj["count"], obj["runs"]) == (mode, readers, 64, count, 1)
+    expected = count + 1 if mode == "idle" else count
+    assert obj["received"] == [expected] * readers
+    assert obj["in_order"] is True
+
+
+def test_tput_cell_json() -> None:
+    proc = bench("--mode", "tput", "--readers", "1", "--size", "64", "--count", "200", "--json")
+    (obj,) = objects(proc)
+    check_common(obj, "aiobroadcast", "tput", 1, 200)
+    assert obj["msgs_per_s"] > 0 and obj["MB_per_s"] >= 0
+    assert obj["transport"] == "shm"
+    assert (obj["capacity"], obj["slot_bytes"]) == _bench_ours.ring_for(64)
+    # The progress lines and the table go to stderr with --json.
+    assert "[1/1] tput r=1 64 B" in proc.stderr
+    assert "msgs/s" in proc.stderr and "MB/s" in proc.stderr
+
+
+def test_lat_cell_json() -> None:
+    (obj,) = objects(bench("--mode", "lat", "--readers", "2", "--size", "64", "--count", "50", "--json"))
+    check_common(obj, "aiobroadcast", "lat", 2, 50)
+    assert 0 < obj["p50_us"] <= obj["p99_us"]
+
+
+def test_idle_cell_json() -> None:
+    (obj,) = objects(
+        bench("--mode", "idle", "--readers", "2", "--size", "64", "--count", "20", "--idle-s", "0.3", "--json")
+    )
+    check_common(obj, "aiobroadcast", "idle", 2, 20)
+    assert obj["idle_s"] == 0.3
+    assert len(obj["reader_cpu_s_while_idle"]) == len(obj["wake_latency_us"]) == 2
+    assert all(x >= 0 for x in obj["reader_cpu_s_while_idle"])
+    assert all(x > 0 for x in obj["wake_latency_us"])
+
+
+def test_missing_peer_is_skipped(tmp_path: Path) -> None:
+    """vLLM is not importable here (no torch, no vLLM on the path): skipped with a message; the
+    pyzmq peer (pyzmq is a dependency) runs. Without --json the table goes to stdout."""
+    proc = bench(
+        "--mode",
+        "tput",
+        "--readers",
+        "1",
+        "--size",
+        "64",
+        "--count",
+        "200",
+        "--peers",
+        "--peer-python",
+        sys.executable,
+        "--vllm-path",
+        str(tmp_path / "no-vllm-here"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "skipping peer vllm" in proc.stderr
+    head, _rule, *rows = proc.stdout.splitlines()
+    assert head.split() == ["cell", "figure", "aiobroadcast", "pyzmq", "aiobroadcast/pyzmq"]
+    assert rows[0].startswith("tput r=1 64 B") and "msgs/s" in rows[0] and rows[0].endswith("x")
+    assert "skipped peer vllm" in proc.stdout
+
+
+def test_tcp_transport() -> None:
+    if not _bench_ours.tcp_available():
+        proc = bench("--transport", "tcp", "--json")
+        assert proc.returncode == 2
+        assert proc.stdout == ""
+        assert "tcp transport not available yet" in proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+    else:  # pragma: no cover - once the TCP transport exists
+        (obj,) = objects(
+            bench("--transport", "tcp", "--mode", "tput", "--readers", "1", "--size", "64", "--count", "200", "--json")
+        )
+        check_common(obj, "aiobroadcast", "tput", 1, 200)
+        assert obj["transport"] == "tcp"
+
+
+@pytest.mark.parametrize("argv", [["--repeat", "0"], ["--readers", "0"], ["--readers", "3"], ["--count", "0"]])
+def test_bad_arguments(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    parser = argparse.ArgumentParser()
+    _bench.register(parser.add_subparsers())
+    args = parser.parse_args(["bench", *argv])
+    assert args.func(args) == 2
+    assert capsys.readouterr().err.startswith("aiobroadcast bench: ")

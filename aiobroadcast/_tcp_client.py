@@ -20,7 +20,15 @@ import anyio
 import zmq
 
 from . import _wire as wire
-from ._exceptions import EndOfStream, ReaderLagged, TransportError, WouldBlock, WriterGone
+from ._exceptions import (
+    DeserializationError,
+    EndOfStream,
+    InvalidHandle,
+    ReaderLagged,
+    TransportError,
+    WouldBlock,
+    WriterGone,
+)
 from ._handle import Handle
 from ._stats import ReaderStatistics
 
@@ -38,6 +46,11 @@ class TcpSource:
         gone_timeout: float | None = None,
     ) -> None:
         assert handle.tcp is not None
+        # Never fall back to unauthenticated frames because a handle lost its secrets.
+        if handle.insecure and not handle.hmac_key:
+            raise InvalidHandle("this insecure TCP handle has no hmac_key: frames could not be authenticated")
+        if not handle.insecure and not (handle.server_key and handle.client_public_key and handle.client_secret_key):
+            raise InvalidHandle("this TCP handle lacks the CurveZMQ keys (server_key, client keys)")
         self._handle = handle
         self._name = name
         self._decode = decode
@@ -105,7 +118,10 @@ class TcpSource:
             self._received += 1
             if self._consumed % max(1, self._window // 2) == 0:
                 self._poke()
-            return self._decode(b, bool(flags & 1))
+            try:
+                return self._decode(b, bool(flags & 1))
+            except Exception as exc:  # consumed, like a local reader's undecodable message
+                raise DeserializationError(seq, exc) from exc
         if kind == _LAG:
             self._lagged_total += a
             self._consumed = max(self._consumed, b)  # the gap counts as taken: credit for what follows
@@ -295,6 +311,8 @@ class TcpSource:
             start = int(welcome["start"])
             self._hb_interval = float(welcome["hb_interval"])
             self._hb_timeout = float(welcome["hb_timeout"])
+            if "window" in welcome:  # a smaller credit than ours: acknowledge at its half, not ours
+                self._window = max(1, min(self._window, int(welcome["window"])))
             if self._next < 0:
                 self._next = start
                 self._consumed = start

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import struct
 import sys
 import threading
@@ -205,10 +206,14 @@ class TcpServer:
                 except BlockingIOError:
                     pass
 
-    def _pull_ring(self) -> int:
+    def _pull_ring(self, *, catch_up: bool = False) -> int:
+        """Take what the ring holds into the buffer (under "block", while the buffer has room).
+        ``catch_up``: take what the ring holds now even if the buffer is full (at most
+        ``capacity`` messages), so that a reader joining now starts after it."""
         n = 0
         buf = self._buf
-        while self._ring_done is None and (not self._block or len(buf) < self._buffer_max) and n < 4096:
+        most = self._handle.capacity if catch_up else 4096
+        while self._ring_done is None and (catch_up or not self._block or len(buf) < self._buffer_max) and n < most:
             try:
                 item = self._src.get_nowait()
             except WouldBlock:
@@ -268,6 +273,10 @@ class TcpServer:
                 self._send(ident, [wire.REFUSED, f"all {self._max_remote} remote reader places are taken".encode()])
                 return
             resume = hello.get("resume")
+            if resume is None:
+                # A new reader starts with the next message published, as on shared memory: not
+                # with what a full buffer (a slow reader, policy "block") left in the ring.
+                self._pull_ring(catch_up=True)
             start = self._end if resume is None else int(resume)
             client = _Client(
                 ident=ident,
@@ -280,11 +289,13 @@ class TcpServer:
             )
             with self._lock:
                 self._clients[ident] = client
+            self._write_stats()  # statistics() lists it as soon as open_reader returns
             welcome = {
                 "start": start,
                 "policy": self._handle.policy,
                 "hb_interval": self._hb_interval,
                 "hb_timeout": self._hb_timeout,
+                "window": client.window,  # the credit granted: the reader acknowledges every half of it
             }
             self._send(ident, [wire.WELCOME, wire.encode_json(welcome)])
             self._rewind(client, start)
@@ -304,6 +315,7 @@ class TcpServer:
         elif kind == wire.BYE:
             with self._lock:
                 del self._clients[ident]
+            self._write_stats()
         else:
             raise wire.FrameError(f"unknown frame kind {kind[:8]!r}")
 
@@ -393,6 +405,9 @@ def main() -> int:
     command line) as one JSON line on stdin, answers with one JSON line on stdout (the endpoint
     it bound, or the error), then serves until stdin closes and remote readers have drained."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    # A terminal's Ctrl-C is for the writer: it stops this server by closing our stdin, after
+    # remote readers have drained.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     cfg = json.loads(sys.stdin.readline())
     handle = Handle.model_validate(cfg["handle"])
 

@@ -21,7 +21,7 @@ ACK = b"A"  # u64 next seq wanted (everything before it consumed); also the hear
 NACK = b"N"  # u64 next seq wanted: resend from there
 BYE = b"B"
 # server -> reader
-WELCOME = b"W"  # json {start, policy, codec, schema_path, hb_interval, hb_timeout}
+WELCOME = b"W"  # json {start, policy, hb_interval, hb_timeout, window}
 BATCH = b"M"  # header, blob
 HEARTBEAT = b"P"  # u64 end (next seq the server will have), u64 closed
 LAGGED = b"L"  # u64 from_seq, u64 missed

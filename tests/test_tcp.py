@@ -1,0 +1,949 @@
+"""Remote readers over ZeroMQ TCP on loopback: security, flow control, liveness, relays.
+
+Real sockets and, where a peer must die or stall, real processes (``_tcp_workers``). Fake
+servers and misbehaving clients are plain pyzmq sockets driven by hand. Each test runs on one
+anyio backend (they rotate), because every TCP writer starts its own server process; the
+backend-independent behaviour suite runs on all three in test_conformance.py.
+
+Timing: the liveness tests use ``heartbeat_s=0.2``, so the server drops a silent reader after 6
+heartbeats (1.2 s) and a reader that hears nothing gives up after 18 (3.6 s); the others keep
+the default (0.5 s). Assertions on time are liveness bounds with generous margins, never
+throughput.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import re
+import secrets
+import signal
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any
+
+import _tcp_workers as tw
+import anyio
+import psutil
+import pytest
+import zmq
+from _tcp_workers import (
+    ASYNCIO,
+    TRIO,
+    UVLOOP,
+    ReaderOpts,
+    WriterSpec,
+    account,
+    message,
+    reader_proc,
+    relay_proc,
+    spawn,
+    summary,
+    terminal,
+    writer_proc,
+)
+
+import aiobroadcast as ab
+import aiobroadcast._ring as ring_mod
+from aiobroadcast import _wire as wire
+
+pytestmark = pytest.mark.anyio
+
+LOOPBACK = "tcp://127.0.0.1:0"
+HB = 0.2  #: heartbeat_s of the writers of the liveness tests
+DROP_S = 6 * HB  #: the documented bound: a silent remote reader is dropped after 6 heartbeats
+GONE_S = 18 * HB  #: a reader that hears nothing for 18 heartbeats raises WriterGone
+#: heartbeat_s elsewhere (the default): a test machine starved for a second must not get a
+#: reader dropped where the test expects every message
+SAFE_HB = 0.5
+MARGIN_S = 5.0  #: slack for a loaded CI machine in every liveness bound
+#: Ring capacity of the lag tests. RING_LAG: the TCP server is itself a reader of the ring; when
+#: it falls more than ``capacity`` behind (policy "lag") it is told what it missed and passes it
+#: on, but the shared-memory reader sometimes over-counts such a gap (see
+#: test_conformance.py::test_lag_count_is_exact_while_the_reader_races_the_writer). So the lag
+#: tests give the ring room and publish at a pace the server keeps up with: the gaps they
+#: check are the remote reader's own.
+RING = 64
+
+
+def _on(backend: tw.Backend) -> pytest.MarkDecorator:
+    name = "uvloop" if backend[1].get("use_uvloop") else backend[0]
+    return pytest.mark.parametrize("anyio_backend", [pytest.param(backend, id=name)])
+
+
+ON_ASYNCIO, ON_UVLOOP, ON_TRIO = _on(ASYNCIO), _on(UVLOOP), _on(TRIO)
+
+
+def tcp_writer(**kw: Any) -> Any:
+    kw.setdefault("tcp", LOOPBACK)
+    kw.setdefault("heartbeat_s", SAFE_HB)
+    kw.setdefault("capacity", 8)
+    kw.setdefault("slot_bytes", 256)
+    return ab.open_writer(**kw)
+
+
+def remote_names(writer: ab.Writer[Any]) -> list[str]:
+    return sorted(r.name for r in writer.statistics().readers if r.transport == "tcp")
+
+
+async def until(predicate: Callable[[], bool], within_s: float = 10.0) -> None:
+    """Poll ``predicate`` until it holds (a liveness bound, not a latency measurement)."""
+    with anyio.fail_after(within_s):
+        while True:
+            if predicate():
+                return
+            await anyio.sleep(0.02)
+
+
+async def fill_until_blocked(writer: ab.Writer[Any], seq: int, still_s: float = 1.0) -> int:
+    """``put_nowait`` consecutive messages until ``WouldBlock`` has persisted for ``still_s``
+    (the writer is really held back, not just waiting for the server to take from the ring).
+    Returns the number of the first message not published."""
+    blocked_since: float | None = None
+    with anyio.fail_after(30):
+        while True:
+            try:
+                writer.put_nowait(message(seq))
+            except ab.WouldBlock:
+                now = time.monotonic()
+                if blocked_since is None:
+                    blocked_since = now
+                elif now - blocked_since >= still_s:
+                    return seq
+                await anyio.sleep(0.02)
+                continue
+            seq += 1
+            blocked_since = None
+
+
+async def read_events(reader: ab.Reader[Any], stop: Callable[[list[tw.Event]], bool]) -> list[tw.Event]:
+    """Events of an in-process reader, as ``reader_proc`` reports them, until ``stop(events)``."""
+    events: list[tw.Event] = []
+    while not stop(events):
+        try:
+            events.append(("msg", tw.check_message(await reader.get())))
+        except ab.ReaderLagged as exc:
+            events.append(("lagged", exc.missed))
+        except ab.EndOfStream:
+            events.append(("end",))
+        except ab.WriterGone:
+            events.append(("gone",))
+    return events
+
+
+def publish_without_yielding(writer: ab.Writer[Any], seqs: range) -> None:
+    """Publish under policy "lag" without letting the event loop run (its tasks starve), at a
+    pace the writer's TCP server process keeps up with (RING_LAG)."""
+    for i in seqs:
+        writer.put_nowait(message(i))
+        time.sleep(0.0005)
+
+
+def ended(events: list[tw.Event]) -> bool:
+    return terminal(events) is not None
+
+
+# --- binding and handles ----------------------------------------------------------------------
+@ON_ASYNCIO
+async def test_binds_only_the_given_address_and_reads_the_port_back() -> None:
+    async with tcp_writer() as writer:
+        h = writer.handle
+        assert h.tcp is not None
+        m = re.fullmatch(r"tcp://127\.0\.0\.1:(\d+)", h.tcp)
+        assert m, h.tcp
+        port = int(m.group(1))
+        assert 0 < port < 65536
+        stream = await anyio.connect_tcp("127.0.0.1", port)
+        await stream.aclose()
+        with pytest.raises(OSError):  # same port, another local address: not bound
+            await anyio.connect_tcp("127.0.0.2", port)
+    with pytest.raises(ValueError, match="tcp://"):
+        await ab.open_writer(tcp="udp://127.0.0.1:0")
+    with pytest.raises(ab.BroadcastError, match=r"192\.0\.2\.1"):  # TEST-NET-1: no such address here
+        await ab.open_writer(tcp="tcp://192.0.2.1:0")  # and nothing is left in /dev/shm
+
+
+@ON_UVLOOP
+async def test_handle_hides_its_keys_in_repr_and_saves_with_mode_0600(tmp_path: Path) -> None:
+    async with tcp_writer() as writer:
+        h = writer.handle
+        assert h.server_key and h.client_public_key and h.client_secret_key
+        for text in (repr(h), str(h)):
+            assert h.client_secret_key not in text
+            assert "client_secret_key" not in text
+        path = tmp_path / "channel.json"
+        h.save(path)
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        assert ab.Handle.load(path) == h
+
+
+# --- who may read --------------------------------------------------------------------------------
+class RawPeer:
+    """A hand-driven ZeroMQ DEALER: a client that is not aiobroadcast's."""
+
+    def __init__(self, endpoint: str, *, curve: tuple[str, str, str] | None = None) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.linger = 0
+        if curve is not None:
+            server_key, public, secret = curve
+            self.sock.curve_serverkey = server_key.encode()
+            self.sock.curve_publickey = public.encode()
+            self.sock.curve_secretkey = secret.encode()
+        self.sock.connect(endpoint)
+
+    def send(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart(frames)
+
+    async def heard(self, within_s: float) -> bool:
+        """Whether anything at all arrives within ``within_s``."""
+        return bool(await anyio.to_thread.run_sync(self.sock.poll, int(within_s * 1000)))
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+@contextmanager
+def raw_peer(endpoint: str, *, curve: tuple[str, str, str] | None = None) -> Iterator[RawPeer]:
+    peer = RawPeer(endpoint, curve=curve)
+    try:
+        yield peer
+    finally:
+        peer.close()
+
+
+def hello(name: str) -> list[bytes]:
+    body = {"version": wire.PROTOCOL_VERSION, "name": name, "pid": 1, "window": 4, "resume": None}
+    return [wire.HELLO, wire.encode_json(body)]
+
+
+@ON_TRIO
+async def test_peers_without_the_right_keys_are_refused_and_never_counted() -> None:
+    async with tcp_writer() as writer:
+        h = writer.handle
+        assert h.tcp is not None and h.server_key is not None
+        async with ab.open_reader(h, transport="tcp", name="legit") as legit:
+            # 1. A reader whose keys are not the channel's: the handshake fails.
+            other_public, other_secret = zmq.curve_keypair()
+            wrong = h.model_copy(
+                update={"client_public_key": other_public.decode(), "client_secret_key": other_secret.decode()}
+            )
+            with pytest.raises(ab.TransportError):
+                await ab.open_reader(wrong, transport="tcp", name="wrong-key", connect_timeout=1.0)
+            # 2. A plain ZeroMQ peer (no CurveZMQ at all) saying HELLO: never answered.
+            with raw_peer(h.tcp) as plain:
+                plain.send(hello("no-curve"))
+                assert not await plain.heard(1.0)
+                # 3. CurveZMQ with a key pair of its own: refused at the handshake too.
+                with raw_peer(h.tcp, curve=(h.server_key, other_public.decode(), other_secret.decode())) as stranger:
+                    stranger.send(hello("stranger"))
+                    assert not await stranger.heard(1.0)
+                    assert remote_names(writer) == ["legit"]
+            # 4. A handle that lost its secret key is refused before anything is sent.
+            with pytest.raises(ab.InvalidHandle, match="CurveZMQ keys"):
+                await ab.open_reader(h.model_copy(update={"client_secret_key": None}), transport="tcp")
+            # The reader with the keys was never disturbed.
+            await writer.put(message(0))
+            with anyio.fail_after(10):
+                assert tw.check_message(await legit.get()) == 0
+            assert remote_names(writer) == ["legit"]
+            assert writer.statistics().dropped_readers == 0
+
+
+class FakeServer:
+    """A hand-driven ROUTER on loopback that plays a writer's TCP server (a forgery)."""
+
+    def __init__(self, *, curve_secret: bytes | None = None) -> None:
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.linger = 0
+        if curve_secret is not None:
+            self.sock.curve_server = True
+            self.sock.curve_secretkey = curve_secret
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.endpoint = f"tcp://127.0.0.1:{port}"
+        self.peer = b""
+
+    async def recv(self, within_s: float) -> list[bytes] | None:
+        """The next frames a client sent (remembering the client), or None."""
+        if not await anyio.to_thread.run_sync(self.sock.poll, int(within_s * 1000)):
+            return None
+        frames = self.sock.recv_multipart()
+        self.peer = frames[0]
+        return frames[1:]
+
+    async def recv_hello(self, within_s: float = 10.0) -> None:
+        with anyio.fail_after(within_s):
+            while True:
+                frames = await self.recv(within_s)
+                if frames is not None and frames[0] == wire.HELLO:
+                    return
+
+    def send(self, frames: list[bytes]) -> None:
+        self.sock.send_multipart([self.peer, *frames])
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+        self.ctx.term()
+
+
+@asynccontextmanager
+async def fake_server(*, curve_secret: bytes | None = None) -> AsyncIterator[FakeServer]:
+    fake = FakeServer(curve_secret=curve_secret)
+    try:
+        yield fake
+    finally:
+        fake.close()
+
+
+def fake_handle(endpoint: str, **update: Any) -> ab.Handle:
+    """A handle for a channel served at ``endpoint`` (its ring is never touched: transport tcp)."""
+    return ab.Handle(
+        directory="/dev/shm",
+        name=f"aiobroadcast-{secrets.token_hex(16)}",
+        capacity=4,
+        slot_bytes=256,
+        max_readers=2,
+        policy="block",
+        codec="pickle",
+        writer_pid=1,
+        tcp=endpoint,
+        **update,
+    )
+
+
+@ON_UVLOOP
+async def test_a_forged_server_without_the_writers_key_is_refused() -> None:
+    keys = ab.CurveKeys.generate()  # the writer's keys, as written in the handle
+    _, forger_secret = zmq.curve_keypair()
+    async with fake_server(curve_secret=forger_secret) as fake:
+        h = fake_handle(
+            fake.endpoint,
+            server_key=keys.server_public,
+            client_public_key=keys.client_public,
+            client_secret_key=keys.client_secret,
+        )
+        with pytest.raises(ab.TransportError, match="no answer"):
+            await ab.open_reader(h, transport="tcp", connect_timeout=1.0)
+        assert await fake.recv(0.2) is None  # not even the HELLO got through
+
+
+class Exploit:
+    """Pickles into a payload that, when unpickled anywhere, creates the directory ``path``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Callable[[str], None], tuple[str]]:
+        return (os.mkdir, (self.path,))
+
+
+def welcome(hb_interval: float, hb_timeout: float, start: int = 0) -> list[bytes]:
+    body = {"start": start, "policy": "block", "hb_interval": hb_interval, "hb_timeout": hb_timeout}
+    return [wire.WELCOME, wire.encode_json(body)]
+
+
+@ON_ASYNCIO
+async def test_a_pickle_that_would_run_code_never_runs_unless_signed(tmp_path: Path) -> None:
+    """insecure=True: every frame group carries an HMAC under the handle's key, checked before
+    anything is parsed. A forged server (or a man in the middle) that lacks the key sends a
+    pickle whose unpickling would create a directory: it never appears, the reader gets nothing,
+    then WriterGone (the forger never said anything authentic)."""
+    marker = tmp_path / "pwned"
+    payload = pickle.dumps(Exploit(str(marker)))
+    pickle.loads(payload)  # the control: this payload does run code when unpickled
+    assert marker.is_dir()
+    marker.rmdir()
+
+    key = secrets.token_hex(32)
+    wrong = secrets.token_bytes(32)
+    exploit_batch = wire.encode_batch(0, [(payload, 0)])
+    tampered = wire.sign(key.encode(), wire.encode_batch(0, [(pickle.dumps("benign"), 0)]))
+    tampered[1:3] = exploit_batch[1:3]  # a man in the middle swaps the body, keeps the MAC
+    truncated_mac = wire.sign(key.encode(), exploit_batch)
+    truncated_mac[-1] = truncated_mac[-1][:-1]
+    forgeries = [
+        wire.sign(wrong, exploit_batch),
+        exploit_batch,  # unsigned
+        tampered,
+        truncated_mac,
+        [*exploit_batch, b"\0" * wire.MAC_BYTES],
+    ]
+    async with fake_server() as fake:
+        h = fake_handle(fake.endpoint, insecure=True, hmac_key=key)
+        # 1. The forger cannot even sign its WELCOME: open_reader fails.
+        async with anyio.create_task_group() as tg:
+
+            async def forge_welcome() -> None:
+                await fake.recv_hello()
+                fake.send(wire.sign(wrong, welcome(0.1, 0.5)))
+                fake.send(welcome(0.1, 0.5))
+                for frames in forgeries:
+                    fake.send(frames)
+
+            tg.start_soon(forge_welcome)
+            with pytest.raises(ab.TransportError):
+                await ab.open_reader(h, transport="tcp", name="victim-1", connect_timeout=1.5)
+        assert not marker.exists()
+
+    # 2. Even after an authentic WELCOME, forged batches are dropped unread.
+    async with fake_server() as fake:
+        h = fake_handle(fake.endpoint, insecure=True, hmac_key=key)
+        async with anyio.create_task_group() as tg:
+
+            async def authentic_welcome() -> None:
+                await fake.recv_hello()
+                fake.send(wire.sign(key.encode(), welcome(0.1, 0.5)))
+
+            tg.start_soon(authentic_welcome)
+            reader = await ab.open_reader(h, transport="tcp", name="victim-2")
+        async with reader:
+            for frames in forgeries:
+                fake.send(frames)
+            await anyio.sleep(0.5)
+            with pytest.raises(ab.WouldBlock):
+                reader.get_nowait()
+            with anyio.fail_after(3 * 0.5 + MARGIN_S), pytest.raises(ab.WriterGone):
+                await reader.get()  # nothing authentic for 3 x hb_timeout
+            assert reader.statistics().received == 0
+    assert not marker.exists()
+
+
+@ON_UVLOOP
+async def test_signed_but_malformed_frames_are_rejected_and_the_stream_goes_on() -> None:
+    """A server frame that is authentic but not well formed (truncated or inconsistent batch,
+    short heartbeat, unknown kind, ...) is dropped; the next good frame is delivered. A
+    truncated *body* in a good batch is one undecodable message (DeserializationError)."""
+    key = secrets.token_hex(32).encode()
+
+    def signed(frames: list[bytes]) -> list[bytes]:
+        return wire.sign(key, frames)
+
+    head, entry = wire.BATCH_HEAD.pack, wire.ENTRY.pack
+    malformed = [
+        [wire.BATCH, b"\0" * 5, b""],  # truncated header
+        [wire.BATCH, head(0, 2) + entry(3, 0), b"abc"],  # count does not match the header
+        [wire.BATCH, head(0, 1) + entry(10, 0), b"abc"],  # body shorter than announced
+        [wire.BATCH, head(0, 1) + entry(1, 0), b"abc"],  # body longer than announced
+        [wire.BATCH, head(0, 1) + entry(3, 0)],  # no body frame
+        [wire.BATCH],
+        [wire.HEARTBEAT, b"\1\2\3"],  # short numbers
+        [wire.LAGGED, b"x"],
+        [wire.END],
+        [wire.WELCOME, b"{not json"],
+        [b"Z", b"?"],  # unknown kind
+        [],
+    ]
+    async with fake_server() as fake:
+        h = fake_handle(fake.endpoint, insecure=True, hmac_key=key.decode())
+        async with anyio.create_task_group() as tg:
+
+            async def greet() -> None:
+                await fake.recv_hello()
+                fake.send(signed(welcome(0.1, 5.0)))
+
+            tg.start_soon(greet)
+            reader = await ab.open_reader(h, transport="tcp", name="sturdy")
+        async with reader:
+            for frames in malformed:
+                fake.send(signed(frames))
+            fake.send(signed(wire.encode_batch(0, [(pickle.dumps("cut short")[:-3], 0)])))
+            fake.send(signed(wire.encode_batch(1, [(pickle.dumps("hello"), 0), (pickle.dumps("world"), 0)])))
+            fake.send(signed([wire.END, wire.U64.pack(3), b"closed"]))
+            with anyio.fail_after(10):
+                with pytest.raises(ab.DeserializationError):
+                    await reader.get()
+                assert await reader.get() == "hello"
+                assert await reader.get() == "world"
+                with pytest.raises(ab.EndOfStream):
+                    await reader.get()
+
+
+@pytest.mark.parametrize("insecure", [False, True], ids=["curve", "insecure"])
+@ON_TRIO
+async def test_bad_frames_from_a_client_do_not_break_the_server(insecure: bool) -> None:
+    """A client holding the keys sends malformed control frames and one larger than
+    MAX_CONTROL_FRAME; strangers send unsigned or wrongly signed ones. Other readers go on
+    receiving, a new reader can still join, and no stranger is ever counted."""
+    n = 60
+    async with tcp_writer(insecure=insecure) as writer:
+        h = writer.handle
+        assert h.tcp is not None
+        key = h.hmac_key.encode() if h.hmac_key else None
+        keys = None if insecure else (h.server_key or "", h.client_public_key or "", h.client_secret_key or "")
+        async with ab.open_reader(h, transport="tcp", name="steady") as steady:
+            got: list[int] = []
+
+            async def read_all() -> None:
+                while len(got) < n:
+                    got.append(tw.check_message(await steady.get()))
+
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(read_all)
+                    for i in range(n // 2):
+                        await writer.put(message(i))
+                    with raw_peer(h.tcp, curve=keys) as rogue:
+                        rogue.send(wire.sign(key, hello("rogue")))
+                        assert await rogue.heard(5.0)  # WELCOME: it holds the keys
+                        for frames in (
+                            [wire.ACK],
+                            [wire.ACK, b"abc"],
+                            [wire.NACK, b""],
+                            [b"Q", b"?"],
+                            [wire.HELLO, b"{bad json"],
+                            [wire.HELLO, wire.encode_json({"version": 1, "pid": "not a number"})],
+                        ):
+                            rogue.send(wire.sign(key, frames))
+                        rogue.send(wire.sign(key, [wire.ACK, b"\0" * (wire.MAX_CONTROL_FRAME + 1)]))
+                        if insecure:
+                            with raw_peer(h.tcp) as stranger:
+                                stranger.send(hello("unsigned"))
+                                stranger.send(wire.sign(secrets.token_bytes(32), hello("badly-signed")))
+                                stranger.send([wire.ACK, b"\0" * (wire.MAX_CONTROL_FRAME + 1)])
+                                assert not await stranger.heard(0.5)
+                        for i in range(n // 2, n):
+                            await writer.put(message(i))
+            assert got == list(range(n))
+            assert not {"unsigned", "badly-signed"} & set(remote_names(writer))
+            async with ab.open_reader(h, transport="tcp", name="newcomer") as newcomer:
+                await writer.put(message(n))
+                with anyio.fail_after(10):
+                    assert tw.check_message(await newcomer.get()) == n
+                    assert tw.check_message(await steady.get()) == n
+
+
+@ON_ASYNCIO
+async def test_trust_pickle_false_refuses_pickle_and_accepts_json() -> None:
+    async with tcp_writer(codec="json") as writer:
+        assert writer.handle.codec == "json"
+        async with ab.open_reader(writer.handle, transport="tcp", trust_pickle=False) as reader:
+            await writer.put({"a": [1, 2.5, None, "x"]})
+            with anyio.fail_after(10):
+                assert await reader.get() == {"a": [1, 2.5, None, "x"]}
+        pickled = writer.handle.model_copy(update={"codec": "pickle"})
+        with pytest.raises(ab.InvalidHandle, match="trust_pickle"):
+            await ab.open_reader(pickled, transport="tcp", trust_pickle=False)
+        await until(lambda: remote_names(writer) == [])  # the json reader said BYE
+
+
+@ON_TRIO
+async def test_insecure_mode_logs_a_warning_signs_and_hides_its_key(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="aiobroadcast"):
+        writer = await tcp_writer(insecure=True)
+    async with writer:
+        assert any("WITHOUT encryption" in r.getMessage() for r in caplog.records)
+        h = writer.handle
+        assert h.insecure and h.hmac_key and h.server_key is None
+        assert h.hmac_key not in repr(h) and h.hmac_key not in str(h)
+        with pytest.raises(ab.InvalidHandle, match="hmac_key"):  # never unauthenticated
+            await ab.open_reader(h.model_copy(update={"hmac_key": None}), transport="tcp")
+        async with ab.open_reader(h, transport="tcp") as reader:
+            await writer.put(message(0))
+            with anyio.fail_after(10):
+                assert tw.check_message(await reader.get()) == 0
+
+
+# --- flow control and slow readers ----------------------------------------------------------------
+@ON_UVLOOP
+async def test_slow_remote_reader_under_block_holds_the_writer_back_and_loses_nothing() -> None:
+    """Credit flow control: a remote reader that stops reading is not dropped and not buffered
+    without bound; the writer's put_nowait raises WouldBlock once the ring, the server's buffer
+    (2 * max(tcp_window, capacity)) and the reader's window are full. When it reads again it
+    gets every message in order."""
+    n, stop_after, capacity, window = 200, 5, 8, 16
+    async with tcp_writer(capacity=capacity, tcp_window=window) as writer:
+        opts = ReaderOpts(name="slow", stop_after=stop_after)
+        with spawn(reader_proc, TRIO, None, writer.handle.to_json(), opts) as reader:
+            await reader.recv("attached")
+            for i in range(stop_after):
+                await writer.put(message(i))
+            await reader.recv("stalled")
+            published = await fill_until_blocked(writer, stop_after)
+            assert published <= stop_after + 2 * max(window, capacity) + capacity, published
+            assert remote_names(writer) == ["slow"]  # slow is not dead: still a reader
+            assert writer.statistics().dropped_readers == 0
+            reader.send("go")
+            with anyio.fail_after(30):
+                for i in range(published, n):
+                    await writer.put(message(i))
+                await writer.aclose()
+            result = await reader.recv("events")
+    assert result["events"] == [("msg", i) for i in range(n)] + [("end",)]
+
+
+@ON_TRIO
+async def test_slow_remote_reader_under_lag_is_told_exactly_what_it_missed() -> None:
+    """Policy "lag": the writer never waits; a remote reader that stopped reading resumes with
+    ``ReaderLagged(n)``, n being exactly the number of messages missing where it is raised."""
+    n, stop_after = 500, 5
+
+    def seen(upto: int) -> Callable[[list[tw.Event]], bool]:
+        """The reader has received (or been told it missed) messages 0 .. upto-1."""
+        return lambda ev: sum(1 if e[0] == "msg" else e[1] if e[0] == "lagged" else 0 for e in ev) >= upto
+
+    async with tcp_writer(policy="lag", capacity=RING, tcp_window=4) as writer:
+        opts = ReaderOpts(name="lagger", stop_after=stop_after, live=True)
+        with spawn(reader_proc, UVLOOP, None, writer.handle.to_json(), opts) as reader:
+            await reader.recv("attached")
+            for i in range(stop_after):  # one at a time: the server's own ring place never lags
+                await writer.put(message(i))
+                await reader.until(seen(i + 1))
+            await reader.recv("stalled")
+            for i in range(stop_after, n):
+                writer.put_nowait(message(i))  # never WouldBlock under "lag"
+                if i % 8 == 0:
+                    await anyio.sleep(0.001)  # the server's own ring place keeps up (RING_LAG)
+            reader.send("go")
+            await reader.until(seen(n))
+            for i in range(n, n + 10):  # one at a time again: nothing more is missed
+                await writer.put(message(i))
+                await reader.until(seen(i + 1))
+            with anyio.fail_after(10):
+                await writer.aclose()
+            result = await reader.recv("events")
+    events = result["events"]
+    got, lags = account(events, n + 10)
+    assert events[-1] == ("end",)
+    assert lags, summary(events)
+    assert got[:stop_after] == list(range(stop_after)), summary(events)
+    assert got[-10:] == list(range(n, n + 10)), summary(events)
+    assert result["lagged"] == sum(lags)
+
+
+@ON_UVLOOP
+async def test_credit_is_acknowledged_within_the_granted_window_not_per_heartbeat() -> None:
+    """The reader acknowledges every half of the window the server granted (tcp_window=4 here,
+    smaller than the reader's own default): a stream of 40 messages never waits for the 3 s
+    heartbeat that carries periodic acknowledgements."""
+    hb = 3.0
+    async with tcp_writer(tcp_window=4, capacity=4, heartbeat_s=hb) as writer:
+        async with ab.open_reader(writer.handle, transport="tcp", name="eager") as reader:
+            got: list[int] = []
+            with anyio.fail_after(hb - 0.5):
+                async with anyio.create_task_group() as tg:
+
+                    async def read() -> None:
+                        while len(got) < 40:
+                            got.append(tw.check_message(await reader.get()))
+
+                    tg.start_soon(read)
+                    for i in range(40):
+                        await writer.put(message(i))
+            assert got == list(range(40))
+
+
+@ON_ASYNCIO
+async def test_stalled_remote_reader_under_lag_holds_one_window_and_one_gap_report() -> None:
+    """Policy "lag", a remote reader that does not read while 2,000 messages go by: it holds at
+    most ``tcp_window`` messages plus one gap report however long it stalls (no credit for
+    what it never acknowledged), and then reads like a local reader would: what it had, one
+    ``ReaderLagged`` with the exact count, the newest messages in order."""
+    n, window = 2000, 4
+    async with tcp_writer(policy="lag", capacity=RING, tcp_window=window) as writer:
+        async with ab.open_reader(writer.handle, transport="tcp", name="stalled") as reader:
+            for i in range(n):
+                writer.put_nowait(message(i))
+                if i % 8 == 0:
+                    await anyio.sleep(0.001)  # the server's own ring place keeps up (RING_LAG)
+                    assert reader.statistics().lag <= window + 1
+            # The server has taken everything from the ring (its place there has no lag) ...
+            await until(lambda: all(r.lag == 0 for r in writer.statistics().readers if r.transport == "shm"))
+            await anyio.sleep(0.3)  # ... and told the reader
+            assert reader.statistics().lag <= window + 1
+            with anyio.fail_after(10):
+                events = await read_events(reader, lambda ev: bool(ev) and ev[-1] == ("msg", n - 1))
+    _, lags = account(events, n)
+    assert len(lags) == 1, summary(events)
+    kinds = [e[0] for e in events]
+    assert kinds.index("lagged") <= window, summary(events)
+    assert len(events) - kinds.index("lagged") - 1 <= 2 * max(window, RING), summary(events)
+
+
+@ON_TRIO
+async def test_server_behind_its_own_ring_under_lag_tells_readers_and_goes_on() -> None:
+    """A burst into a 4-slot ring under policy "lag" leaves the TCP server (itself a ring reader)
+    behind: it is told what it missed and must say so to its remote readers and go on
+    serving them, never leave them waiting. No silent gap: every missing message is reported
+    (the count may be too high, RING_LAG, but never too low)."""
+    n = 200
+    async with tcp_writer(policy="lag", capacity=4, tcp_window=4) as writer:
+        async with ab.open_reader(writer.handle, transport="tcp", name="behind") as reader:
+            for i in range(n):
+                writer.put_nowait(message(i))
+            with anyio.fail_after(10):
+                events = await read_events(reader, lambda ev: bool(ev) and ev[-1] == ("msg", n - 1))
+            writer.put_nowait(message(n))
+            with anyio.fail_after(10):
+                assert tw.check_message(await reader.get()) == n
+    assert any(e[0] == "lagged" for e in events), summary(events)
+    expected, reported = 0, 0
+    for e in events:
+        if e[0] == "lagged":
+            reported += e[1]
+        else:
+            assert expected <= e[1] <= expected + reported, summary(events)  # in order, no silent gap
+            expected, reported = e[1] + 1, 0
+
+
+@ON_ASYNCIO
+async def test_late_join_behind_a_full_server_buffer_starts_with_the_next_message() -> None:
+    """Late join over TCP is as over shared memory even while a slow remote reader holds the
+    writer back: the newcomer starts with the next message published, not with what the full
+    server buffer left in the ring."""
+    async with tcp_writer(capacity=4, tcp_window=4) as writer:
+        async with ab.open_reader(writer.handle, transport="tcp", name="stalled") as stalled:
+            published = await fill_until_blocked(writer, 0)
+            async with ab.open_reader(writer.handle, transport="tcp", name="late") as late:
+                late_got: list[int] = []
+                with anyio.fail_after(30):
+                    async with anyio.create_task_group() as tg:
+
+                        async def drain_stalled() -> None:
+                            for i in range(published + 10):
+                                assert tw.check_message(await stalled.get()) == i
+
+                        async def read_late() -> None:
+                            while len(late_got) < 10:
+                                late_got.append(tw.check_message(await late.get()))
+
+                        tg.start_soon(drain_stalled)
+                        tg.start_soon(read_late)
+                        for i in range(published, published + 10):
+                            await writer.put(message(i))
+                assert late_got == list(range(published, published + 10))
+
+
+# --- liveness -------------------------------------------------------------------------------------
+@ON_ASYNCIO
+async def test_sigkilled_remote_reader_is_dropped_within_the_bound_and_the_writer_goes_on() -> None:
+    stop_after = 5
+    async with tcp_writer(capacity=8, tcp_window=16, heartbeat_s=HB) as writer:
+        opts = ReaderOpts(name="doomed", stop_after=stop_after)
+        with spawn(reader_proc, UVLOOP, None, writer.handle.to_json(), opts) as reader:
+            await reader.recv("attached")
+            for i in range(stop_after):
+                await writer.put(message(i))
+            await reader.recv("stalled")
+            published = await fill_until_blocked(writer, stop_after)  # held back by "doomed"
+            reader.signal(signal.SIGKILL)
+            t0 = time.monotonic()
+            with anyio.fail_after(DROP_S + MARGIN_S):
+                await writer.put(message(published))
+            assert time.monotonic() - t0 < DROP_S + MARGIN_S
+            await until(lambda: writer.statistics().dropped_readers == 1)
+            assert remote_names(writer) == []
+            with anyio.fail_after(10):
+                for i in range(published + 1, published + 100):
+                    await writer.put(message(i))  # nobody holds it back any more
+            assert await reader.join() == -signal.SIGKILL
+
+
+@ON_UVLOOP
+async def test_sigstopped_remote_reader_half_open_is_dropped_then_told_what_it_missed() -> None:
+    """SIGSTOP leaves the connection open but silent (half-open). The writer, held back, goes on
+    once the server drops the reader (6 heartbeats). After SIGCONT the reader resumes and is told
+    exactly what it missed (ReaderLagged), then gets the rest and EndOfStream."""
+    n = 400
+    async with tcp_writer(capacity=8, tcp_window=16, heartbeat_s=HB) as writer:
+        opts = ReaderOpts(name="frozen", live=True, delay_s=0.001)
+        with spawn(reader_proc, TRIO, None, writer.handle.to_json(), opts) as reader:
+            await reader.recv("attached")
+            for i in range(20):
+                await writer.put(message(i))
+            await reader.until(lambda ev: len(ev) >= 20)
+            reader.signal(signal.SIGSTOP)
+            try:
+                with anyio.fail_after(DROP_S + MARGIN_S + 10):
+                    for i in range(20, n):  # cannot finish unless "frozen" is dropped
+                        await writer.put(message(i))
+                await until(lambda: writer.statistics().dropped_readers == 1)
+                assert remote_names(writer) == []
+            finally:
+                reader.signal(signal.SIGCONT)
+
+            def accounted(ev: list[tw.Event]) -> bool:
+                return sum(1 if e[0] == "msg" else e[1] if e[0] == "lagged" else 0 for e in ev) >= n
+
+            await reader.until(accounted, within_s=GONE_S + MARGIN_S + 10)
+            assert remote_names(writer) == ["frozen"]  # it said HELLO again
+            with anyio.fail_after(10):
+                await writer.aclose()
+            result = await reader.recv("events")
+    events = result["events"]
+    _, lags = account(events, n)
+    assert lags, summary(events)
+    assert events[-1] == ("end",), summary(events)
+
+
+def _age(path: str) -> float:
+    """Seconds since ``path`` was modified (infinite if it does not exist)."""
+    try:
+        return time.time() - os.stat(path).st_mtime
+    except FileNotFoundError:
+        return float("inf")
+
+
+def _server_processes(pid: int) -> list[Any]:
+    return [p for p in psutil.Process(pid).children(recursive=True) if "aiobroadcast._tcp_server" in p.cmdline()]
+
+
+@pytest.mark.parametrize("whole_host", [False, True], ids=["writer-killed", "host-gone"])
+@ON_TRIO
+async def test_killed_writer_remote_reader_drains_then_writer_gone(whole_host: bool) -> None:
+    """writer-killed: the writer process is SIGKILLed; its server process sees it die (like any
+    ring reader), sends what it has and says so: the reader gets every message, then WriterGone.
+    host-gone: writer and server are both SIGKILLed: the reader gets what had arrived, then
+    WriterGone once it has heard nothing for 18 heartbeats."""
+    n = 20
+    spec = WriterSpec(count=n, then="hang", heartbeat_s=HB, tcp_window=2 * n)
+    servers: list[Any] = []
+    handle: ab.Handle | None = None
+    try:
+        with spawn(writer_proc, ASYNCIO, None, spec) as wproc:
+            handle = ab.Handle.parse(await wproc.recv("handle"))
+            servers = _server_processes(wproc.pid)
+            assert len(servers) == 1
+            async with ab.open_reader(handle, transport="tcp", name="survivor") as reader:
+                wproc.send("go")
+                assert (await wproc.recv("sent"))["count"] == n
+                await until(lambda: reader.statistics().lag == n)  # all n have arrived here
+                wproc.signal(signal.SIGKILL)
+                if whole_host:
+                    servers[0].kill()
+                t0 = time.monotonic()
+                with anyio.fail_after(GONE_S + MARGIN_S):
+                    events = await read_events(reader, ended)
+                assert events == [("msg", i) for i in range(n)] + [("gone",)]
+                assert time.monotonic() - t0 < GONE_S + MARGIN_S
+                with pytest.raises(ab.WriterGone):
+                    reader.get_nowait()  # and it stays gone
+            assert await wproc.join() == -signal.SIGKILL
+        # The orphaned server process leaves once its reader has gone.
+        await anyio.to_thread.run_sync(psutil.wait_procs, servers, 10.0)
+        assert not [p for p in servers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        for p in servers:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        await anyio.to_thread.run_sync(psutil.wait_procs, servers, 10.0)
+        if handle is not None:  # the killed writer's files: swept once stale, as design.md says
+            await anyio.sleep(max(0.0, ring_mod.STALE_MIN_AGE_S + 0.2 - _age(handle.path)))
+            ab.sweep_stale(handle.directory)
+    assert handle is not None and _age(handle.path) == float("inf")
+
+
+@ON_ASYNCIO
+async def test_writer_close_remote_readers_get_everything_then_end_of_stream() -> None:
+    """Several remote reader processes, mixed sizes (some larger than the ring): each gets every
+    message in order, then EndOfStream. aclose returns as soon as each reader has the end and
+    said BYE, long before the drain timeout (12 heartbeats: 24 s here)."""
+    n, big_every, hb = 300, 10, 2.0
+    async with tcp_writer(capacity=8, tcp_window=16, heartbeat_s=hb) as writer:
+        h = writer.handle.to_json()
+        with (
+            spawn(reader_proc, TRIO, None, h, ReaderOpts(name="r1", big_every=big_every)) as r1,
+            spawn(reader_proc, UVLOOP, None, h, ReaderOpts(name="r2", big_every=big_every, delay_s=0.001)) as r2,
+        ):
+            await r1.recv("attached")
+            await r2.recv("attached")
+            assert remote_names(writer) == ["r1", "r2"]
+            for i in range(n):
+                await writer.put(message(i, big_every))
+            with anyio.fail_after(12 * hb / 2):
+                await writer.aclose()
+            for child in (r1, r2):
+                result = await child.recv("events")
+                assert result["events"] == [("msg", i) for i in range(n)] + [("end",)]
+                assert await child.join() == 0
+
+
+# --- relays ---------------------------------------------------------------------------------------
+@ON_UVLOOP
+async def test_relay_with_two_readers_behind_it_delivers_everything_in_order() -> None:
+    n, big_every = 300, 7
+    async with tcp_writer(capacity=8, tcp_window=16) as writer:
+        with spawn(relay_proc, TRIO, None, writer.handle.to_json(), "relay-b", 8) as relay:
+            local = await relay.recv("handle")
+            assert ab.Handle.parse(local).tcp is None
+            with (
+                spawn(
+                    reader_proc, ASYNCIO, None, local, ReaderOpts(name="b1", transport="shm", big_every=big_every)
+                ) as b1,
+                spawn(
+                    reader_proc, TRIO, None, local, ReaderOpts(name="b2", transport="shm", big_every=big_every)
+                ) as b2,
+            ):
+                await b1.recv("attached")
+                await b2.recv("attached")
+                assert remote_names(writer) == ["relay-b"]  # two readers, one TCP stream
+                with anyio.fail_after(30):
+                    for i in range(n):
+                        await writer.put(message(i, big_every))
+                    await writer.aclose()
+                for child in (b1, b2):
+                    result = await child.recv("events")
+                    assert result["events"] == [("msg", i) for i in range(n)] + [("end",)]
+            await relay.recv("done")
+            assert await relay.join() == 0
+
+
+@ON_TRIO
+async def test_relay_under_lag_passes_reader_lagged_with_the_exact_count() -> None:
+    """The relay (a task here) falls behind upstream while the writer publishes without
+    awaiting; what it missed reaches both readers behind it as ReaderLagged with the same
+    count, at the same place, and the accounting is exact."""
+    n = 500
+    async with tcp_writer(policy="lag", capacity=RING, tcp_window=4) as writer:
+        ready = anyio.Event()
+        local: list[ab.Handle] = []
+
+        def on_ready(h: ab.Handle) -> None:
+            local.append(h)
+            ready.set()
+
+        results: dict[str, list[tw.Event]] = {}
+        with anyio.fail_after(30):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: ab.relay(writer.handle, name="relay-lag", capacity=1024, on_ready=on_ready))
+                await ready.wait()
+                async with ab.open_reader(local[0], name="c1") as c1, ab.open_reader(local[0], name="c2") as c2:
+
+                    async def collect(r: ab.Reader[Any]) -> None:
+                        results[r.name] = await read_events(r, ended)
+
+                    await until(lambda: remote_names(writer) == ["relay-lag"])
+                    publish_without_yielding(writer, range(n))  # the relay task cannot keep up
+                    tg.start_soon(collect, c1)
+                    tg.start_soon(collect, c2)
+                    await anyio.sleep(0.3)
+                    await writer.aclose()  # the relay ends, its readers get EndOfStream
+                    await until(lambda: len(results) == 2)
+    for name in ("c1", "c2"):
+        events = results[name]
+        _, lags = account(events, n)
+        assert lags, summary(events)
+        assert events[-1] == ("end",)
+    assert results["c1"] == results["c2"]
+
+
+def test_worker_messages_round_trip() -> None:
+    """The helpers the process tests rely on: messages check themselves, accounting is strict."""
+    assert tw.check_message(message(7, 7), 7) == 7
+    with pytest.raises(AssertionError):
+        tw.check_message((7, b"\0" * 3))
+    events: list[tw.Event] = [("msg", 0), ("lagged", 3), ("msg", 4), ("end",)]
+    assert account(events, 5) == ([0, 4], [3])
+    with pytest.raises(AssertionError, match="expected message 1"):
+        account([("msg", 0), ("msg", 2)], 3)  # a silent gap
+    with pytest.raises(AssertionError, match="accounted for 2 of 3"):
+        account([("msg", 0), ("msg", 1)], 3)
+    assert summary(events) == "0 lagged(3) 4 end"
+    assert json.loads(json.dumps(events)) == [list(e) for e in events]

@@ -286,6 +286,10 @@ class ShmSource:
                 break
             new_c += 1
         first_kept = msg if flags & F_FIRST else msg + 1
+        if new_c == c and first_kept <= self._next_msg:
+            # False alarm: the head we loaded was a full ring ahead, but entry c is intact
+            # (the writer had not started to overwrite it). Nothing was lost: read it.
+            return
         missed = max(1, first_kept - self._next_msg)
         self._partial = None
         self._next_msg = first_kept

@@ -345,26 +345,30 @@ def open_reader(
             raise InvalidHandle("this channel sends pickle, and trust_pickle=False refuses it")
         decode = _decoder(h, schema)
         reader_name = name or f"reader-{os.getpid()}"
-        use_tcp = transport == "tcp" or (transport == "auto" and h.tcp is not None and not _ring_reachable(h))
-        source: Source
-        if use_tcp:
-            if h.tcp is None:
-                raise InvalidHandle("this channel has no TCP endpoint (open_writer(tcp=...) serves one)")
-            from ._tcp_client import TcpSource
-
-            tcp_source = TcpSource(h, reader_name, decode)
-            await tcp_source.wait_welcome(connect_timeout)
-            source = tcp_source
-        else:
-            seg = _ring.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
-            try:
-                source = ShmSource(seg, h, reader_name, decode)
-            except BaseException:
-                seg.close()
-                raise
+        source = await _open_source(h, reader_name, decode, transport, connect_timeout)
         return Reader(_reader_token, source, h, reader_name)
 
     return _Opening(make)
+
+
+async def _open_source(
+    h: Handle, name: str, decode: Callable[[Any, bool], Any], transport: Transport, connect_timeout: float
+) -> Source:
+    """The transport's side of a reader: the ring when asked for or reachable, else TCP."""
+    if transport == "tcp" or (transport == "auto" and h.tcp is not None and not _ring_reachable(h)):
+        if h.tcp is None:
+            raise InvalidHandle("this channel has no TCP endpoint (open_writer(tcp=...) serves one)")
+        from ._tcp_client import TcpSource
+
+        tcp_source = TcpSource(h, name, decode)
+        await tcp_source.wait_welcome(connect_timeout)
+        return tcp_source
+    seg = _ring.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
+    try:
+        return ShmSource(seg, h, name, decode)
+    except BaseException:
+        seg.close()
+        raise
 
 
 def _ring_reachable(h: Handle) -> bool:
@@ -416,20 +420,7 @@ def _open_raw_reader(h: Handle, *, name: str, transport: Transport) -> _Opening[
     republish them without ever unpickling."""
 
     async def make() -> Reader[tuple[bytes, bool]]:
-        source: Source
-        if transport == "tcp" or (transport == "auto" and h.tcp is not None and not _ring_reachable(h)):
-            from ._tcp_client import TcpSource
-
-            tcp_source = TcpSource(h, name, _raw)
-            await tcp_source.wait_welcome(10.0)
-            source = tcp_source
-        else:
-            seg = _ring.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
-            try:
-                source = ShmSource(seg, h, name, _raw)
-            except BaseException:
-                seg.close()
-                raise
+        source = await _open_source(h, name, _raw, transport, 10.0)
         return Reader(_reader_token, source, h, name)
 
     return _Opening(make)

@@ -312,6 +312,7 @@ def sweep_stale(directory: str) -> list[str]:
         return removed
     for name in names:
         if not NAME_RE.match(name):
+            _sweep_orphan(directory, name)
             continue
         path = os.path.join(directory, name)
         try:
@@ -329,6 +330,22 @@ def sweep_stale(directory: str) -> list[str]:
         finally:
             os.close(fd)
     return removed
+
+
+_ORPHAN_RE = re.compile(r"^(aiobroadcast-[0-9a-f]{32})-[\w.-]+\.(sock|json)$")
+
+
+def _sweep_orphan(directory: str, name: str) -> None:
+    """A socket or stats file whose channel file is gone (its owner was killed) is left over."""
+    m = _ORPHAN_RE.match(name)
+    if m is None or os.path.exists(os.path.join(directory, m.group(1))):
+        return
+    path = os.path.join(directory, name)
+    try:
+        if time.time() - os.lstat(path).st_mtime > STALE_MIN_AGE_S:
+            _unlink_quiet(path)
+    except FileNotFoundError:
+        pass
 
 
 def _unlink_quiet(path: str) -> None:

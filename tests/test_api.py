@@ -154,3 +154,24 @@ async def test_repr_shows_state() -> None:
         async with ab.open_reader(writer.handle, name="r1") as reader:
             assert "'r1'" in repr(reader)
     assert "closed" in repr(writer)
+
+
+def test_sweep_removes_sockets_and_stats_files_whose_channel_file_is_gone(tmp_path: Path) -> None:
+    """A writer killed after its segment was swept, or a reader killed after the writer closed,
+    leaves files that no segment names any more: the next sweep removes them once they are old."""
+    orphan_sock = tmp_path / f"aiobroadcast-{'a' * 32}-r3.sock"
+    orphan_stats = tmp_path / f"aiobroadcast-{'a' * 32}-tcp.json"
+    young = tmp_path / f"aiobroadcast-{'b' * 32}-w.sock"
+    owned = tmp_path / f"aiobroadcast-{'c' * 32}-r0.sock"
+    unrelated = tmp_path / "other-file.sock"
+    (tmp_path / f"aiobroadcast-{'c' * 32}").write_bytes(b"")  # the channel file that owns it
+    for f in (orphan_sock, orphan_stats, young, owned, unrelated):
+        f.write_text("")
+    old = os.stat(orphan_sock).st_mtime - 60
+    for f in (orphan_sock, orphan_stats, owned, unrelated):
+        os.utime(f, (old, old))
+    ab.sweep_stale(str(tmp_path))
+    assert not orphan_sock.exists() and not orphan_stats.exists()
+    assert young.exists() and unrelated.exists()
+    # Its channel file exists (and is too new to count as stale), so its socket stays.
+    assert owned.exists()

@@ -22,13 +22,13 @@ import multiprocessing.connection
 import os
 import signal
 import time
-import traceback
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import _netns
+import _workers
 import anyio
 import psutil
 
@@ -108,24 +108,12 @@ def summary(events: list[Event]) -> str:
 
 # --- the child side ---------------------------------------------------------------------------
 def _child(conn: Conn, backend: Backend, netns: str | None, main: Callable[..., Awaitable[None]], *args: Any) -> None:
-    try:
-        if netns is not None:
-            _netns.enter(netns)  # before any socket exists
-        anyio.run(main, conn, *args, backend=backend[0], backend_options=backend[1])
-    except BaseException:
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except OSError:
-            pass
-        raise
-    finally:
-        conn.close()
+    """``_workers._child``, first entering ``netns`` (before any socket exists)."""
+    setup = None if netns is None else (lambda: _netns.enter(netns))
+    _workers._child(conn, backend, main, *args, setup=setup)
 
 
-def _expect(conn: Conn, command: str) -> None:
-    got = conn.recv()
-    if got != command:
-        raise AssertionError(f"expected command {command!r}, got {got!r}")
+_expect = _workers._expect
 
 
 @dataclass(frozen=True)

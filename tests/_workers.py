@@ -114,8 +114,18 @@ def set_reader_liveness(seconds: float) -> None:
     vars(shm_reader_mod)["LIVENESS_S"] = seconds
 
 
-def _child(conn: Conn, backend: Backend, main: Callable[..., Awaitable[None]], *args: Any) -> None:
+def _child(
+    conn: Conn,
+    backend: Backend,
+    main: Callable[..., Awaitable[None]],
+    *args: Any,
+    setup: Callable[[], None] | None = None,
+) -> None:
+    """Run ``main(conn, *args)`` on ``backend``; report any failure to the parent over ``conn``.
+    ``setup`` runs first, inside the same error reporting (e.g. entering a network namespace)."""
     try:
+        if setup is not None:
+            setup()
         anyio.run(main, conn, *args, backend=backend[0], backend_options=backend[1])
     except BaseException:
         try:

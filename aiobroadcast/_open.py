@@ -334,7 +334,8 @@ def open_reader(
     - ``trust_pickle=False`` refuses a channel that sends pickle (only JSON or schema codecs).
 
     Raises ``InvalidHandle`` (does not parse, segment gone, other layout, writer gone, pickle
-    refused), ``TooManyReaders``, ``TransportError`` (remote writer unreachable or refusing).
+    refused), ``TooManyReaders``, ``TransportError`` (remote writer unreachable or silent for
+    ``connect_timeout`` seconds; a handshake refused for wrong keys fails at once instead).
     """
     h = Handle.parse(handle)
     if transport not in ("auto", "shm", "tcp"):

@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import _wire as wire
 from ._exceptions import (
@@ -33,6 +34,19 @@ from ._handle import Handle
 from ._stats import ReaderStatistics
 
 _MSG, _LAG, _END, _GONE, _ERROR = range(5)
+
+#: What the handshake monitor listens to (nothing else: connects and retries are not its business).
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+#: Handshakes the server cut short, in a row and before any succeeded, that mean a refusal. A
+#: CurveZMQ server that cannot decrypt HELLO (the handle's server_key is not its key) closes the
+#: connection without a word: the client only sees it closed, each time it reconnects (0.1 s).
+#: One such close could be a server going away; three in a row are the server refusing.
+_CLOSED_HANDSHAKES_REFUSED = 3
 
 
 class TcpSource:
@@ -77,19 +91,31 @@ class TcpSource:
         self._ctrl_w.setblocking(False)
         self._ctx = zmq.Context()
         d = self._dealer = self._ctx.socket(zmq.DEALER)
-        d.linger = 0
-        d.sndhwm = 0
-        d.rcvhwm = 0
-        d.maxmsgsize = wire.DEFAULT_MAX_FRAME
-        d.reconnect_ivl = 100
-        d.reconnect_ivl_max = 1000
-        d.routing_id = os.urandom(16)
-        if not handle.insecure:
-            assert handle.server_key and handle.client_public_key and handle.client_secret_key
-            d.curve_serverkey = handle.server_key.encode()
-            d.curve_publickey = handle.client_public_key.encode()
-            d.curve_secretkey = handle.client_secret_key.encode()
-        d.connect(handle.tcp)
+        # Watches the handshake until it succeeds (then it is closed): a refused handshake fails
+        # open_reader at once instead of after connect_timeout.
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._closed_handshakes = 0
+        try:
+            d.linger = 0
+            d.sndhwm = 0
+            d.rcvhwm = 0
+            d.maxmsgsize = wire.DEFAULT_MAX_FRAME
+            d.reconnect_ivl = 100
+            d.reconnect_ivl_max = 1000
+            d.routing_id = os.urandom(16)
+            if not handle.insecure:
+                assert handle.server_key and handle.client_public_key and handle.client_secret_key
+                d.curve_serverkey = handle.server_key.encode()
+                d.curve_publickey = handle.client_public_key.encode()
+                d.curve_secretkey = handle.client_secret_key.encode()
+            self._monitor = d.get_monitor_socket(_HANDSHAKE_EVENTS)
+            self._monitor.linger = 0
+            d.connect(handle.tcp)
+        except BaseException:
+            self._close_sockets()
+            for s in (self._wake_r, self._wake_w, self._ctrl_r, self._ctrl_w):
+                s.close()
+            raise
         self._thread = threading.Thread(target=self._run, name="aiobroadcast-tcp-reader", daemon=True)
         self._stop = False
         self._thread.start()
@@ -226,13 +252,63 @@ class TcpSource:
             try:
                 self._send([wire.BYE])
             finally:
-                self._dealer.close(linger=0)
-                self._ctx.term()
+                self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self._stop_monitor()
+        self._dealer.close(linger=0)
+        self._ctx.term()
+
+    def _stop_monitor(self) -> None:
+        if self._monitor is None:
+            return
+        self._dealer.disable_monitor()
+        self._monitor.close(linger=0)
+        self._monitor = None
+
+    def _on_handshake_event(self) -> bool:
+        """Handle the monitor's events; True when the handshake was refused (the error is set)."""
+        assert self._monitor is not None
+        while self._monitor is not None:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            kind, value = event["event"], event["value"]
+            where = f"the writer's server at {self._handle.tcp}"
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._stop_monitor()  # from here on, the happy path costs nothing more
+                return False
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                reason = (
+                    f"{where} refused this reader's keys at the CurveZMQ handshake (ZAP status {value}): "
+                    "the handle's client key pair is not this channel's"
+                )
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                reason = (
+                    f"{where} refused this reader's keys: the handshake failed with {_protocol_error(value)} "
+                    "(the handle's keys are not that server's, or only one side is insecure=True)"
+                )
+            else:  # EVENT_HANDSHAKE_FAILED_NO_DETAIL: the server closed the connection mid-handshake
+                self._closed_handshakes += 1
+                if self._closed_handshakes < _CLOSED_HANDSHAKES_REFUSED:
+                    continue
+                reason = (
+                    f"{where} refused this reader's keys: it closed {self._closed_handshakes} handshakes "
+                    "in a row (the handle's server_key is not that server's key, or only one side is "
+                    "insecure=True)"
+                )
+            self._welcome_error = reason
+            self._welcome.set()
+            return True
+        return False
 
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._dealer, zmq.POLLIN)
         poller.register(self._ctrl_r, zmq.POLLIN)
+        if self._monitor is not None:
+            poller.register(self._monitor, zmq.POLLIN)
         self._next = -1  # next seq expected; -1 before WELCOME
         self._hello(None)
         last_heard = time.monotonic()
@@ -246,6 +322,12 @@ class TcpSource:
                 self._ctrl_r.recv(4096)
             except BlockingIOError:
                 pass
+            if self._monitor is not None:
+                monitor = self._monitor
+                if self._on_handshake_event():
+                    return  # refused: open_reader raises the reason
+                if self._monitor is None:
+                    poller.unregister(monitor)
             now = time.monotonic()
             for _ in range(256):
                 try:
@@ -341,3 +423,11 @@ class TcpSource:
                 self._push(_ERROR, f"the writer refused this reader: {reason}")
             return None
         raise wire.FrameError(f"unknown frame kind {kind[:8]!r}")
+
+
+def _protocol_error(code: int) -> str:
+    """A ZMTP/ZAP protocol error's name, e.g. ``ZMTP_MECHANISM_MISMATCH``."""
+    for name in dir(zmq):
+        if name.startswith("PROTOCOL_ERROR_") and getattr(zmq, name) == code:
+            return name.removeprefix("PROTOCOL_ERROR_")
+    return f"protocol error {code:#x}"

@@ -20,6 +20,7 @@ import pickle
 import re
 import secrets
 import signal
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
@@ -255,6 +256,60 @@ async def test_peers_without_the_right_keys_are_refused_and_never_counted() -> N
             assert writer.statistics().dropped_readers == 0
 
 
+#: open_reader's connect_timeout in the handshake tests: a refused handshake must fail long before.
+SLOW_CONNECT_S = 30.0
+REFUSED_WITHIN_S = 10.0  #: liveness bound: measured at about 0.01 s (client key) and 0.2 s (server key)
+REFUSED = "refused this reader's keys"
+
+
+async def refused_at_the_handshake(h: ab.Handle) -> ab.TransportError:
+    """open_reader(h) fails with the handshake's reason, well within its connect_timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(ab.TransportError, match=REFUSED) as info:
+        await ab.open_reader(h, transport="tcp", name="wrong-keys", connect_timeout=SLOW_CONNECT_S)
+    elapsed = time.monotonic() - t0
+    assert elapsed < REFUSED_WITHIN_S, f"refused after {elapsed:.1f} s, not at the handshake"
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+def reader_threads() -> int:
+    """Remote readers' I/O threads alive in this process."""
+    return sum(t.name == "aiobroadcast-tcp-reader" for t in threading.enumerate())
+
+
+def wrong_keys(h: ab.Handle, case: str) -> ab.Handle:
+    other_public, other_secret = (k.decode() for k in zmq.curve_keypair())
+    if case == "client-key":  # the server's ZAP handler refuses the key: it says so (ERROR 400)
+        return h.model_copy(update={"client_public_key": other_public, "client_secret_key": other_secret})
+    if case == "server-key":  # the server cannot decrypt HELLO: it closes the connection, silently
+        return h.model_copy(update={"server_key": other_public})
+    assert case == "insecure"  # plain TCP against CurveZMQ: the security mechanisms do not match
+    return h.model_copy(update={"insecure": True, "hmac_key": secrets.token_hex(32)})
+
+
+@ON_TRIO
+@pytest.mark.parametrize("case", ["client-key", "server-key", "insecure"])
+async def test_a_reader_with_wrong_keys_fails_at_the_handshake_not_at_the_timeout(case: str) -> None:
+    async with tcp_writer() as writer:
+        h = writer.handle
+        async with ab.open_reader(h, transport="tcp", name="legit") as legit:
+            await refused_at_the_handshake(wrong_keys(h, case))
+            assert remote_names(writer) == ["legit"]
+            # The refused reader left no thread behind it, and the one with the keys reads on.
+            assert reader_threads() == 1
+            await writer.put(message(0))
+            with anyio.fail_after(10):
+                assert tw.check_message(await legit.get()) == 0
+            assert remote_names(writer) == ["legit"]
+            assert writer.statistics().dropped_readers == 0
+        # Refused alone (no reader with the keys around either): still never counted.
+        await until(lambda: remote_names(writer) == [])
+        await refused_at_the_handshake(wrong_keys(h, case))
+        assert remote_names(writer) == []
+        assert reader_threads() == 0
+
+
 class FakeServer:
     """A hand-driven ROUTER on loopback that plays a writer's TCP server (a forgery)."""
 
@@ -328,8 +383,9 @@ async def test_a_forged_server_without_the_writers_key_is_refused() -> None:
             client_public_key=keys.client_public,
             client_secret_key=keys.client_secret,
         )
-        with pytest.raises(ab.TransportError, match="no answer"):
-            await ab.open_reader(h, transport="tcp", connect_timeout=1.0)
+        # The forger cannot decrypt HELLO and closes every handshake: refused there, not after
+        # connect_timeout.
+        await refused_at_the_handshake(h)
         assert await fake.recv(0.2) is None  # not even the HELLO got through
 
 

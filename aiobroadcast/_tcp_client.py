@@ -121,7 +121,11 @@ class TcpSource:
         self._thread.start()
 
     async def wait_welcome(self, limit_s: float) -> None:
-        got = await anyio.to_thread.run_sync(self._welcome.wait, limit_s)
+        try:
+            got = await anyio.to_thread.run_sync(self._welcome.wait, limit_s, abandon_on_cancel=True)
+        except BaseException:  # cancelled while connecting: nobody will use this source
+            self.close()
+            raise
         if self._welcome_error is not None or not got:
             reason = self._welcome_error or (
                 f"no answer from the writer at {self._handle.tcp} within {limit_s:g} s "
@@ -204,6 +208,7 @@ class TcpSource:
         self._thread.join()
         for s in (self._wake_r, self._wake_w, self._ctrl_r, self._ctrl_w):
             s.close()
+        self._welcome.set()  # releases a worker thread left waiting by a cancelled wait_welcome
 
     # --- the I/O thread ----------------------------------------------------------------------
     def _poke(self) -> None:

@@ -20,6 +20,7 @@ import pickle
 import re
 import secrets
 import signal
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -307,6 +308,26 @@ async def test_a_reader_with_wrong_keys_fails_at_the_handshake_not_at_the_timeou
         await until(lambda: remote_names(writer) == [])
         await refused_at_the_handshake(wrong_keys(h, case))
         assert remote_names(writer) == []
+        assert reader_threads() == 0
+
+
+@ON_TRIO
+async def test_a_connecting_reader_can_be_cancelled_and_leaves_nothing_behind() -> None:
+    """An endpoint that accepts TCP but never speaks ZeroMQ: no handshake event ever comes, so
+    only the caller's cancellation can end the wait early; it must, and close everything."""
+    async with tcp_writer() as writer:
+        pass
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        port = silent.getsockname()[1]
+        h = writer.handle.model_copy(update={"tcp": f"tcp://127.0.0.1:{port}"})
+        t0 = time.monotonic()
+        with anyio.move_on_after(0.3) as scope:
+            async with ab.open_reader(h, transport="tcp", connect_timeout=30):
+                raise AssertionError("connected to an endpoint that never answers")
+        assert scope.cancelled_caught
+        assert time.monotonic() - t0 < 10  # not the 30 s connect_timeout
         assert reader_threads() == 0
 
 

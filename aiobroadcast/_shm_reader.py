@@ -159,6 +159,8 @@ class ShmSource:
             msg, flen, flags, total = SLOT_REST.unpack_from(buf, off + 8)
             if flags & F_WHOLE == F_WHOLE and self._partial is None:
                 if flags & F_GAP:  # a relay lost messages upstream
+                    if not self._block and w[off >> 3] != c:  # the header may be torn
+                        continue
                     self._advance(c, 0)
                     self._next_msg = msg + 1
                     self._lagged_total += total
@@ -173,7 +175,11 @@ class ShmSource:
                     return self._deliver(msg, body, flags & F_OOB)
                 finally:
                     self._advance(c, 1)
-            # A fragment of a larger message.
+            # A fragment of a larger message. Under policy "lag" the header may be torn (the
+            # writer zeroes it before filling it in): check that the entry is still ours before
+            # acting on it, and again after copying its payload.
+            if not self._block and w[off >> 3] != c:
+                continue
             if flags & F_FIRST:
                 self._partial = bytearray(total)
                 self._partial_msg = msg

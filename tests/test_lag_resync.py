@@ -110,6 +110,7 @@ class Interleave:
         self.loads = 0
 
     def __getitem__(self, i: int) -> int:
+        assert self.loads < 100_000, "the reader spins"
         value = int(self._words[i])
         self._writer.step(self._steps(self.loads))
         self.loads += 1
@@ -185,6 +186,23 @@ async def test_a_torn_header_is_never_taken_for_the_rest_of_a_message() -> None:
         take(src, events)
         assert events == [("lagged", 1), ("msg", 1), ("msg", 2), ("msg", 3), ("msg", 4)], events
         check(events, 5)
+
+
+@pytest.mark.parametrize("anyio_backend", ["asyncio"])
+async def test_a_writer_stopped_inside_a_message_longer_than_the_ring() -> None:
+    """Message 1 takes 6 slots of 4; the writer stops (dies) while it writes the sixth. The reader
+    must count message 1 as lost and then wait, not spin on a head that will not move."""
+    writer, reader, src, stepped = await ring(lambda k: 0)
+    async with writer, reader:
+        stepped.publish(body(0, 1))
+        stepped.finish()
+        events: list[tuple[str, int]] = []
+        take(src, events)
+        stepped.publish(body(1, 6))
+        stepped.step(5 * 5 + 1)  # five fragments of message 1, and BUSY for the sixth
+        take(src, events)
+        assert events == [("msg", 0), ("lagged", 1)], events
+        assert not src.ready()  # so a get() sleeps, and finds out that the writer is gone
 
 
 @pytest.mark.parametrize("anyio_backend", ["asyncio"])

@@ -159,6 +159,8 @@ class ShmSource:
             msg, flen, flags, total = SLOT_REST.unpack_from(buf, off + 8)
             if flags & F_WHOLE == F_WHOLE and self._partial is None:
                 if flags & F_GAP:  # a relay lost messages upstream
+                    if not self._block and w[off >> 3] != c:  # the header may be torn
+                        continue
                     self._advance(c, 0)
                     self._next_msg = msg + 1
                     self._lagged_total += total
@@ -173,7 +175,11 @@ class ShmSource:
                     return self._deliver(msg, body, flags & F_OOB)
                 finally:
                     self._advance(c, 1)
-            # A fragment of a larger message.
+            # A fragment of a larger message. Under policy "lag" the header may be torn (the
+            # writer zeroes it before filling it in): check that the entry is still ours before
+            # acting on it, and again after copying its payload.
+            if not self._block and w[off >> 3] != c:
+                continue
             if flags & F_FIRST:
                 self._partial = bytearray(total)
                 self._partial_msg = msg
@@ -267,34 +273,43 @@ class ShmSource:
 
     def _resync_after_lag(self, c: int) -> None:
         """Policy "lag": the writer overwrote entries we had not read. Skip to the oldest
-        entry still held and report how many messages were lost."""
+        entry still held and report exactly how many messages were lost (docs/design.md,
+        "Catching up after a lag").
+
+        The count comes only from the header of an intact entry, read under the seqlock. ``head``
+        only says where to start looking: it may be stale by the time the slots are read, and
+        ``next_msg`` (which the writer stores just before ``head``) cannot be paired with it, so
+        neither bounds the search nor gives the count.
+        """
         w = self._words
         buf = self._buf
-        head = w[W_HEAD]
-        # The ring holds entries head-capacity .. head-1; the oldest may be being overwritten
-        # now (the seqlock check tells), then the next one is the oldest still held.
-        new_c = max(c, head - self._cap)
+        cap = self._cap
+        # Entries before head - capacity are overwritten (or being overwritten) for sure.
+        e = max(c, w[W_HEAD] - cap)
         while True:
-            if new_c >= head:  # nothing held: everything up to head was lost
-                new_c = head
-                msg, flags = w[W_NEXT_MSG], F_FIRST
-                break
-            off = self._data + (new_c % self._cap) * self._slot_bytes
-            seq = w[off >> 3]
-            msg, _flen, flags, _total = SLOT_REST.unpack_from(buf, off + 8)
-            if w[off >> 3] == seq == new_c:
-                break
-            new_c += 1
-        first_kept = msg if flags & F_FIRST else msg + 1
-        if new_c == c and first_kept <= self._next_msg:
-            # False alarm: the head we loaded was a full ring ahead, but entry c is intact
-            # (the writer had not started to overwrite it). Nothing was lost: read it.
+            # Entry e was published before this load (true of the first e, which is below the
+            # head we loaded; and we pass e only after seeing its slot reused, which the writer
+            # does after publishing e+1). So its slot holds e, or a later entry, or BUSY for one.
+            off = self._data + (e % cap) * self._slot_bytes
+            if w[off >> 3] == e:
+                msg, _flen, flags, _total = SLOT_REST.unpack_from(buf, off + 8)
+                if w[off >> 3] == e:
+                    first_kept = msg if flags & F_FIRST else msg + 1
+                    break
+            else:
+                e += 1
+        if e == c:
+            # The head we loaded was a full ring ahead, but entry c is intact (the writer had not
+            # started to overwrite it). Nothing was lost: read it.
             return
-        missed = max(1, first_kept - self._next_msg)
+        missed = first_kept - self._next_msg
         self._partial = None
+        self._cursor = e
+        w[self._cur_word] = e
+        if missed <= 0:
+            # Only fragments of a message already given up (counted, or begun before we joined).
+            return
         self._next_msg = first_kept
-        self._cursor = new_c
-        w[self._cur_word] = new_c
         self._lagged_total += missed
         raise ReaderLagged(missed)
 

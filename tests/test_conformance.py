@@ -280,13 +280,6 @@ async def test_statistics_show_the_reader_by_name(transport: str) -> None:
                 await anyio.sleep(0.02)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug in _shm_reader.py (not fixed here): a reader that races the writer under "
-    "policy 'lag' sometimes gets ReaderLagged(n) with n larger than what it missed (it then "
-    "receives messages it was told it missed); the TCP server is such a reader, so remote "
-    "readers inherit the over-count",
-)
 @pytest.mark.parametrize("anyio_backend", [pytest.param(ASYNCIO, id="asyncio")])
 async def test_lag_count_is_exact_while_the_reader_races_the_writer(transport: str) -> None:
     """A writer process publishes 100,000 messages as fast as it can into a 4-slot ring under

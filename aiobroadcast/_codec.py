@@ -20,7 +20,10 @@ from pydantic import BaseModel
 
 from ._exceptions import SerializationError
 
-OOB_MIN_BYTES = 64 * 1024
+#: Buffers from this size up travel out of band (one copy, straight into the ring). Below it the
+#: extra copy inside ``pickle.dumps`` costs less than the out-of-band bookkeeping (measured:
+#: 64 KiB in band 4 us, out of band 15 us, copies included; docs/performance.md).
+OOB_MIN_BYTES = 256 * 1024
 _OOB_COUNT = struct.Struct("<Q")
 _OOB_LEN = struct.Struct("<Q")
 _BYTES_KIND = 1 << 63  # set in an out-of-band length: the buffer becomes a bytes object (copied)

@@ -120,8 +120,8 @@ async def test_numpy_results_are_writable_and_never_alias_the_ring(anyio_backend
     array it gets and keeps it; later messages reuse the slots many times over; every later message
     must arrive intact and every kept array must still hold what the reader wrote. The writer also
     scribbles on each array right after ``put`` returns: readers must see the value at ``put``."""
-    sizes = [10, 3_000, 20_000, 200_000] * 8  # 80 B, 24 KB, 160 KB (OOB), 1.6 MB (OOB, streamed)
-    async with ab.open_writer(capacity=4, slot_bytes=256 * 1024) as writer:
+    sizes = [10, 3_000, 40_000, 400_000] * 8  # 80 B, 24 KB, 320 KB (OOB), 3.2 MB (OOB, streamed)
+    async with ab.open_writer(capacity=4, slot_bytes=512 * 1024) as writer:
         with spawn(numpy_proc, anyio_backend, writer.handle.to_json(), sizes) as reader:
             await reader.recv("attached")
             with anyio.fail_after(60):

@@ -318,11 +318,17 @@ class Writer(Generic[T_contra]):
         if self._room(entries):
             return
         w = self._words
-        target = _ring.wait_target(self._head, entries, self._cap)
+        # Hysteresis: a full ring makes the writer wait for a quarter of it to be free, not for
+        # one slot, so a writer faster than its slowest reader sleeps and is woken once per
+        # capacity/4 entries instead of once per entry (each wake-up costs the reader a system
+        # call and the writer a trip through its event loop).
+        slack = min(self._cap - entries, self._cap // 4)
+        target = _ring.wait_target(self._head, entries + slack, self._cap)
         try:
             while True:
                 w[W_WAIT_TARGET] = target
-                if self._room(entries):  # re-check after announcing (the rescan fences)
+                self._rescan()  # re-check after announcing (the rescan fences)
+                if self._min_cursor >= target:
                     return
                 try:
                     woken = await self._inbox.wait(LIVENESS_S)

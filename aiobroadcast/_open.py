@@ -304,6 +304,7 @@ def open_reader(
     transport: Transport = ...,
     trust_pickle: bool = ...,
     connect_timeout: float = ...,
+    spin_us: float | None = ...,
 ) -> _Opening[Reader[Any]]: ...
 @overload
 def open_reader(
@@ -314,6 +315,7 @@ def open_reader(
     transport: Transport = ...,
     trust_pickle: bool = ...,
     connect_timeout: float = ...,
+    spin_us: float | None = ...,
 ) -> _Opening[Reader[M]]: ...
 def open_reader(
     handle: Handle | str,
@@ -323,6 +325,7 @@ def open_reader(
     transport: Transport = "auto",
     trust_pickle: bool = True,
     connect_timeout: float = 10.0,
+    spin_us: float | None = None,
 ) -> _Opening[Reader[Any]]:
     """Attach to a channel and return a reader. It starts with the next message published.
 
@@ -332,6 +335,11 @@ def open_reader(
     - ``transport``: ``"shm"`` (same host), ``"tcp"`` (the writer's TCP endpoint), or
       ``"auto"``: shared memory when the writer's ring is reachable from here, else TCP.
     - ``trust_pickle=False`` refuses a channel that sends pickle (only JSON or schema codecs).
+    - ``spin_us``: how long a waiting ``get`` polls for the next message before it sleeps.
+      ``None`` (default): 50 us, and only while messages come densely (the previous wait was
+      under 200 us), so an idle reader uses no CPU. ``0``: never poll. A larger value trades CPU
+      for latency: with ``spin_us`` above the gap between messages the reader never sleeps (it
+      keeps a core busy, passing through the event loop on every round).
 
     Raises ``InvalidHandle`` (does not parse, segment gone, other layout, writer gone, pickle
     refused), ``TooManyReaders``, ``TransportError`` (remote writer unreachable or silent for
@@ -340,6 +348,8 @@ def open_reader(
     h = Handle.parse(handle)
     if transport not in ("auto", "shm", "tcp"):
         raise ValueError(f"transport must be 'auto', 'shm' or 'tcp', not {transport!r}")
+    if spin_us is not None and not 0 <= spin_us <= 1_000_000:
+        raise ValueError(f"spin_us must be None or between 0 and 1,000,000, not {spin_us!r}")
 
     async def make() -> Reader[Any]:
         if h.codec == "pickle" and not trust_pickle:
@@ -347,7 +357,7 @@ def open_reader(
         decode = _decoder(h, schema)
         reader_name = name or f"reader-{os.getpid()}"
         source = await _open_source(h, reader_name, decode, transport, connect_timeout)
-        return Reader(_reader_token, source, h, reader_name)
+        return Reader(_reader_token, source, h, reader_name, spin_us)
 
     return _Opening(make)
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import warnings
+from time import perf_counter_ns
 from types import TracebackType
 from typing import Any, Generic, Protocol, TypeVar, final
 
@@ -17,6 +19,13 @@ from ._writer import YIELD_EVERY
 T_co = TypeVar("T_co", covariant=True)
 
 _private = object()
+
+#: A reader whose previous sleep was shorter than ``DENSE_NS`` (messages come densely) first polls
+#: the ring for up to ``POLL_NS`` before it sleeps again: a message that arrives meanwhile costs
+#: neither side a wake-up. A reader that waited longer (a paced or idle stream) sleeps at once, so
+#: it uses no CPU while idle. ``open_reader(spin_us=...)`` replaces this with a fixed poll.
+POLL_NS = 50_000
+DENSE_NS = 200_000
 
 
 class Source(Protocol):
@@ -38,10 +47,14 @@ class Reader(Generic[T_co]):
     may share a reader: each ``get`` takes a distinct message, none is lost or duplicated.
     """
 
-    def __init__(self, token: object, source: Source, handle: Handle, name: str) -> None:
+    def __init__(
+        self, token: object, source: Source, handle: Handle, name: str, spin_us: float | None = None
+    ) -> None:
         if token is not _private:
             raise TypeError("Reader cannot be built directly; use aiobroadcast.open_reader()")
         self._src = source
+        self._spin_ns = None if spin_us is None else int(spin_us * 1000)
+        self._slept_ns = DENSE_NS  # no polling before the first sleep
         self._handle = handle
         self._name = name
         self._leader: anyio.Event | None = None
@@ -143,7 +156,10 @@ class Reader(Generic[T_co]):
             else:
                 event = self._leader = anyio.Event()
                 try:
-                    await self._src.sleep()
+                    if not await self._poll():
+                        start = perf_counter_ns()
+                        await self._src.sleep()
+                        self._slept_ns = perf_counter_ns() - start
                 finally:
                     self._leader = None
                     event.set()
@@ -151,3 +167,23 @@ class Reader(Generic[T_co]):
             self._tasks_waiting -= 1
         if self._closed:
             raise ClosedResourceError("this reader was closed while waiting")
+
+    async def _poll(self) -> bool:
+        """Poll the source for a while before sleeping (see ``POLL_NS``). True if it became
+        ready. Each round passes through the event loop, so other tasks run meanwhile, and
+        yields the CPU, so polling readers do not starve the writer of a busy host."""
+        spin = self._spin_ns
+        if spin is None:
+            spin = POLL_NS if self._slept_ns < DENSE_NS else 0
+        if not spin:
+            return False
+        ready = self._src.ready
+        deadline = perf_counter_ns() + spin
+        while True:
+            await anyio.lowlevel.checkpoint()
+            if self._closed or ready():
+                self._slept_ns = 0
+                return True
+            if perf_counter_ns() >= deadline:
+                return False
+            os.sched_yield()

@@ -175,3 +175,45 @@ def test_sweep_removes_sockets_and_stats_files_whose_channel_file_is_gone(tmp_pa
     assert young.exists() and unrelated.exists()
     # Its channel file exists (and is too new to count as stale), so its socket stays.
     assert owned.exists()
+
+
+async def _sleeps_while_waiting(writer: ab.Writer[object], reader: ab.Reader[object], wait_s: float) -> bool:
+    """Park a get for ``wait_s`` seconds, then publish; whether the writer ever saw the reader
+    asleep meanwhile. The writer runs in the same event loop as the polling reader, so the put
+    also shows that polling leaves the loop to other tasks."""
+    seen_asleep = False
+    async with anyio.create_task_group() as tg:
+        got: list[object] = []
+
+        async def take() -> None:
+            got.append(await reader.get())
+
+        tg.start_soon(take)
+        with anyio.fail_after(10):
+            end = anyio.current_time() + wait_s
+            while anyio.current_time() < end:
+                seen_asleep |= writer.statistics().readers[0].sleeping
+                await anyio.sleep(0.01)
+            await writer.put("late")
+    assert got == ["late"]
+    return seen_asleep
+
+
+async def test_spin_us_polls_instead_of_sleeping_and_zero_sleeps_at_once() -> None:
+    async with ab.open_writer(capacity=4, slot_bytes=256) as writer:
+        async with ab.open_reader(writer.handle, spin_us=1_000_000) as spinning:
+            assert not await _sleeps_while_waiting(writer, spinning, 0.3)
+        async with ab.open_reader(writer.handle, spin_us=0) as sleeping:
+            assert await _sleeps_while_waiting(writer, sleeping, 0.3)
+        # The default polls only while messages come densely: a reader that waits for long sleeps.
+        async with ab.open_reader(writer.handle) as default:
+            assert await _sleeps_while_waiting(writer, default, 0.3)
+            assert await _sleeps_while_waiting(writer, default, 0.3)
+
+
+@pytest.mark.parametrize("spin_us", [-1, 1_000_001, float("nan")])
+async def test_spin_us_out_of_range_raises_value_error(spin_us: float) -> None:
+    async with ab.open_writer(capacity=4, slot_bytes=256) as writer:
+        with pytest.raises(ValueError, match="spin_us"):
+            async with ab.open_reader(writer.handle, spin_us=spin_us):
+                pass

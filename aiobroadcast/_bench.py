@@ -113,6 +113,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--slot-bytes", type=int, help="aiobroadcast slot size (default: message size + 4 KiB)")
     p.add_argument("--loop", choices=("uvloop", "asyncio", "trio"), default=default_loop(),
                    help="event loop of aiobroadcast's writer and readers (default: uvloop if installed)")
+    p.add_argument("--spin-us", type=float, default=None,
+                   help="aiobroadcast readers' open_reader(spin_us=...) (default: the library's adaptive poll)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is killed (default: 300)")
     p.add_argument("--gap-s", type=float, default=0.5, help="pause between runs in seconds (default: 0.5)")
     p.set_defaults(func=run)
@@ -158,6 +160,8 @@ def _command(system: str, cell: Cell, args: argparse.Namespace) -> tuple[list[st
             cmd += ["--capacity", str(args.capacity)]
         if args.slot_bytes:
             cmd += ["--slot-bytes", str(args.slot_bytes)]
+        if args.spin_us is not None:
+            cmd += ["--spin-us", repr(args.spin_us)]
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, old_path) if p)
     else:
         cmd = [args.peer_python, str(PEERS_SCRIPT), system, *base, "--transport", args.transport]
@@ -227,7 +231,7 @@ def aggregate(cell: Cell, system: str, runs: list[dict[str, Any]]) -> dict[str, 
     out: dict[str, Any] = {"system": system, "mode": cell.mode, "readers": cell.readers, "size": cell.size,
                            "count": cell.count}
     for key in ("peer", "transport", "loop", "capacity", "slot_bytes", "max_chunk_bytes", "max_chunks", "hwm",
-                "lossless"):
+                "lossless", "spin_us"):
         if key in first:
             out[key] = first[key]
     out["runs"] = len(runs)

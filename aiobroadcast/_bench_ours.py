@@ -2,6 +2,7 @@
 
     python -m aiobroadcast._bench_ours MODE READERS SIZE COUNT [--capacity N] [--slot-bytes N]
                                        [--transport shm|tcp] [--loop uvloop|asyncio|trio]
+                                       [--spin-us US]
 
 Same protocol and figures as the peer drivers in ``_bench_peers`` (see docs/performance.md);
 prints one JSON object on its last line. ``IDLE_S`` (environment, default 5) is the pause of
@@ -71,21 +72,24 @@ def _run_loop(loop: str, func: Any, *args: Any) -> Any:
 
 # --- readers --------------------------------------------------------------------------------------
 def _reader_process(
-    handle: str, rank: int, mode: str, count: int, transport: str, loop: str, results: Any, ready: Any
+    handle: str, rank: int, mode: str, count: int, transport: str, loop: str, spin_us: float | None, results: Any,
+    ready: Any,
 ) -> None:
     try:
-        res = _run_loop(loop, _reader_main, handle, rank, mode, count, transport, ready)
+        res = _run_loop(loop, _reader_main, handle, rank, mode, count, transport, spin_us, ready)
     except BaseException as exc:
         results.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
         raise
     results.put(res)
 
 
-async def _reader_main(handle: str, rank: int, mode: str, count: int, transport: str, ready: Any) -> dict[str, Any]:
+async def _reader_main(
+    handle: str, rank: int, mode: str, count: int, transport: str, spin_us: float | None, ready: Any
+) -> dict[str, Any]:
     from . import open_reader
 
     extra: dict[str, Any] = {"transport": "tcp"} if transport == "tcp" else {}
-    async with open_reader(handle, name=f"bench-reader-{rank}", **extra) as reader:
+    async with open_reader(handle, name=f"bench-reader-{rank}", spin_us=spin_us, **extra) as reader:
         ready.set()
         lats: list[int] = []
         last = 0
@@ -114,7 +118,7 @@ async def _reader_main(handle: str, rank: int, mode: str, count: int, transport:
 # --- the writer -----------------------------------------------------------------------------------
 async def _writer_main(
     mode: str, readers: int, size: int, count: int, capacity: int, slot_bytes: int, transport: str, loop: str,
-    idle_s: float,
+    idle_s: float, spin_us: float | None,
 ) -> dict[str, Any]:
     from . import open_writer
 
@@ -128,7 +132,7 @@ async def _writer_main(
         procs = [
             ctx.Process(
                 target=_reader_process,
-                args=(handle, r, mode, count, transport, loop, results_q, readies[r]),
+                args=(handle, r, mode, count, transport, loop, spin_us, results_q, readies[r]),
                 daemon=True,
             )
             for r in range(readers)
@@ -191,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slot-bytes", type=int)
     p.add_argument("--transport", choices=("shm", "tcp"), default="shm")
     p.add_argument("--loop", choices=("uvloop", "asyncio", "trio"), default=default_loop())
+    p.add_argument("--spin-us", type=float, default=None)
     args = p.parse_args(argv)
     if args.transport == "tcp" and not tcp_available():
         print("tcp transport not available yet", file=sys.stderr)
@@ -202,11 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {
         "system": "aiobroadcast", "mode": args.mode, "readers": args.readers, "size": args.size, "count": args.count,
         "transport": args.transport, "loop": args.loop, "capacity": capacity, "slot_bytes": slot_bytes,
+        "spin_us": args.spin_us,
     }
     out.update(
         _run_loop(
             args.loop, _writer_main, args.mode, args.readers, args.size, args.count, capacity, slot_bytes,
-            args.transport, args.loop, idle_s,
+            args.transport, args.loop, idle_s, args.spin_us,
         )
     )
     print(json.dumps(out), flush=True)

@@ -1,12 +1,13 @@
 """aiobroadcast's benchmark driver: one writer process (this one), READERS reader processes.
 
     python -m aiobroadcast._bench_ours MODE READERS SIZE COUNT [--capacity N] [--slot-bytes N]
-                                       [--transport shm|tcp] [--loop uvloop|asyncio|trio]
+                                       [--transport shm|tcp] [--insecure] [--loop uvloop|asyncio|trio]
 
 Same protocol and figures as the peer drivers in ``_bench_peers`` (see docs/performance.md);
 prints one JSON object on its last line. ``IDLE_S`` (environment, default 5) is the pause of
 mode ``idle``. Writer and readers use the public async API (``await writer.put``,
-``await reader.get``) on their own event loops.
+``await reader.get``) on their own event loops. Over TCP the channel uses CurveZMQ unless
+``--insecure`` (plain TCP, every frame group signed with HMAC-SHA256).
 """
 
 from __future__ import annotations
@@ -114,14 +115,14 @@ async def _reader_main(handle: str, rank: int, mode: str, count: int, transport:
 # --- the writer -----------------------------------------------------------------------------------
 async def _writer_main(
     mode: str, readers: int, size: int, count: int, capacity: int, slot_bytes: int, transport: str, loop: str,
-    idle_s: float,
+    idle_s: float, insecure: bool = False,
 ) -> dict[str, Any]:
     from . import open_writer
 
     ctx = mp.get_context("spawn")
     results_q = ctx.Queue()
     readies = [ctx.Event() for _ in range(readers)]
-    extra: dict[str, Any] = {"tcp": "tcp://127.0.0.1:0", "insecure": False} if transport == "tcp" else {}
+    extra: dict[str, Any] = {"tcp": "tcp://127.0.0.1:0", "insecure": insecure} if transport == "tcp" else {}
     procs: list[Any] = []
     async with open_writer(capacity=capacity, slot_bytes=slot_bytes, max_readers=readers, **extra) as writer:
         handle = writer.handle.to_json()
@@ -190,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=int)
     p.add_argument("--slot-bytes", type=int)
     p.add_argument("--transport", choices=("shm", "tcp"), default="shm")
+    p.add_argument("--insecure", action="store_true",
+                   help="over TCP: plain TCP with HMAC-SHA256 instead of CurveZMQ encryption")
     p.add_argument("--loop", choices=("uvloop", "asyncio", "trio"), default=default_loop())
     args = p.parse_args(argv)
     if args.transport == "tcp" and not tcp_available():
@@ -203,10 +206,12 @@ def main(argv: list[str] | None = None) -> int:
         "system": "aiobroadcast", "mode": args.mode, "readers": args.readers, "size": args.size, "count": args.count,
         "transport": args.transport, "loop": args.loop, "capacity": capacity, "slot_bytes": slot_bytes,
     }
+    if args.transport == "tcp":
+        out["security"] = "hmac" if args.insecure else "curve"
     out.update(
         _run_loop(
             args.loop, _writer_main, args.mode, args.readers, args.size, args.count, capacity, slot_bytes,
-            args.transport, args.loop, idle_s,
+            args.transport, args.loop, idle_s, args.insecure,
         )
     )
     print(json.dumps(out), flush=True)

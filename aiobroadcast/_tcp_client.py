@@ -249,9 +249,12 @@ class TcpSource:
             now = time.monotonic()
             for _ in range(256):
                 try:
-                    frames = self._dealer.recv_multipart(zmq.NOBLOCK, copy=True)
+                    msg = self._dealer.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
+                # Large frames stay ZeroMQ's buffers (the bodies are views of them, copied once
+                # when decoded); small ones become bytes.
+                frames = [f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg]
                 try:
                     frames = wire.verify(self._key, frames)
                     got = self._on_frames(frames)
@@ -289,12 +292,12 @@ class TcpSource:
                 self._send([wire.NACK, wire.U64.pack(self._next)])
                 last_batch = now
 
-    def _on_frames(self, frames: list[bytes]) -> tuple[str, int] | None:
+    def _on_frames(self, frames: list[Any]) -> tuple[str, int] | None:
         kind = frames[0]
         if kind == wire.BATCH:
             if self._next < 0:
                 return None
-            first, items = wire.decode_batch(frames[1], frames[2])
+            first, items = wire.decode_batch(frames[1], frames[2:])
             if first > self._next:
                 self._send([wire.NACK, wire.U64.pack(self._next)])  # a gap: ask again
                 return None

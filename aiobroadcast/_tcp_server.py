@@ -36,7 +36,12 @@ log = logging.getLogger("aiobroadcast")
 BRIDGE_NAME = "tcp-server"
 
 
-def _raw(body: Any, oob: bool) -> tuple[bytes, int]:
+def _raw(body: Any, oob: bool) -> tuple[bytes | zmq.Frame, int]:
+    """A body out of the ring, copied once (it is a view of the slot, which the writer reuses
+    as soon as we move on). A large body is copied straight into a ZeroMQ message, which every
+    send then shares (refcounted, never copied again); a small one into bytes, to be joined."""
+    if len(body) >= wire.FRAME_ALONE:
+        return zmq.Frame(body, copy=True), 1 if oob else 0
     return bytes(body), 1 if oob else 0
 
 
@@ -124,7 +129,7 @@ class TcpServer:
         os.set_blocking(self._ctrl_r, False)
         self._lock = threading.Lock()
         self._clients: dict[bytes, _Client] = {}
-        self._buf: list[tuple[bytes, int]] = []
+        self._buf: list[tuple[bytes | zmq.Frame, int]] = []
         self._base = 0  # seq of self._buf[0]
         self._end = 0  # next seq the server will have
         self._ring_done: str | None = None  # "closed" or "gone"
@@ -238,7 +243,7 @@ class TcpServer:
             n += 1
         return n
 
-    def _send(self, ident: bytes, frames: list[bytes]) -> None:
+    def _send(self, ident: bytes, frames: list[Any]) -> None:
         try:
             self._router.send_multipart([ident, *wire.sign(self._key, frames)], flags=zmq.NOBLOCK)
         except zmq.Again:  # pragma: no cover - sndhwm is unlimited

@@ -232,8 +232,8 @@ def aggregate(cell: Cell, system: str, runs: list[dict[str, Any]]) -> dict[str, 
     first = runs[0]
     out: dict[str, Any] = {"system": system, "mode": cell.mode, "readers": cell.readers, "size": cell.size,
                            "count": cell.count}
-    for key in ("peer", "transport", "security", "loop", "capacity", "slot_bytes", "max_chunk_bytes", "max_chunks", "hwm",
-                "lossless"):
+    for key in ("peer", "transport", "security", "loop", "capacity", "slot_bytes", "max_chunk_bytes", "max_chunks",
+                "hwm", "lossless"):
         if key in first:
             out[key] = first[key]
     out["runs"] = len(runs)

@@ -203,6 +203,17 @@ class TcpSource:
             except BlockingIOError:
                 pass
 
+    def _push_batch(self, first: int, items: list[tuple[memoryview, int]]) -> None:
+        """Queue a batch's messages: one lock and at most one wake-up for all of them."""
+        with self._lock:
+            self._items.extend((_MSG, (first + k, flags), body) for k, (body, flags) in enumerate(items))
+            wake = self._sleeping
+        if wake:
+            try:
+                self._wake_w.send(b"\0")
+            except BlockingIOError:
+                pass
+
     def _send(self, frames: list[bytes]) -> None:
         try:
             self._dealer.send_multipart(wire.sign(self._key, frames), flags=zmq.NOBLOCK)
@@ -302,8 +313,8 @@ class TcpSource:
                 self._send([wire.NACK, wire.U64.pack(self._next)])  # a gap: ask again
                 return None
             skip = self._next - first
-            for k, (body, flags) in enumerate(items[skip:]):
-                self._push(_MSG, (first + skip + k, flags), body)
+            if skip < len(items):
+                self._push_batch(first + skip, items[skip:])
             self._next = max(self._next, first + len(items))
             return ("batch", 0)
         if kind == wire.HEARTBEAT:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from ._bench_ours import default_loop, ring_for, tcp_available
-from ._bench_peers import MODES, PEERS
+from ._bench_peers import EXTRA_PEERS, MODES, PEERS
 
 OURS = "aiobroadcast"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -98,9 +98,13 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--json", action="store_true", help="print one JSON object per cell and system on stdout")
     p.add_argument("--transport", choices=("shm", "tcp"), default="shm",
                    help="aiobroadcast over shared memory (default), or over TCP on 127.0.0.1")
+    p.add_argument("--insecure", action="store_true",
+                   help="with --transport tcp: aiobroadcast's channel without CurveZMQ (plain TCP, frames "
+                        "signed with HMAC-SHA256); default: CurveZMQ")
     p.add_argument("--peers", action="store_true", help="also run the peers (vllm, pyzmq), alternating")
-    p.add_argument("--peer", action="append", choices=PEERS, dest="only_peers",
-                   help="run this peer (repeatable; implies --peers)")
+    p.add_argument("--peer", action="append", choices=(*PEERS, *EXTRA_PEERS), dest="only_peers",
+                   help="run this peer (repeatable; implies --peers); pyzmq-curve (pyzmq PUB/SUB with "
+                        "CurveZMQ) runs only when named")
     p.add_argument("--peer-python", default=sys.executable,
                    help="interpreter for the peer drivers (needs pyzmq; vLLM also needs torch; default: this one)")
     p.add_argument("--vllm-path", default=None,
@@ -162,6 +166,8 @@ def _command(system: str, cell: Cell, args: argparse.Namespace) -> tuple[list[st
             cmd += ["--slot-bytes", str(args.slot_bytes)]
         if args.spin_us is not None:
             cmd += ["--spin-us", repr(args.spin_us)]
+        if args.insecure and args.transport == "tcp":
+            cmd.append("--insecure")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, old_path) if p)
     else:
         cmd = [args.peer_python, str(PEERS_SCRIPT), system, *base, "--transport", args.transport]
@@ -230,8 +236,8 @@ def aggregate(cell: Cell, system: str, runs: list[dict[str, Any]]) -> dict[str, 
     first = runs[0]
     out: dict[str, Any] = {"system": system, "mode": cell.mode, "readers": cell.readers, "size": cell.size,
                            "count": cell.count}
-    for key in ("peer", "transport", "loop", "capacity", "slot_bytes", "max_chunk_bytes", "max_chunks", "hwm",
-                "lossless", "spin_us"):
+    for key in ("peer", "transport", "security", "loop", "capacity", "slot_bytes", "max_chunk_bytes", "max_chunks",
+                "hwm", "lossless", "spin_us"):
         if key in first:
             out[key] = first[key]
     out["runs"] = len(runs)
@@ -368,8 +374,8 @@ def run(args: argparse.Namespace) -> int:
     progress = _Progress()
     progress.say(
         f"aiobroadcast bench: {len(cells)} cell(s) x {args.repeat} run(s) of {', '.join(systems)}; "
-        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, aiobroadcast over {args.transport} "
-        f"on {args.loop}"
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, aiobroadcast over {args.transport}"
+        f"{(' (insecure: HMAC)' if args.insecure else ' (CurveZMQ)') if args.transport == 'tcp' else ''} on {args.loop}"
     )
     for size in dict.fromkeys(c.size for c in cells):
         cap, slot = ring_for(size)

@@ -1,13 +1,14 @@
 """aiobroadcast's benchmark driver: one writer process (this one), READERS reader processes.
 
     python -m aiobroadcast._bench_ours MODE READERS SIZE COUNT [--capacity N] [--slot-bytes N]
-                                       [--transport shm|tcp] [--loop uvloop|asyncio|trio]
+                                       [--transport shm|tcp] [--insecure] [--loop uvloop|asyncio|trio]
                                        [--spin-us US]
 
 Same protocol and figures as the peer drivers in ``_bench_peers`` (see docs/performance.md);
 prints one JSON object on its last line. ``IDLE_S`` (environment, default 5) is the pause of
 mode ``idle``. Writer and readers use the public async API (``await writer.put``,
-``await reader.get``) on their own event loops.
+``await reader.get``) on their own event loops. Over TCP the channel uses CurveZMQ unless
+``--insecure`` (plain TCP, every frame group signed with HMAC-SHA256).
 """
 
 from __future__ import annotations
@@ -118,14 +119,14 @@ async def _reader_main(
 # --- the writer -----------------------------------------------------------------------------------
 async def _writer_main(
     mode: str, readers: int, size: int, count: int, capacity: int, slot_bytes: int, transport: str, loop: str,
-    idle_s: float, spin_us: float | None,
+    idle_s: float, spin_us: float | None = None, insecure: bool = False,
 ) -> dict[str, Any]:
     from . import open_writer
 
     ctx = mp.get_context("spawn")
     results_q = ctx.Queue()
     readies = [ctx.Event() for _ in range(readers)]
-    extra: dict[str, Any] = {"tcp": "tcp://127.0.0.1:0", "insecure": False} if transport == "tcp" else {}
+    extra: dict[str, Any] = {"tcp": "tcp://127.0.0.1:0", "insecure": insecure} if transport == "tcp" else {}
     procs: list[Any] = []
     async with open_writer(capacity=capacity, slot_bytes=slot_bytes, max_readers=readers, **extra) as writer:
         handle = writer.handle.to_json()
@@ -194,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=int)
     p.add_argument("--slot-bytes", type=int)
     p.add_argument("--transport", choices=("shm", "tcp"), default="shm")
+    p.add_argument("--insecure", action="store_true",
+                   help="over TCP: plain TCP with HMAC-SHA256 instead of CurveZMQ encryption")
     p.add_argument("--loop", choices=("uvloop", "asyncio", "trio"), default=default_loop())
     p.add_argument("--spin-us", type=float, default=None)
     args = p.parse_args(argv)
@@ -209,10 +212,12 @@ def main(argv: list[str] | None = None) -> int:
         "transport": args.transport, "loop": args.loop, "capacity": capacity, "slot_bytes": slot_bytes,
         "spin_us": args.spin_us,
     }
+    if args.transport == "tcp":
+        out["security"] = "hmac" if args.insecure else "curve"
     out.update(
         _run_loop(
             args.loop, _writer_main, args.mode, args.readers, args.size, args.count, capacity, slot_bytes,
-            args.transport, args.loop, idle_s, args.spin_us,
+            args.transport, args.loop, idle_s, args.spin_us, args.insecure,
         )
     )
     print(json.dumps(out), flush=True)

@@ -4,8 +4,10 @@
 
 PEER is ``vllm`` (vLLM's own ``MessageQueue``, from
 ``vllm.distributed.device_communicators.shm_broadcast``: it needs torch, pyzmq and vLLM's module
-on ``PYTHONPATH``) or ``pyzmq`` (pyzmq asyncio PUB/SUB over ``ipc://`` with pickle, unbounded
-high-water marks, i.e. lossless: what a user writes by hand). The benchmark protocol is the one
+on ``PYTHONPATH``), ``pyzmq`` (pyzmq asyncio PUB/SUB over ``ipc://`` with pickle, unbounded
+high-water marks, i.e. lossless: what a user writes by hand) or ``pyzmq-curve`` (the same with
+CurveZMQ encryption on the sockets: the counterpart of aiobroadcast's default TCP channel; not
+part of ``--peers``, only run when named). The benchmark protocol is the one
 in docs/performance.md: one writer process (this one) and READERS reader processes (spawn);
 messages are ``(time.perf_counter_ns(), b"x" * SIZE)``; readers are ready before the clock
 starts; ``IDLE_S`` (environment, default 5) is the pause of mode ``idle``. The last line printed
@@ -35,6 +37,8 @@ from typing import Any
 
 MODES = ("tput", "lat", "idle")
 PEERS = ("vllm", "pyzmq")
+#: Peers that run only when named (``--peer``).
+EXTRA_PEERS = ("pyzmq-curve",)
 #: Exit status of a driver whose peer is not importable here.
 UNAVAILABLE_RC = 3
 #: Pacing of mode ``lat`` (seconds between messages).
@@ -169,17 +173,23 @@ def run_vllm(mode: str, readers: int, size: int, count: int, idle_s: float, tran
 
 
 # --- pyzmq asyncio PUB/SUB ------------------------------------------------------------------------
-def _zmq_reader(addr: str, rank: int, mode: str, count: int, q: Any, ready: Any) -> None:
-    asyncio.run(_zmq_reader_main(addr, rank, mode, count, q, ready))
+def _zmq_reader(
+    addr: str, rank: int, mode: str, count: int, q: Any, ready: Any, curve: tuple[bytes, bytes, bytes] | None = None
+) -> None:
+    asyncio.run(_zmq_reader_main(addr, rank, mode, count, q, ready, curve))
 
 
-async def _zmq_reader_main(addr: str, rank: int, mode: str, count: int, q: Any, ready: Any) -> None:
+async def _zmq_reader_main(
+    addr: str, rank: int, mode: str, count: int, q: Any, ready: Any, curve: tuple[bytes, bytes, bytes] | None = None
+) -> None:
     zmq = importlib.import_module("zmq")
     zmq_asyncio = importlib.import_module("zmq.asyncio")
     ctx = zmq_asyncio.Context()
     s = ctx.socket(zmq.SUB)
     try:
         s.setsockopt(zmq.RCVHWM, 0)
+        if curve is not None:  # CurveZMQ client: the server's public key, our key pair
+            s.curve_serverkey, s.curve_publickey, s.curve_secretkey = curve
         s.subscribe(b"")
         s.connect(addr)
         while await s.recv() != b"HELLO":  # the writer says HELLO until every reader is subscribed
@@ -215,15 +225,25 @@ async def _zmq_reader_main(addr: str, rank: int, mode: str, count: int, q: Any, 
         ctx.term()
 
 
-def run_pyzmq(mode: str, readers: int, size: int, count: int, idle_s: float, transport: str) -> dict[str, Any]:
+def run_pyzmq(
+    mode: str, readers: int, size: int, count: int, idle_s: float, transport: str, curve: bool = False
+) -> dict[str, Any]:
     """pyzmq PUB (sync writer) to asyncio SUB readers, pickle protocol 5, SNDHWM = RCVHWM = 0
-    (unbounded queues: nothing is dropped)."""
+    (unbounded queues: nothing is dropped). ``curve``: CurveZMQ on every socket (the PUB is the
+    CURVE server, each SUB a client with its own key pair; no ZAP handler, so no client key
+    check: the handshake and the per-frame encryption are what is measured)."""
     zmq = importlib.import_module("zmq")
     ctx = zmq.Context()
     s = ctx.socket(zmq.PUB)
     path = ""
+    keys: list[tuple[bytes, bytes, bytes] | None] = [None] * readers
     try:
         s.setsockopt(zmq.SNDHWM, 0)
+        if curve:
+            server_public, server_secret = zmq.curve_keypair()
+            s.curve_server = True
+            s.curve_secretkey = server_secret
+            keys = [(server_public, *zmq.curve_keypair()) for _ in range(readers)]
         if transport == "tcp":
             s.bind("tcp://127.0.0.1:*")
             addr = s.getsockopt(zmq.LAST_ENDPOINT).decode()
@@ -235,7 +255,8 @@ def run_pyzmq(mode: str, readers: int, size: int, count: int, idle_s: float, tra
         q = mpc.Queue()
         evs = [mpc.Event() for _ in range(readers)]
         procs = [
-            mpc.Process(target=_zmq_reader, args=(addr, r, mode, count, q, evs[r]), daemon=True) for r in range(readers)
+            mpc.Process(target=_zmq_reader, args=(addr, r, mode, count, q, evs[r], keys[r]), daemon=True)
+            for r in range(readers)
         ]
         for p in procs:
             p.start()
@@ -270,8 +291,10 @@ def run_pyzmq(mode: str, readers: int, size: int, count: int, idle_s: float, tra
         if path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-    out: dict[str, Any] = {"system": "pyzmq", "peer": "pyzmq-asyncio", "transport": transport, "hwm": 0,
-                           "lossless": True}
+    out: dict[str, Any] = {"system": "pyzmq-curve" if curve else "pyzmq", "peer": "pyzmq-asyncio",
+                           "transport": transport, "hwm": 0, "lossless": True}
+    if curve:
+        out["security"] = "curve"
     out.update(figures(mode, count, size, t0, results, idle_s))
     return out
 
@@ -309,7 +332,10 @@ def check_available(peer: str) -> str | None:
             importlib.import_module("torch")
             _vllm_queue_class()
         else:
+            zmq = importlib.import_module("zmq")
             importlib.import_module("zmq.asyncio")
+            if peer == "pyzmq-curve" and not zmq.has("curve"):
+                return "this libzmq was built without CURVE"
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
@@ -317,7 +343,7 @@ def check_available(peer: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="peer driver of aiobroadcast bench")
-    p.add_argument("peer", choices=PEERS)
+    p.add_argument("peer", choices=(*PEERS, *EXTRA_PEERS))
     p.add_argument("mode", choices=MODES)
     p.add_argument("readers", type=int)
     p.add_argument("size", type=int)
@@ -329,9 +355,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"unavailable": args.peer, "reason": reason, "python": sys.executable}), flush=True)
         return UNAVAILABLE_RC
     idle_s = float(os.environ.get("IDLE_S", "5"))
-    run = run_vllm if args.peer == "vllm" else run_pyzmq
     out: dict[str, Any] = {"mode": args.mode, "readers": args.readers, "size": args.size, "count": args.count}
-    out.update(run(args.mode, args.readers, args.size, args.count, idle_s, args.transport))
+    if args.peer == "vllm":
+        out.update(run_vllm(args.mode, args.readers, args.size, args.count, idle_s, args.transport))
+    else:
+        curve = args.peer == "pyzmq-curve"
+        out.update(run_pyzmq(args.mode, args.readers, args.size, args.count, idle_s, args.transport, curve))
     expected = _expected(args.mode, args.count)
     print(json.dumps(out), flush=True)
     if out["received"] != [expected] * args.readers or not out["in_order"]:

@@ -234,6 +234,17 @@ class TcpSource:
             except BlockingIOError:
                 pass
 
+    def _push_batch(self, first: int, items: list[tuple[memoryview, int]]) -> None:
+        """Queue a batch's messages: one lock and at most one wake-up for all of them."""
+        with self._lock:
+            self._items.extend((_MSG, (first + k, flags), body) for k, (body, flags) in enumerate(items))
+            wake = self._sleeping
+        if wake:
+            try:
+                self._wake_w.send(b"\0")
+            except BlockingIOError:
+                pass
+
     def _send(self, frames: list[bytes]) -> None:
         try:
             self._dealer.send_multipart(wire.sign(self._key, frames), flags=zmq.NOBLOCK)
@@ -336,9 +347,12 @@ class TcpSource:
             now = time.monotonic()
             for _ in range(256):
                 try:
-                    frames = self._dealer.recv_multipart(zmq.NOBLOCK, copy=True)
+                    msg = self._dealer.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
+                # Large frames stay ZeroMQ's buffers (the bodies are views of them, copied once
+                # when decoded); small ones become bytes.
+                frames = [f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg]
                 try:
                     frames = wire.verify(self._key, frames)
                     got = self._on_frames(frames)
@@ -376,18 +390,18 @@ class TcpSource:
                 self._send([wire.NACK, wire.U64.pack(self._next)])
                 last_batch = now
 
-    def _on_frames(self, frames: list[bytes]) -> tuple[str, int] | None:
+    def _on_frames(self, frames: list[Any]) -> tuple[str, int] | None:
         kind = frames[0]
         if kind == wire.BATCH:
             if self._next < 0:
                 return None
-            first, items = wire.decode_batch(frames[1], frames[2])
+            first, items = wire.decode_batch(frames[1], frames[2:])
             if first > self._next:
                 self._send([wire.NACK, wire.U64.pack(self._next)])  # a gap: ask again
                 return None
             skip = self._next - first
-            for k, (body, flags) in enumerate(items[skip:]):
-                self._push(_MSG, (first + skip + k, flags), body)
+            if skip < len(items):
+                self._push_batch(first + skip, items[skip:])
             self._next = max(self._next, first + len(items))
             return ("batch", 0)
         if kind == wire.HEARTBEAT:

@@ -11,6 +11,8 @@ remote readers have drained; it publishes who is connected in a small JSON file 
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import json
 import logging
 import os
@@ -36,7 +38,12 @@ log = logging.getLogger("aiobroadcast")
 BRIDGE_NAME = "tcp-server"
 
 
-def _raw(body: Any, oob: bool) -> tuple[bytes, int]:
+def _raw(body: Any, oob: bool) -> tuple[bytes | zmq.Frame, int]:
+    """A body out of the ring, copied once (it is a view of the slot, which the writer reuses
+    as soon as we move on). A large body is copied straight into a ZeroMQ message, which every
+    send then shares (refcounted, never copied again); a small one into bytes, to be joined."""
+    if len(body) >= wire.FRAME_ALONE:
+        return zmq.Frame(body, copy=True), 1 if oob else 0
     return bytes(body), 1 if oob else 0
 
 
@@ -124,8 +131,11 @@ class TcpServer:
         os.set_blocking(self._ctrl_r, False)
         self._lock = threading.Lock()
         self._clients: dict[bytes, _Client] = {}
-        self._buf: list[tuple[bytes, int]] = []
-        self._base = 0  # seq of self._buf[0]
+        self._buf: list[tuple[bytes | zmq.Frame, int]] = []
+        # seq of each entry of _buf, ascending. Consecutive but for gaps (policy "lag": the ring
+        # overwrote messages before we took them); a seq in [_base, _end) that is not here was lost.
+        self._seqs: list[int] = []
+        self._base = 0  # nothing before it is held
         self._end = 0  # next seq the server will have
         self._ring_done: str | None = None  # "closed" or "gone"
         self._stopping = False
@@ -219,12 +229,11 @@ class TcpServer:
             except WouldBlock:
                 break
             except ReaderLagged as exc:
-                # The ring overwrote messages before we took them (policy "lag"): everyone
-                # behind the gap is told exactly what it missed.
+                # The ring overwrote messages before we took them (policy "lag"): a gap in the
+                # buffer. Readers still get what we hold before it, then are told exactly what
+                # the gap cost them (_send_clients).
                 with self._lock:
                     self._end += exc.missed
-                    self._base = self._end
-                    buf.clear()
                 continue
             except EndOfStream:
                 self._ring_done = "closed"
@@ -233,14 +242,18 @@ class TcpServer:
                 self._ring_done = "gone"
                 break
             buf.append(item)
+            self._seqs.append(self._end)
             with self._lock:
                 self._end += 1
             n += 1
         return n
 
-    def _send(self, ident: bytes, frames: list[bytes]) -> None:
+    def _send(self, ident: bytes, frames: list[Any]) -> None:
+        self._send_signed(ident, wire.sign(self._key, frames))
+
+    def _send_signed(self, ident: bytes, frames: list[Any]) -> None:
         try:
-            self._router.send_multipart([ident, *wire.sign(self._key, frames)], flags=zmq.NOBLOCK)
+            self._router.send_multipart([ident, *frames], flags=zmq.NOBLOCK)
         except zmq.Again:  # pragma: no cover - sndhwm is unlimited
             pass
 
@@ -333,13 +346,26 @@ class TcpServer:
 
     def _send_clients(self) -> int:
         sent = 0
+        # Readers that keep pace get the same batch: build and sign it once (the HMAC reads
+        # every byte), keyed by its first seq and count, which fix its content within this call.
+        batches: dict[tuple[int, int], list[Any]] = {}
         for client in list(self._clients.values()):
             if client.next_send < self._base:  # the server's own ring reader lagged: say so
                 self._rewind(client, client.next_send)
             limit = min(self._end, client.acked + client.window)
             if client.next_send < limit:
-                lo = client.next_send - self._base
-                hi = limit - self._base
+                seqs = self._seqs
+                lo = bisect.bisect_left(seqs, client.next_send)
+                if lo == len(seqs) or seqs[lo] != client.next_send:
+                    # In a gap of the server's own: say what it holds next, and go on from there.
+                    after = seqs[lo] if lo < len(seqs) else self._end
+                    self._send(client.ident, [wire.LAGGED, wire.U64x2.pack(after, after - client.next_send)])
+                    client.next_send = after
+                    if after >= limit:
+                        continue  # no credit beyond the gap until the reader takes the report
+                first = client.next_send
+                hi = lo + min(limit - first, len(seqs) - lo)
+                hi = _run_end(seqs, lo, hi)  # stop before a gap
                 items = []
                 size = 0
                 for item in self._buf[lo:hi]:
@@ -347,7 +373,11 @@ class TcpServer:
                     size += len(item[0])
                     if size >= 1 << 20:
                         break
-                self._send(client.ident, wire.encode_batch(client.next_send, items))
+                key = (first, len(items))
+                frames = batches.get(key)
+                if frames is None:
+                    frames = batches[key] = wire.sign(self._key, wire.encode_batch(first, items))
+                self._send_signed(client.ident, frames)
                 client.next_send += len(items)
                 sent += len(items)
             elif self._ring_done and not client.ended and client.next_send >= self._end:
@@ -357,13 +387,16 @@ class TcpServer:
 
     def _trim(self) -> None:
         buf = self._buf
+        seqs = self._seqs
         if self._block:
             keep_from = min((c.acked for c in self._clients.values()), default=self._end)
-        else:
-            keep_from = max(self._base, self._end - self._buffer_max)
-        drop = keep_from - self._base
-        if drop > 0:
+            drop = bisect.bisect_left(seqs, keep_from)
+        else:  # the newest buffer_max entries (gaps do not count)
+            drop = max(0, len(seqs) - self._buffer_max)
+            keep_from = seqs[drop] if drop < len(seqs) else self._end
+        if keep_from > self._base:
             del buf[:drop]
+            del seqs[:drop]
             with self._lock:
                 self._base = keep_from
             for client in self._clients.values():
@@ -393,6 +426,22 @@ class TcpServer:
         return self._ring_done is not None and all(c.ended and c.acked >= self._end for c in self._clients.values())
 
 
+def _run_end(seqs: list[int], lo: int, hi: int) -> int:
+    """The end of the run of consecutive seqs that starts at ``seqs[lo]``, at most ``hi``.
+    ``seqs`` ascends without repeats, so ``seqs[j] - j`` never falls: a binary search."""
+    d = seqs[lo] - lo
+    if seqs[hi - 1] - (hi - 1) == d:
+        return hi
+    a, b = lo, hi - 1  # seqs[a] - a == d, seqs[b] - b > d
+    while a + 1 < b:
+        m = (a + b) // 2
+        if seqs[m] - m == d:
+            a = m
+        else:
+            b = m
+    return a + 1
+
+
 def _port_star(endpoint: str) -> str:
     """``tcp://host:0`` binds an ephemeral port; the real one is read back from the socket."""
     if endpoint.endswith(":0"):
@@ -400,11 +449,38 @@ def _port_star(endpoint: str) -> str:
     return endpoint
 
 
+#: glibc's mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: free memory glibc may keep at the top of a heap instead of giving it back to the kernel
+KEEP_FREE_BYTES = 64 << 20
+
+
+def _keep_freed_memory() -> None:
+    """Stop glibc from handing freed message buffers back to the kernel at once.
+
+    Large bodies make a ZeroMQ message per body: allocated here, freed by ZeroMQ's I/O thread
+    once sent. With glibc's default (a 128 KiB trim threshold, raised only as large blocks are
+    freed) the freed top of the heap goes back to the kernel, and the next body faults its pages
+    in again: about 5 page faults per 64 KiB message. Keeping up to KEEP_FREE_BYTES free
+    removes them. This process is ours, so the setting affects no one else; elsewhere than
+    glibc it is skipped."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        return
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    mallopt(_M_TRIM_THRESHOLD, KEEP_FREE_BYTES)
+    mallopt(_M_MMAP_THRESHOLD, 4 << 20)  # fixed (it was adaptive): bodies up to 4 MiB reuse the heap
+
+
 def main() -> int:
     """Entry point of the server process. Reads its configuration (with the keys: never on the
     command line) as one JSON line on stdin, answers with one JSON line on stdout (the endpoint
     it bound, or the error), then serves until stdin closes and remote readers have drained."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    _keep_freed_memory()
     # A terminal's Ctrl-C is for the writer: it stops this server by closing our stdin, after
     # remote readers have drained.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

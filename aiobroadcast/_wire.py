@@ -11,9 +11,11 @@ import hashlib
 import hmac
 import json
 import struct
+from collections.abc import Sequence
 from typing import Any
 
-PROTOCOL_VERSION = 1
+#: 2: a batch carries its bodies in one or more frames (large bodies alone), not one blob.
+PROTOCOL_VERSION = 2
 
 # reader -> server
 HELLO = b"H"  # json {version, name, pid, window, resume}
@@ -22,7 +24,7 @@ NACK = b"N"  # u64 next seq wanted: resend from there
 BYE = b"B"
 # server -> reader
 WELCOME = b"W"  # json {start, policy, hb_interval, hb_timeout, window}
-BATCH = b"M"  # header, blob
+BATCH = b"M"  # header, then frames that each hold whole bodies (a large body alone, small ones joined)
 HEARTBEAT = b"P"  # u64 end (next seq the server will have), u64 closed
 LAGGED = b"L"  # u64 from_seq, u64 missed
 END = b"E"  # u64 final seq, reason
@@ -39,34 +41,44 @@ MAC_BYTES = 32
 DEFAULT_MAX_FRAME = 1 << 31
 #: largest frame the server accepts from a reader (control frames are tiny)
 MAX_CONTROL_FRAME = 64 * 1024
+#: a body at least this large travels in a frame of its own: it is never copied into a joined
+#: frame, and the server hands the frame it made from the ring to ZeroMQ as is (shared, not
+#: copied, when it goes to several readers or again after a loss). Smaller bodies are joined,
+#: since a frame costs more than a copy of a few KiB.
+FRAME_ALONE = 16 * 1024
 
 
 class FrameError(ValueError):
     """A frame that is not well formed or not authentic."""
 
 
-def sign(key: bytes | None, frames: list[bytes]) -> list[bytes]:
+def _nbytes(f: Any) -> int:
+    return memoryview(f).nbytes
+
+
+def sign(key: bytes | None, frames: list[Any]) -> list[Any]:
+    """``frames``: bytes or any buffer (a ``zmq.Frame``); with a key, the HMAC frame is added."""
     if key is None:
         return frames
     mac = hmac.new(key, digestmod=hashlib.sha256)
     for f in frames:
-        mac.update(U64.pack(len(f)))
+        mac.update(U64.pack(_nbytes(f)))
         mac.update(f)
     return [*frames, mac.digest()]
 
 
-def verify(key: bytes | None, frames: list[bytes]) -> list[bytes]:
+def verify(key: bytes | None, frames: list[Any]) -> list[Any]:
     """Return the frames without their MAC, or raise ``FrameError`` if it does not match."""
     if key is None:
         return frames
-    if len(frames) < 2 or len(frames[-1]) != MAC_BYTES:
+    if len(frames) < 2 or _nbytes(frames[-1]) != MAC_BYTES:
         raise FrameError("missing signature")
     body = frames[:-1]
     mac = hmac.new(key, digestmod=hashlib.sha256)
     for f in body:
-        mac.update(U64.pack(len(f)))
+        mac.update(U64.pack(_nbytes(f)))
         mac.update(f)
-    if not hmac.compare_digest(mac.digest(), frames[-1]):
+    if not hmac.compare_digest(mac.digest(), bytes(frames[-1])):
         raise FrameError("bad signature")
     return body
 
@@ -85,31 +97,55 @@ def decode_json(raw: bytes) -> dict[str, Any]:
     return obj
 
 
-def encode_batch(first: int, items: list[tuple[bytes, int]]) -> list[bytes]:
+def encode_batch(first: int, items: Sequence[tuple[Any, int]]) -> list[Any]:
+    """``items``: ``(body, flags)``, a body being bytes or a buffer such as a ``zmq.Frame``.
+    A body of ``FRAME_ALONE`` bytes or more is a frame of its own, passed through as it is (no
+    copy here); runs of smaller ones are joined into one frame."""
     head = bytearray(BATCH_HEAD.pack(first, len(items)))
+    frames: list[Any] = [BATCH, b""]
+    run: list[Any] = []
     for body, flags in items:
-        head += ENTRY.pack(len(body), flags)
-    blob = items[0][0] if len(items) == 1 else b"".join(b for b, _ in items)
-    return [BATCH, bytes(head), blob]
+        n = len(body)
+        head += ENTRY.pack(n, flags)
+        if n >= FRAME_ALONE:
+            if run:
+                frames.append(run[0] if len(run) == 1 else b"".join(run))
+                run = []
+            frames.append(body)
+        else:
+            run.append(body)
+    if run:
+        frames.append(run[0] if len(run) == 1 else b"".join(run))
+    frames[1] = bytes(head)
+    return frames
 
 
-def decode_batch(head: bytes, blob: bytes) -> tuple[int, list[tuple[memoryview, int]]]:
-    """Split a batch into ``(first seq, [(body, flags), ...])``; raise ``FrameError`` if the
-    lengths do not add up."""
+def decode_batch(head: bytes, parts: Sequence[Any]) -> tuple[int, list[tuple[memoryview, int]]]:
+    """Split a batch into ``(first seq, [(body, flags), ...])``, the bodies being views of
+    ``parts`` (the frames after the header); raise ``FrameError`` unless every frame holds
+    whole bodies and the lengths add up."""
     if len(head) < BATCH_HEAD.size:
         raise FrameError("truncated batch header")
     first, count = BATCH_HEAD.unpack_from(head, 0)
     if len(head) != BATCH_HEAD.size + count * ENTRY.size:
         raise FrameError("batch header length does not match its count")
     out = []
+    views = [memoryview(p).cast("B") for p in parts]
+    if not views:
+        raise FrameError("batch without a body frame")
+    frame = 0
+    mv = views[0]
     pos = 0
-    mv = memoryview(blob)
     for k in range(count):
         ln, flags = ENTRY.unpack_from(head, BATCH_HEAD.size + k * ENTRY.size)
-        if pos + ln > len(blob):
+        if pos == len(mv) and (ln or pos) and frame + 1 < len(views):
+            frame += 1  # this frame is used up: the body starts the next one
+            mv = views[frame]
+            pos = 0
+        if pos + ln > len(mv):
             raise FrameError("batch is shorter than its header says")
         out.append((mv[pos : pos + ln], flags))
         pos += ln
-    if pos != len(blob):
+    if pos != len(mv) or frame != len(views) - 1:
         raise FrameError("batch is longer than its header says")
     return first, out

@@ -119,3 +119,25 @@ def test_bad_arguments(argv: list[str], capsys: pytest.CaptureFixture[str]) -> N
     args = parser.parse_args(["bench", *argv])
     assert args.func(args) == 2
     assert capsys.readouterr().err.startswith("aiobroadcast bench: ")
+
+
+def test_tcp_insecure_and_the_pyzmq_curve_peer() -> None:
+    """--insecure runs our TCP channel without CurveZMQ (the JSON says which); the pyzmq-curve
+    peer runs only when named, beside the plain pyzmq peer, and is lossless too."""
+    proc = bench(
+        "--transport", "tcp", "--insecure", "--mode", "tput", "--readers", "1", "--size", "64", "--count", "200",
+        "--peer", "pyzmq", "--peer", "pyzmq-curve", "--peer-python", sys.executable, "--json", timeout=120,
+    )
+    by_system = {o["system"]: o for o in objects(proc)}
+    assert set(by_system) == {"aiobroadcast", "pyzmq", "pyzmq-curve"}
+    for system, obj in by_system.items():
+        check_common(obj, system, "tput", 1, 200)
+        assert obj["transport"] == "tcp"
+    assert by_system["aiobroadcast"]["security"] == "hmac"
+    assert by_system["pyzmq-curve"]["security"] == "curve"
+    assert "security" not in by_system["pyzmq"]
+    assert "(insecure: HMAC)" in proc.stderr
+    (secure,) = objects(
+        bench("--transport", "tcp", "--mode", "tput", "--readers", "1", "--size", "64", "--count", "200", "--json")
+    )
+    assert secure["security"] == "curve"

@@ -768,6 +768,35 @@ async def test_server_behind_its_own_ring_under_lag_tells_readers_and_goes_on() 
             expected, reported = e[1] + 1, 0
 
 
+@pytest.mark.parametrize("insecure", [False, True], ids=["curve", "insecure"])
+@ON_UVLOOP
+async def test_large_bodies_reach_every_remote_reader_intact_and_in_order(insecure: bool) -> None:
+    """Bodies of FRAME_ALONE bytes or more travel as frames of their own, one ZeroMQ message
+    shared by every send; mixed with small ones (joined frames), two readers get them all
+    intact, in order, with either security."""
+    n, big = 60, wire.FRAME_ALONE + 100
+    sent = [(i, bytes([i % 251]) * (big if i % 3 else 5)) for i in range(n)]
+    async with tcp_writer(capacity=8, slot_bytes=big + 4096, insecure=insecure) as writer:
+        async with (
+            ab.open_reader(writer.handle, transport="tcp", name="a") as a,
+            ab.open_reader(writer.handle, transport="tcp", name="b") as b,
+        ):
+            got: dict[str, list[Any]] = {"a": [], "b": []}
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+
+                    async def drain(name: str, reader: ab.Reader[Any]) -> None:
+                        for _ in range(n):
+                            got[name].append(await reader.get())
+
+                    tg.start_soon(drain, "a", a)
+                    tg.start_soon(drain, "b", b)
+                    for m in sent:
+                        await writer.put(m)
+    assert got["a"] == sent
+    assert got["b"] == sent
+
+
 @ON_ASYNCIO
 async def test_late_join_behind_a_full_server_buffer_starts_with_the_next_message() -> None:
     """Late join over TCP is as over shared memory even while a slow remote reader holds the
@@ -1024,3 +1053,127 @@ def test_worker_messages_round_trip() -> None:
         account([("msg", 0), ("msg", 1)], 3)
     assert summary(events) == "0 lagged(3) 4 end"
     assert json.loads(json.dumps(events)) == [list(e) for e in events]
+
+
+# --- the wire format and the server's buffer, without sockets ----------------------------------
+def test_batches_put_large_bodies_in_frames_of_their_own_and_decode_back() -> None:
+    """Bodies of FRAME_ALONE bytes or more travel alone (passed through, not copied into a joined
+    frame); runs of small ones share a frame; empty bodies anywhere decode back."""
+    big, small = b"B" * wire.FRAME_ALONE, b"s" * 10
+    cases: list[list[tuple[Any, int]]] = [
+        [(small, 0)],
+        [(big, 1)],
+        [(small, 0), (small, 1), (big, 1), (b"", 0), (small, 0), (zmq.Frame(big), 1)],
+        [(b"", 0), (big, 0), (b"", 0)],
+        [(b"", 0), (b"", 0)],
+    ]
+    for items in cases:
+        frames = wire.encode_batch(5, items)
+        assert frames[0] == wire.BATCH
+        bodies = frames[2:]
+        alone = [b for b, _ in items if len(b) >= wire.FRAME_ALONE]
+        assert [f for f in bodies if len(f) >= wire.FRAME_ALONE] == alone
+        assert all(any(f is b for f in bodies) for b in alone)  # the same objects: not copied
+        first, got = wire.decode_batch(frames[1], bodies)
+        assert first == 5
+        assert [(bytes(b), f) for b, f in got] == [(bytes(b), f) for b, f in items]
+        key = secrets.token_bytes(32)
+        assert wire.verify(key, wire.sign(key, frames)) == frames
+    head = wire.BATCH_HEAD.pack(0, 2) + wire.ENTRY.pack(3, 0) + wire.ENTRY.pack(3, 0)
+    for parts in ([b"abcd", b"ef"], [b"abc", b"def", b""], [b"abc"], []):  # a body across frames, too many, too few
+        with pytest.raises(wire.FrameError):
+            wire.decode_batch(head, parts)
+
+
+class _FakeRing:
+    """What TcpServer takes from the ring: messages, and ReaderLagged where the ring lost some."""
+
+    def __init__(self) -> None:
+        self.queue: list[Any] = []
+
+    def get_nowait(self) -> Any:
+        if not self.queue:
+            raise ab.WouldBlock
+        item = self.queue.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+class _FakeRouter:
+    def __init__(self) -> None:
+        self.sent: list[list[Any]] = []
+
+    def send_multipart(self, frames: list[Any], flags: int = 0) -> None:
+        self.sent.append(frames)
+
+
+def _bare_server(policy: str, window: int, buffer_max: int) -> tuple[Any, _FakeRing, _FakeRouter]:
+    """A TcpServer's bookkeeping without its process, sockets or ring."""
+    import threading
+    from types import SimpleNamespace
+
+    from aiobroadcast._tcp_server import TcpServer, _Client
+
+    srv: Any = object.__new__(TcpServer)
+    ring, router = _FakeRing(), _FakeRouter()
+    srv.__dict__.update(
+        _handle=SimpleNamespace(policy=policy, capacity=4), _window=window, _buffer_max=buffer_max,
+        _block=policy == "block", _key=None, _lock=threading.Lock(), _clients={}, _buf=[], _seqs=[], _base=0,
+        _end=0, _ring_done=None, _src=ring, _router=router,
+    )
+    srv._clients[b"r"] = _Client(ident=b"r", name="r", pid=1, window=window, next_send=0, acked=0, last_heard=0.0)
+    return srv, ring, router
+
+
+def _what_it_got(router: _FakeRouter) -> list[tuple[str, int]]:
+    out: list[tuple[str, int]] = []
+    for frames in router.sent:
+        if frames[1] == wire.BATCH:
+            first, items = wire.decode_batch(frames[2], frames[3:])
+            out += [("msg", first + k) for k in range(len(items))]
+        elif frames[1] == wire.LAGGED:
+            _from_seq, missed = wire.U64x2.unpack(frames[2])
+            out.append(("lagged", missed))
+    router.sent.clear()
+    return out
+
+
+def test_server_behind_its_own_ring_keeps_what_it_holds_and_reports_only_the_gap() -> None:
+    """When the server's own ring reader lags (policy "lag"), the messages it already held are
+    still sent; a remote reader is told exactly the gap (here 3), no more."""
+    srv, ring, router = _bare_server("lag", window=4, buffer_max=16)
+    client = srv._clients[b"r"]
+    ring.queue += [(b"m%d" % i, 0) for i in range(6)]
+    srv._pull_ring()
+    srv._send_clients()
+    assert _what_it_got(router) == [("msg", i) for i in range(4)]  # the window
+    ring.queue += [ab.ReaderLagged(3), (b"x", 0), (b"y", 0), (b"big" * wire.FRAME_ALONE, 0)]
+    srv._pull_ring()
+    srv._trim()
+    assert srv._end == 12
+    got: list[tuple[str, int]] = []
+    for _ in range(6):  # the reader acknowledges what it has
+        client.acked = client.next_send
+        srv._send_clients()
+        srv._trim()
+        got += _what_it_got(router)
+    assert got == [("msg", 4), ("msg", 5), ("lagged", 3), ("msg", 9), ("msg", 10), ("msg", 11)]
+
+
+def test_server_buffer_under_lag_keeps_the_newest_entries_across_gaps() -> None:
+    """Trimming counts held entries, not seq numbers: a reader far behind is told what it lost
+    up to the oldest entry kept (gaps included), then gets the rest in order."""
+    srv, ring, router = _bare_server("lag", window=100, buffer_max=4)
+    client = srv._clients[b"r"]
+    client.acked = client.next_send = 0
+    ring.queue += [(b"a", 0), (b"b", 0), ab.ReaderLagged(5), (b"c", 0), (b"d", 0), ab.ReaderLagged(2), (b"e", 0)]
+    srv._pull_ring()
+    srv._trim()
+    assert srv._seqs == [1, 7, 8, 11] and srv._base == 1
+    srv._send_clients()
+    srv._send_clients()
+    srv._send_clients()
+    assert _what_it_got(router) == [
+        ("lagged", 1), ("msg", 1), ("lagged", 5), ("msg", 7), ("msg", 8), ("lagged", 2), ("msg", 11),
+    ]

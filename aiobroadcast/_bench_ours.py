@@ -24,7 +24,6 @@ import time
 from typing import Any
 
 import anyio
-import anyio.to_thread
 
 from ._bench_peers import MODES, PACE_S, STEP_TIMEOUT_S, figures, reader_result
 
@@ -159,7 +158,9 @@ async def _writer_main(
             if mode == "idle":
                 await anyio.sleep(idle_s)
                 await put((time.perf_counter_ns(), payload))
-            results = await anyio.to_thread.run_sync(_collect, results_q, procs)
+            # Collected in this thread, blocking the loop, as the peer drivers do: starting a worker
+            # thread here would compete for the CPU with readers that are still waking up.
+            results = _collect(results_q, procs)
         finally:
             for p in procs:
                 p.join(timeout=10)

@@ -1,10 +1,12 @@
 """Turning objects into message bodies and back.
 
 A body is what travels in the ring. With the pickle codec, large buffers (numpy arrays and other
-``PickleBuffer`` producers, 64 KiB and up) travel out of band after the pickle, so they are
-copied once into shared memory and once out; the reader gets writable copies that never alias
+``PickleBuffer`` producers, ``OOB_MIN_BYTES`` and up) travel out of band after the pickle, so they
+are copied once into shared memory and once out; the reader gets writable copies that never alias
 the ring. Large ``bytes`` objects (the message itself, or an item of a top-level tuple, list or
-dict) travel out of band too: pickle would otherwise copy them once more into the pickle.
+dict) travel out of band too. The pickler writes into a sink that keeps pieces instead of joining
+them, and hands over any ``bytes`` of 64 KiB or more as the object itself, so a large ``bytes``
+anywhere in the message is copied once, into the ring, below the out-of-band size as well.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ from pydantic import BaseModel
 from ._exceptions import SerializationError
 
 #: Buffers from this size up travel out of band (one copy, straight into the ring). Below it the
-#: extra copy inside ``pickle.dumps`` costs less than the out-of-band bookkeeping (measured:
-#: 64 KiB in band 4 us, out of band 15 us, copies included; docs/performance.md).
+#: out-of-band bookkeeping costs more than it saves (measured at 64 KiB: 15 us out of band against
+#: 4 us in band with an extra copy, 2 us in band through the sink).
 OOB_MIN_BYTES = 256 * 1024
 _OOB_COUNT = struct.Struct("<Q")
 _OOB_LEN = struct.Struct("<Q")
@@ -48,12 +50,27 @@ class _LargeBytes:
         return (bytes, (pb,))
 
 
+class _Sink:
+    """The file a pickler writes to: it keeps the pieces it is given, without joining them.
+    The C pickler hands a ``bytes`` payload of 64 KiB or more to ``write`` as the object itself,
+    so such a payload reaches the ring with a single copy."""
+
+    __slots__ = ("parts", "write")
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+        self.write = self.parts.append
+
+
 class PickleEncoder:
     """Encodes with pickle protocol 5; collects large buffers out of band."""
 
     def __init__(self) -> None:
         self._bufs: list[pickle.PickleBuffer] = []
         self._bytes_ids: set[int] = set()
+        sink = _Sink()
+        self._pieces = sink.parts
+        self._pickler = pickle.Pickler(sink, protocol=5, buffer_callback=self._callback)
 
     def _lift(self, obj: Any) -> Any:
         """Replace large ``bytes`` at the top of ``obj`` by ``_LargeBytes`` (cheap for small
@@ -81,20 +98,34 @@ class PickleEncoder:
     def encode(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
         """Return the body as parts, its total length, and whether it has out-of-band parts."""
         self._bufs = []
+        pickler = self._pickler
+        pieces = self._pieces
         try:
-            data = pickle.dumps(self._lift(obj), protocol=5, buffer_callback=self._callback)
+            pickler.dump(self._lift(obj))
         except Exception as exc:
+            pickler.clear_memo()
+            pieces.clear()
+            self._bytes_ids = set()
             raise SerializationError(f"cannot pickle {type(obj).__qualname__} object: {exc}") from exc
+        pickler.clear_memo()
+        if len(pieces) == 1 and not self._bufs:  # a small message: one frame
+            body = pieces.pop()
+            return (body,), len(body), False
+        # A bytes piece may be the caller's own (immutable) payload, never copied; any other large
+        # piece (a bytearray, an in-band PickleBuffer) is copied now, so the body is the object as
+        # it is at encode time.
+        data: list[Buffer] = [p if type(p) is bytes else bytes(memoryview(p).cast("B")) for p in pieces]
+        pieces.clear()
         if not self._bufs:
-            return (data,), len(data), False
+            return data, sum(len(p) for p in data), False
         bufs, self._bufs = self._bufs, []
         ours, self._bytes_ids = self._bytes_ids, set()
         raws = [pb.raw() for pb in bufs]
         head = bytearray(_OOB_COUNT.pack(len(raws)))
-        head += _OOB_LEN.pack(len(data))
+        head += _OOB_LEN.pack(sum(len(p) for p in data))
         for pb, r in zip(bufs, raws, strict=True):
             head += _OOB_LEN.pack(r.nbytes | (_BYTES_KIND if id(pb) in ours else 0))
-        parts: list[Buffer] = [bytes(head), data, *raws]
+        parts: list[Buffer] = [bytes(head), *data, *raws]
         return parts, sum(memoryview(p).nbytes for p in parts), True
 
 

@@ -376,11 +376,18 @@ class Writer(Generic[T_contra]):
         msg = self._msg
         seq = self._head
         base_flags = F_OOB if oob else 0
-        if entries == 1 and len(parts) == 1:
+        if entries == 1:
             off = self._data + (seq % self._cap) * self._slot_bytes
             if not self._block:
                 w[off >> 3] = BUSY
-            buf[off + 32 : off + 32 + total] = parts[0]
+            if len(parts) == 1:
+                buf[off + 32 : off + 32 + total] = parts[0]
+            else:  # pickle frames around a large payload, or out-of-band parts: byte buffers
+                at = off + 32
+                for part in parts:
+                    end = at + len(part)
+                    buf[at:end] = part
+                    at = end
             if gap:
                 SLOT_REST.pack_into(buf, off + 8, msg, 0, F_FIRST | F_LAST | F_GAP, gap)
             else:

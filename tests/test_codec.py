@@ -14,10 +14,22 @@ def _round_trip(obj: object) -> tuple[object, int, bool]:
     return decode_pickle(memoryview(body), oob), len(parts), oob
 
 
-def test_small_bytes_travel_in_band_as_one_part() -> None:
-    payload = b"x" * (OOB_MIN_BYTES - 1)
-    got, nparts, oob = _round_trip((1, payload))
-    assert got == (1, payload) and nparts == 1 and not oob
+def test_small_messages_are_one_part_in_band() -> None:
+    got, nparts, oob = _round_trip((1, b"x" * 100))
+    assert got == (1, b"x" * 100) and nparts == 1 and not oob
+
+
+def test_large_bytes_in_band_are_referenced_not_copied_and_mutable_buffers_are_copied() -> None:
+    payload = b"x" * (OOB_MIN_BYTES - 1)  # in band, but large: the pickler hands it over as is
+    parts, _total, oob = PickleEncoder().encode((1, payload))
+    assert not oob and any(p is payload for p in parts)
+    assert _round_trip((1, payload))[0] == (1, payload)
+    # A mutable buffer is copied at encode time: the body is the object as it was then.
+    mutable = bytearray(b"y" * 100_000)
+    parts, total, _oob = PickleEncoder().encode(mutable)
+    mutable[:] = b"z" * len(mutable)
+    body = b"".join(bytes(p) for p in parts)
+    assert len(body) == total and decode_pickle(memoryview(body), False) == bytearray(b"y" * 100_000)
 
 
 def test_large_bytes_and_arrays_travel_out_of_band_without_a_copy() -> None:

@@ -14,18 +14,12 @@ import anyio.lowlevel
 from ._exceptions import ClosedResourceError, EndOfStream, WouldBlock
 from ._handle import Handle
 from ._stats import ReaderStatistics
-from ._writer import YIELD_EVERY
+from ._writer import DENSE_NS, POLL_NS, YIELD_EVERY
 
 T_co = TypeVar("T_co", covariant=True)
 
 _private = object()
 
-#: A reader whose previous sleep was shorter than ``DENSE_NS`` (messages come densely) first polls
-#: the ring for up to ``POLL_NS`` before it sleeps again: a message that arrives meanwhile costs
-#: neither side a wake-up. A reader that waited longer (a paced or idle stream) sleeps at once, so
-#: it uses no CPU while idle. ``open_reader(spin_us=...)`` replaces this with a fixed poll.
-POLL_NS = 50_000
-DENSE_NS = 200_000
 
 
 class Source(Protocol):

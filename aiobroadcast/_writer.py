@@ -5,10 +5,12 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import subprocess
 import warnings
 import weakref
 from collections.abc import Sequence
+from time import perf_counter_ns
 from types import TracebackType
 from typing import Generic, TypeVar, final
 
@@ -49,6 +51,12 @@ log = logging.getLogger("aiobroadcast")
 LIVENESS_S = 0.5
 #: A task that never has to wait yields to the event loop once every this many calls.
 YIELD_EVERY = 64
+#: A side that must wait (a reader for a message, a blocked writer for room) first polls the ring
+#: for up to ``POLL_NS``, but only if its previous sleep was shorter than ``DENSE_NS`` (a dense
+#: stream): then what it waits for usually comes within microseconds, and neither side pays a
+#: wake-up. A side that waited longer (a paced or idle stream) sleeps at once and uses no CPU.
+POLL_NS = 50_000
+DENSE_NS = 200_000
 
 _private = object()
 
@@ -95,6 +103,7 @@ class Writer(Generic[T_contra]):
         self._lock = anyio.Lock()
         self._waiting_tasks = 0
         self._since_yield = 0
+        self._slept_ns = DENSE_NS  # no polling before the first sleep
         self._dropped = 0
         self._closed = False
         self._server: subprocess.Popen[bytes] | None = None
@@ -317,6 +326,8 @@ class Writer(Generic[T_contra]):
     async def _wait_room(self, entries: int) -> None:
         if self._room(entries):
             return
+        if self._slept_ns < DENSE_NS and await self._poll_room(entries):
+            return
         w = self._words
         # Hysteresis: a full ring makes the writer wait for a quarter of it to be free, not for
         # one slot, so a writer faster than its slowest reader sleeps and is woken once per
@@ -330,16 +341,32 @@ class Writer(Generic[T_contra]):
                 self._rescan()  # re-check after announcing (the rescan fences)
                 if self._min_cursor >= target:
                     return
+                start = perf_counter_ns()
                 try:
                     woken = await self._inbox.wait(LIVENESS_S)
                 except anyio.ClosedResourceError:
                     woken = False  # aclose() meanwhile: _check_open raises
+                self._slept_ns = perf_counter_ns() - start
                 self._check_open()
                 if not woken:
                     self._reap(target)
         finally:
             if not self._closed:  # after aclose the mapping is gone
                 w[W_WAIT_TARGET] = 0
+
+    async def _poll_room(self, entries: int) -> bool:
+        """Poll for room for up to ``POLL_NS``, one event-loop round at a time, yielding the CPU
+        between rounds (readers on a busy host need it to make room). True if room came."""
+        deadline = perf_counter_ns() + POLL_NS
+        while True:
+            await anyio.lowlevel.checkpoint()
+            self._check_open()
+            if self._room(entries):
+                self._slept_ns = 0
+                return True
+            if perf_counter_ns() >= deadline:
+                return False
+            os.sched_yield()
 
     def _reap(self, target: int) -> None:
         """Drop readers that hold the writer back and whose process is gone."""

@@ -339,7 +339,8 @@ def open_reader(
       ``None`` (default): 50 us, and only while messages come densely (the previous wait was
       under 200 us), so an idle reader uses no CPU. ``0``: never poll. A larger value trades CPU
       for latency: with ``spin_us`` above the gap between messages the reader never sleeps (it
-      keeps a core busy, passing through the event loop on every round).
+      keeps a core busy, passing through the event loop on every round). After a sleep of
+      0.1 s or more (an idle stream) a reader sleeps again without polling.
 
     Raises ``InvalidHandle`` (does not parse, segment gone, other layout, writer gone, pickle
     refused), ``TooManyReaders``, ``TransportError`` (remote writer unreachable or silent for

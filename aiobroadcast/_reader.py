@@ -20,6 +20,9 @@ T_co = TypeVar("T_co", covariant=True)
 
 _private = object()
 
+#: A fixed ``spin_us`` poll is skipped after a sleep this long: an idle reader, woken only by its
+#: periodic liveness check, goes back to sleep without polling.
+IDLE_NS = 100_000_000
 
 
 class Source(Protocol):
@@ -169,6 +172,8 @@ class Reader(Generic[T_co]):
         spin = self._spin_ns
         if spin is None:
             spin = POLL_NS if self._slept_ns < DENSE_NS else 0
+        elif self._slept_ns >= IDLE_NS:
+            spin = 0  # the stream went idle (the last sleep lasted): sleep again at once
         if not spin:
             return False
         ready = self._src.ready

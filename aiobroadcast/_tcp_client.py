@@ -229,10 +229,7 @@ class TcpSource:
                 self._terminal = (kind, a, b)
             wake = self._sleeping
         if wake:
-            try:
-                self._wake_w.send(b"\0")
-            except BlockingIOError:
-                pass
+            self._wake_sleeper()
 
     def _push_batch(self, first: int, items: list[tuple[memoryview, int]]) -> None:
         """Queue a batch's messages: one lock and at most one wake-up for all of them."""
@@ -240,10 +237,13 @@ class TcpSource:
             self._items.extend((_MSG, (first + k, flags), body) for k, (body, flags) in enumerate(items))
             wake = self._sleeping
         if wake:
-            try:
-                self._wake_w.send(b"\0")
-            except BlockingIOError:
-                pass
+            self._wake_sleeper()
+
+    def _wake_sleeper(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except BlockingIOError:
+            pass  # full: the sleeper is being woken already
 
     def _send(self, frames: list[bytes]) -> None:
         try:

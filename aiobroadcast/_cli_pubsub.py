@@ -162,16 +162,18 @@ async def _publish(args: argparse.Namespace) -> int:
     async with writer:
         handle = writer.handle
         try:
-            handle.save(args.handle_file)
-        except OSError as exc:
-            fail(f"cannot write the handle file {args.handle_file!r}: {exc.strerror or exc}")
-        try:
-            where = ""
-            if handle.tcp:
-                security = "NO encryption" if args.insecure else f"CurveZMQ, {'fixed' if keys else 'fresh'} keys"
-                where = f"; remote readers: {handle.tcp} (bound {args.tcp}, {security})"
-            _status(f"publishing on {handle.name}; handle in {args.handle_file}{where}")
+            # Signals are handled before the handle file appears: whoever sees the file may
+            # send SIGTERM at once and must get the clean stop it documents.
             async with stop_on_signals() as stop:
+                try:
+                    handle.save(args.handle_file)
+                except OSError as exc:
+                    fail(f"cannot write the handle file {args.handle_file!r}: {exc.strerror or exc}")
+                where = ""
+                if handle.tcp:
+                    security = "NO encryption" if args.insecure else f"CurveZMQ, {'fixed' if keys else 'fresh'} keys"
+                    where = f"; remote readers: {handle.tcp} (bound {args.tcp}, {security})"
+                _status(f"publishing on {handle.name}; handle in {args.handle_file}{where}")
                 if args.wait_readers:
                     await _wait_readers(writer, args.wait_readers)
                 if args.ticks is not None:

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
+import pytest
 
 from aiobroadcast._codec import OOB_MIN_BYTES, PickleEncoder, decode_pickle
+from aiobroadcast._exceptions import SerializationError
 
 
 def _round_trip(obj: object) -> tuple[object, int, bool]:
@@ -43,3 +47,20 @@ def test_large_bytes_and_arrays_travel_out_of_band_without_a_copy() -> None:
     got, _nparts, _oob = _round_trip({"b": payload, "a": arr})
     assert isinstance(got, dict) and got["b"] == payload and type(got["b"]) is bytes
     assert np.array_equal(got["a"], arr)
+
+
+def test_a_failure_half_way_leaves_nothing_for_the_next_message() -> None:
+    """The encoder reuses one pickler and its sink: a message that fails after a large piece
+    was already handed over must not leak that piece (or pickler state) into the next body."""
+    encoder = PickleEncoder()
+    with pytest.raises(SerializationError, match="cannot pickle"):
+        encoder.encode((b"x" * 100_000, threading.Lock()))
+    message = (1, b"y" * 70_000)
+    parts, total, oob = encoder.encode(message)
+    fresh_parts, fresh_total, _oob = PickleEncoder().encode(message)
+    body = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    # Byte for byte what a fresh encoder makes (a stale prefix would still unpickle to the same
+    # value: pickle returns what is on top of its stack at STOP).
+    assert (len(body), total) == (fresh_total, fresh_total)
+    assert body == b"".join(bytes(memoryview(p).cast("B")) for p in fresh_parts)
+    assert decode_pickle(memoryview(body), oob) == message

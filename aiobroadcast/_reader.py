@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import warnings
 from time import perf_counter_ns
 from types import TracebackType
@@ -14,6 +13,7 @@ import anyio.lowlevel
 from ._exceptions import ClosedResourceError, EndOfStream, WouldBlock
 from ._handle import Handle
 from ._stats import ReaderStatistics
+from ._wake import poll
 from ._writer import DENSE_NS, POLL_NS, YIELD_EVERY
 
 T_co = TypeVar("T_co", covariant=True)
@@ -167,8 +167,7 @@ class Reader(Generic[T_co]):
 
     async def _poll(self) -> bool:
         """Poll the source for a while before sleeping (see ``POLL_NS``). True if it became
-        ready. Each round passes through the event loop, so other tasks run meanwhile, and
-        yields the CPU, so polling readers do not starve the writer of a busy host."""
+        ready (or the reader was closed meanwhile)."""
         spin = self._spin_ns
         if spin is None:
             spin = POLL_NS if self._slept_ns < DENSE_NS else 0
@@ -177,12 +176,7 @@ class Reader(Generic[T_co]):
         if not spin:
             return False
         ready = self._src.ready
-        deadline = perf_counter_ns() + spin
-        while True:
-            await anyio.lowlevel.checkpoint()
-            if self._closed or ready():
-                self._slept_ns = 0
-                return True
-            if perf_counter_ns() >= deadline:
-                return False
-            os.sched_yield()
+        if await poll(lambda: self._closed or ready(), spin):
+            self._slept_ns = 0
+            return True
+        return False

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
+from time import perf_counter_ns
 
 import anyio
+import anyio.lowlevel
 
 
 class Inbox:
@@ -77,3 +80,18 @@ class Outbox:
 
     def close(self) -> None:
         self.sock.close()
+
+
+async def poll(ready: Callable[[], bool], limit_ns: int) -> bool:
+    """Re-check ``ready`` for up to ``limit_ns`` instead of sleeping: one event-loop round at a
+    time (other tasks run meanwhile), yielding the CPU between rounds (so pollers on a busy host
+    leave it to the process they wait for). True once ``ready()`` is; False when time is up.
+    ``ready`` may raise to end the poll."""
+    deadline = perf_counter_ns() + limit_ns
+    while True:
+        await anyio.lowlevel.checkpoint()
+        if ready():
+            return True
+        if perf_counter_ns() >= deadline:
+            return False
+        os.sched_yield()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import os
 import subprocess
 import warnings
 import weakref
@@ -41,7 +40,7 @@ from ._ring import (
     fence,
 )
 from ._stats import ReaderInfo, WriterStatistics
-from ._wake import Inbox, Outbox
+from ._wake import Inbox, Outbox, poll
 
 T_contra = TypeVar("T_contra", contravariant=True)
 
@@ -355,18 +354,17 @@ class Writer(Generic[T_contra]):
                 w[W_WAIT_TARGET] = 0
 
     async def _poll_room(self, entries: int) -> bool:
-        """Poll for room for up to ``POLL_NS``, one event-loop round at a time, yielding the CPU
-        between rounds (readers on a busy host need it to make room). True if room came."""
-        deadline = perf_counter_ns() + POLL_NS
-        while True:
-            await anyio.lowlevel.checkpoint()
+        """Poll for room for up to ``POLL_NS`` (readers on a busy host get the CPU between
+        rounds to make it). True if room came; raises if the writer is closed meanwhile."""
+
+        def room() -> bool:
             self._check_open()
-            if self._room(entries):
-                self._slept_ns = 0
-                return True
-            if perf_counter_ns() >= deadline:
-                return False
-            os.sched_yield()
+            return self._room(entries)
+
+        if await poll(room, POLL_NS):
+            self._slept_ns = 0
+            return True
+        return False
 
     def _reap(self, target: int) -> None:
         """Drop readers that hold the writer back and whose process is gone."""

@@ -1,12 +1,24 @@
 """Turning objects into message bodies and back.
 
-A body is what travels in the ring. With the pickle codec, large buffers (numpy arrays and other
-``PickleBuffer`` producers, ``OOB_MIN_BYTES`` and up) travel out of band after the pickle, so they
-are copied once into shared memory and once out; the reader gets writable copies that never alias
-the ring. Large ``bytes`` objects (the message itself, or an item of a top-level tuple, list or
-dict) travel out of band too. The pickler writes into a sink that keeps pieces instead of joining
-them, and hands over any ``bytes`` of 64 KiB or more as the object itself, so a large ``bytes``
-anywhere in the message is copied once, into the ring, below the out-of-band size as well.
+A body is what travels in the ring. With the pickle codec it is a pickle stream (protocol 5),
+and large buffers are copied once into shared memory and at most once out:
+
+- A ``bytes`` of 64 KiB or more, anywhere in the message, stays in the stream, copied once: the C
+  pickler writes such a payload by itself (it commits the stream's framing before the payload's
+  short header and hands the payload to the file's ``write`` as the object itself), so the
+  encoder's sink receives it without a copy. The encoder notes where each such header is in an
+  index after the stream's ``STOP`` (pickle ignores what follows ``STOP``). A zero-copy reader
+  uses the index to take the payloads out as views (``decode_pickle_view``); any other reader
+  unpickles the stream as it is.
+- Numpy arrays and other ``PickleBuffer`` producers of ``OOB_MIN_BYTES`` and up travel out of
+  band (pickle's ``buffer_callback``), after the stream; the body is then "out of band"
+  (``oob``) and a large ``bytes`` in the same message travels out of band too (its header in the
+  stream becomes ``NEXT_BUFFER``). A reader gets writable copies of the arrays' buffers, or
+  read-only views with ``decode_pickle_view``.
+
+Bodies: ``stream [index]`` in band; ``u64 count, u64 stream length, u64 length word per buffer,
+stream, buffers`` out of band. An index is ``u64 header offset`` per payload, ``u32 count`` and
+the byte ``_INDEX_TAG`` (a stream without an index ends with ``STOP``).
 """
 
 from __future__ import annotations
@@ -22,38 +34,42 @@ from pydantic import BaseModel
 
 from ._exceptions import SerializationError
 
-#: Buffers from this size up travel out of band (one copy, straight into the ring). Below it the
-#: out-of-band bookkeeping costs more than it saves (measured at 64 KiB: 15 us out of band against
-#: 4 us in band with an extra copy, 2 us in band through the sink).
+#: ``PickleBuffer`` producers (numpy arrays, bytearrays) from this size up travel out of band (one
+#: copy, straight into the ring). Below it the out-of-band bookkeeping costs more than it saves.
+#: A ``bytes`` goes out of band from ``BYPASS_MIN_BYTES`` up, at no cost (see the module's text).
 OOB_MIN_BYTES = 256 * 1024
-_OOB_COUNT = struct.Struct("<Q")
-_OOB_LEN = struct.Struct("<Q")
-_BYTES_KIND = 1 << 63  # set in an out-of-band length: the buffer becomes a bytes object (copied)
-_SHALLOW_MAX = 64  # containers larger than this are not scanned for large bytes
+#: The C pickler's ``FRAME_SIZE_TARGET``: a payload this large is written to the file by itself.
+BYPASS_MIN_BYTES = 64 * 1024
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_HEAD_1 = struct.Struct("<QQQ")  # the out-of-band header of a body with one buffer
+_INDEX_1 = struct.Struct("<QIB")  # the index of a stream with one large bytes
+_INDEX_TAG = 0xA5  # the last byte of a stream with an index (a stream without one ends with STOP)
+_BYTES_KIND = 1 << 63  # set in an out-of-band length: the buffer is a bytes object's payload
+
+# Pickle opcodes the encoder looks for where a chunk of the stream ends (pickletools' names).
+_PROTO_5 = b"\x80\x05"
+_FRAME = 0x95
+_NEXT_BUFFER = b"\x97"
+_SHORT_HEADERS = frozenset((0x42, 0x58))  # BINBYTES, BINUNICODE: opcode + u32 length
+_LONG_HEADERS = frozenset((0x8E, 0x8D, 0x96))  # BINBYTES8, BINUNICODE8, BYTEARRAY8: opcode + u64
+_BYTES_HEADERS = frozenset((0x42, 0x8E))
 
 Buffer = bytes | bytearray | memoryview
 
 
-class _LargeBytes:
-    """Stands in for a large ``bytes`` while pickling, so it can travel out of band (pickle
-    never offers exact ``bytes`` to a reducer). Unpickles as ``bytes``."""
+class _OutOfBand:
+    """Marks, among the sink's pieces, where pickle handed a buffer over out of band."""
 
-    __slots__ = ("data", "encoder")
+    __slots__ = ("raw",)
 
-    def __init__(self, data: bytes, encoder: PickleEncoder) -> None:
-        self.data = data
-        self.encoder = encoder
-
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        pb = pickle.PickleBuffer(self.data)
-        self.encoder._bytes_ids.add(id(pb))
-        return (bytes, (pb,))
+    def __init__(self, raw: memoryview) -> None:
+        self.raw = raw
 
 
 class _Sink:
-    """The file a pickler writes to: it keeps the pieces it is given, without joining them.
-    The C pickler hands a ``bytes`` payload of 64 KiB or more to ``write`` as the object itself,
-    so such a payload reaches the ring with a single copy."""
+    """The file a pickler writes to: it keeps the pieces it is given, without joining them, in
+    the order of the stream (a ``_OutOfBand`` where the buffer callback took a buffer)."""
 
     __slots__ = ("parts", "write")
 
@@ -62,71 +78,158 @@ class _Sink:
         self.write = self.parts.append
 
 
+def _tail_header(chunk: bytes, first: bool) -> tuple[int, int, int] | None:
+    """Where a chunk the pickler wrote ends: ``(header_size, opcode, payload_length)`` if it ends
+    with the header of a payload written by itself (the next piece), ``(0, 0, 0)`` if it ends
+    with the stream's ops, ``None`` if it is not what the C pickler writes (the caller then keeps
+    the message in band).
+
+    A chunk is: ``PROTO 5`` (first chunk only), one frame (``FRAME`` + u64 length + ops, or, under
+    4 bytes, its ops alone), then the payload's header when a payload follows."""
+    if first:
+        if not chunk.startswith(_PROTO_5):
+            return None
+        pos = 2
+    else:
+        pos = 0
+    n = len(chunk)
+    while pos < n and chunk[pos] == _FRAME:
+        pos += 9 + _U64.unpack_from(chunk, pos + 1)[0]
+    rest = n - pos
+    if rest < 5:
+        return (0, 0, 0) if rest >= 0 else None  # the end of a frame, or an unframed one (< 4 bytes)
+    if rest <= 8 and chunk[-5] in _SHORT_HEADERS:
+        return (5, chunk[-5], _U32.unpack_from(chunk, n - 4)[0])
+    if 9 <= rest <= 12 and chunk[-9] in _LONG_HEADERS:
+        return (9, chunk[-9], _U64.unpack_from(chunk, n - 8)[0])
+    return None
+
+
 class PickleEncoder:
-    """Encodes with pickle protocol 5; collects large buffers out of band."""
+    """Encodes with pickle protocol 5; takes large buffers out of band."""
 
     def __init__(self) -> None:
-        self._bufs: list[pickle.PickleBuffer] = []
-        self._bytes_ids: set[int] = set()
         sink = _Sink()
         self._pieces = sink.parts
         self._pickler = pickle.Pickler(sink, protocol=5, buffer_callback=self._callback)
 
-    def _lift(self, obj: Any) -> Any:
-        """Replace large ``bytes`` at the top of ``obj`` by ``_LargeBytes`` (cheap for small
-        messages: a type check, or a short loop over a small container)."""
-        t = type(obj)
-        if t is bytes:
-            return _LargeBytes(obj, self) if len(obj) >= OOB_MIN_BYTES else obj
-        if (t is tuple or t is list) and len(obj) <= _SHALLOW_MAX:
-            for x in obj:
-                if type(x) is bytes and len(x) >= OOB_MIN_BYTES:
-                    return t(self._lift(y) if type(y) is bytes else y for y in obj)
-            return obj
-        if t is dict and len(obj) <= _SHALLOW_MAX:
-            for x in obj.values():
-                if type(x) is bytes and len(x) >= OOB_MIN_BYTES:
-                    return {k: self._lift(v) if type(v) is bytes else v for k, v in obj.items()}
-        return obj
-
     def _callback(self, pb: pickle.PickleBuffer) -> bool:
-        if pb.raw().nbytes < OOB_MIN_BYTES:
+        raw = pb.raw()
+        if raw.nbytes < OOB_MIN_BYTES:
             return True  # small: keep it in the pickle
-        self._bufs.append(pb)
+        self._pieces.append(_OutOfBand(raw))
         return False
 
     def encode(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
         """Return the body as parts, its total length, and whether it has out-of-band parts."""
-        self._bufs = []
         pickler = self._pickler
         pieces = self._pieces
         try:
-            pickler.dump(self._lift(obj))
+            pickler.dump(obj)
         except Exception as exc:
             pickler.clear_memo()
             pieces.clear()
-            self._bytes_ids = set()
             raise SerializationError(f"cannot pickle {type(obj).__qualname__} object: {exc}") from exc
         pickler.clear_memo()
-        if len(pieces) == 1 and not self._bufs:  # a small message: one frame
+        if len(pieces) == 1:  # a small message: one chunk
             body = pieces.pop()
             return (body,), len(body), False
-        # A bytes piece may be the caller's own (immutable) payload, never copied; any other large
-        # piece (a bytearray, an in-band PickleBuffer) is copied now, so the body is the object as
-        # it is at encode time.
-        data: list[Buffer] = [p if type(p) is bytes else bytes(memoryview(p).cast("B")) for p in pieces]
-        pieces.clear()
-        if not self._bufs:
-            return data, sum(len(p) for p in data), False
-        bufs, self._bufs = self._bufs, []
-        ours, self._bytes_ids = self._bytes_ids, set()
-        raws = [pb.raw() for pb in bufs]
-        head = bytearray(_OOB_COUNT.pack(len(raws)))
-        head += _OOB_LEN.pack(sum(len(p) for p in data))
-        for pb, r in zip(bufs, raws, strict=True):
-            head += _OOB_LEN.pack(r.nbytes | (_BYTES_KIND if id(pb) in ours else 0))
-        parts: list[Buffer] = [bytes(head), *data, *raws]
-        return parts, sum(memoryview(p).nbytes for p in parts), True
+        try:
+            return _assemble(pieces)
+        finally:
+            pieces.clear()
+
+
+def _in_band(piece: Any) -> Buffer:
+    # A bytes piece is immutable (the caller's own payload, or a chunk of the stream): never copied.
+    # Any other (a bytearray or numpy array pickled in band) is copied now, so that the body is the
+    # object as it is at encode time.
+    return piece if type(piece) is bytes else bytes(memoryview(piece).cast("B"))
+
+
+def _assemble(pieces: list[Any]) -> tuple[Sequence[Buffer], int, bool]:
+    """The body from the sink's pieces (see the module's text); or, if the pieces are not shaped
+    as the C pickler writes them, the stream as it is, without index.
+
+    The last piece is the end of the stream: only a chunk followed by a payload is looked into."""
+    n = len(pieces)
+    if n == 3:  # the common shape: the start of the stream, one large bytes, the end of the stream
+        start, payload, end = pieces
+        if type(payload) is bytes and type(start) is bytes:
+            tail = _tail_header(start, True)
+            if tail is not None and tail[1] in _BYTES_HEADERS and tail[2] == len(payload):
+                end = end + _INDEX_1.pack(len(start) - tail[0], 1, _INDEX_TAG)
+                return (start, payload, end), len(start) + tail[2] + len(end), False
+    oob = any(type(p) is _OutOfBand for p in pieces)
+    data: list[Buffer] = []
+    bufs: list[Buffer] = []
+    lens: list[int] = []
+    index: list[int] = []
+    at = 0  # where in the stream the next piece goes
+    first = True
+    i = 0
+    while i < n:
+        piece = pieces[i]
+        i += 1
+        if type(piece) is _OutOfBand:
+            bufs.append(piece.raw)
+            lens.append(piece.raw.nbytes)
+            continue
+        if i == n:
+            data.append(_in_band(piece))
+            break
+        tail = _tail_header(piece, first) if type(piece) is bytes else None
+        first = False
+        if tail is None:
+            return _whole(pieces)
+        size, opcode, length = tail
+        if not size:
+            data.append(piece)
+            at += len(piece)
+            continue
+        payload = pieces[i]
+        if type(payload) is _OutOfBand or memoryview(payload).nbytes != length:
+            return _whole(pieces)
+        i += 1
+        if opcode in _BYTES_HEADERS and type(payload) is bytes:
+            if oob:  # out of band with the arrays: the header becomes "the next buffer"
+                piece = piece[:-size] + _NEXT_BUFFER
+                bufs.append(payload)
+                lens.append(length | _BYTES_KIND)
+                data.append(piece)
+                at += len(piece)
+                continue
+            index.append(at + len(piece) - size)
+            data.append(piece)
+            data.append(payload)
+        else:  # a large str, or a buffer pickled in band: stays in the stream, copied now
+            data.append(piece)
+            data.append(_in_band(payload))
+        at += len(piece) + length
+    if index:
+        data.append(struct.pack(f"<{len(index)}QIB", *index, len(index), _INDEX_TAG))
+    data_len = sum(len(p) for p in data)
+    if not bufs:
+        return data, data_len, False
+    head = struct.pack(f"<{len(lens) + 2}Q", len(bufs), data_len, *lens)
+    size = len(head) + data_len + sum(ln & ~_BYTES_KIND for ln in lens)
+    return [head, *data, *bufs], size, True
+
+
+def _whole(pieces: list[Any]) -> tuple[Sequence[Buffer], int, bool]:
+    if any(type(p) is _OutOfBand for p in pieces):  # pragma: no cover - the C pickler's writes are known
+        raise SerializationError("cannot take this message's buffers out of band")
+    data = [_in_band(p) for p in pieces]
+    return data, sum(len(p) for p in data), False
+
+
+def _oob_split(mv: memoryview) -> tuple[memoryview, tuple[int, ...], int]:
+    """An out-of-band body's pickle stream, its buffers' length words, and where the first starts.
+    Layout: u64 count, u64 stream length, u64 length word per buffer, the stream, the buffers."""
+    (n,) = _U64.unpack_from(mv, 0)
+    words = struct.unpack_from(f"<{n + 1}Q", mv, 8)
+    pos = 8 + 8 * (n + 1)
+    return mv[pos : pos + words[0]], words[1:], pos + words[0]
 
 
 def decode_pickle(body: memoryview | bytes | bytearray, oob: bool) -> Any:
@@ -134,20 +237,69 @@ def decode_pickle(body: memoryview | bytes | bytearray, oob: bool) -> Any:
     if not oob:
         return pickle.loads(body)
     mv = memoryview(body)
-    (n,) = _OOB_COUNT.unpack_from(mv, 0)
-    lens = struct.unpack_from(f"<{n + 1}Q", mv, 8)
-    pos = 8 + 8 * (n + 1)
-    data = mv[pos : pos + lens[0]]
-    pos += lens[0]
+    n, data_len, word = _HEAD_1.unpack_from(mv, 0)
+    if n == 1:  # the common case, without the loop
+        end = 24 + data_len
+        raw = mv[end : end + (word & ~_BYTES_KIND)]
+        return pickle.loads(mv[24:end], buffers=(bytes(raw) if word & _BYTES_KIND else bytearray(raw),))
+    data, words, pos = _oob_split(mv)
     buffers: list[Buffer] = []
-    for word in lens[1:]:
+    for word in words:
         ln = word & ~_BYTES_KIND
         if word & _BYTES_KIND:
-            buffers.append(mv[pos : pos + ln])  # bytes(view) copies it: no alias of the ring
+            buffers.append(bytes(mv[pos : pos + ln]))  # the payload of a bytes: copied once
         else:
             buffers.append(bytearray(mv[pos : pos + ln]))  # a writable copy, never a view of the ring
         pos += ln
     return pickle.loads(data, buffers=buffers)
+
+
+def decode_pickle_view(body: memoryview | bytes | bytearray, oob: bool) -> Any:
+    """Decode a pickle body without copying its large buffers: a large ``bytes`` arrives as a
+    read-only ``memoryview`` of ``body``, an array as a read-only array on it. They alias
+    ``body``, so they are valid while it is (for the ring: until the reader moves on)."""
+    mv = memoryview(body).toreadonly()
+    if not oob:
+        if mv[-1] != _INDEX_TAG:
+            return pickle.loads(mv)
+        return _loads_indexed(mv)
+    data, words, pos = _oob_split(mv)
+    buffers: list[Buffer] = []
+    for word in words:
+        ln = word & ~_BYTES_KIND
+        buffers.append(mv[pos : pos + ln])
+        pos += ln
+    return pickle.loads(data, buffers=buffers)
+
+
+def _loads_indexed(mv: memoryview) -> Any:
+    """Unpickle a stream with an index, its large ``bytes`` payloads as views of ``mv``: the
+    stream is rebuilt without them (each header becomes ``NEXT_BUFFER``), a small copy."""
+    end = len(mv) - 13
+    off, k, _tag = _INDEX_1.unpack_from(mv, end)
+    if k == 1:  # the common case, without the loop
+        if mv[off] == 0x42:  # BINBYTES
+            start = off + 5
+            stop = start + _U32.unpack_from(mv, off + 1)[0]
+        else:  # BINBYTES8
+            start = off + 9
+            stop = start + _U64.unpack_from(mv, off + 1)[0]
+        return pickle.loads(b"".join((mv[:off], _NEXT_BUFFER, mv[stop:end])), buffers=(mv[start:stop],))
+    end -= 8 * (k - 1)
+    pieces: list[Buffer] = []
+    views: list[memoryview] = []
+    pos = 0
+    for off in struct.unpack_from(f"<{k}Q", mv, end):
+        if mv[off] == 0x42:  # BINBYTES
+            size, length = 5, _U32.unpack_from(mv, off + 1)[0]
+        else:  # BINBYTES8
+            size, length = 9, _U64.unpack_from(mv, off + 1)[0]
+        pieces.append(mv[pos:off])
+        pieces.append(_NEXT_BUFFER)
+        pos = off + size + length
+        views.append(mv[off + size : pos])
+    pieces.append(mv[pos:end])
+    return pickle.loads(b"".join(pieces), buffers=views)
 
 
 class SchemaCodec:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from ._exceptions import BroadcastError, InsufficientSharedMemory, InvalidHandle
 
 MAGIC = int.from_bytes(b"ABCAST\x00\x01", "little")
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the pickle body format of _codec.py (large bytes indexed, or out of band)
 EMPTY = 2**64 - 1
 BUSY = 2**64 - 2
 

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from typing import Any
 
 #: 2: a batch carries its bodies in one or more frames (large bodies alone), not one blob.
-PROTOCOL_VERSION = 2
+#: 3: the pickle body format of aiobroadcast/_codec.py (large bytes indexed, or out of band).
+PROTOCOL_VERSION = 3
 
 # reader -> server
 HELLO = b"H"  # json {version, name, pid, window, resume}

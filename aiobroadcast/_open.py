@@ -17,7 +17,16 @@ import anyio.to_thread
 from pydantic import BaseModel
 
 from . import _ring
-from ._codec import JsonCodec, PickleEncoder, SchemaCodec, decode_json, decode_pickle, import_schema, schema_path
+from ._codec import (
+    JsonCodec,
+    PickleEncoder,
+    SchemaCodec,
+    decode_json,
+    decode_pickle,
+    decode_pickle_view,
+    import_schema,
+    schema_path,
+)
 from ._exceptions import BroadcastError, InvalidHandle
 from ._handle import CurveKeys, Handle, Policy
 from ._reader import Reader, Source
@@ -305,6 +314,7 @@ def open_reader(
     trust_pickle: bool = ...,
     connect_timeout: float = ...,
     spin_us: float | None = ...,
+    zero_copy: bool = ...,
 ) -> _Opening[Reader[Any]]: ...
 @overload
 def open_reader(
@@ -316,6 +326,7 @@ def open_reader(
     trust_pickle: bool = ...,
     connect_timeout: float = ...,
     spin_us: float | None = ...,
+    zero_copy: bool = ...,
 ) -> _Opening[Reader[M]]: ...
 def open_reader(
     handle: Handle | str,
@@ -326,6 +337,7 @@ def open_reader(
     trust_pickle: bool = True,
     connect_timeout: float = 10.0,
     spin_us: float | None = None,
+    zero_copy: bool = False,
 ) -> _Opening[Reader[Any]]:
     """Attach to a channel and return a reader. It starts with the next message published.
 
@@ -341,6 +353,14 @@ def open_reader(
       for latency: with ``spin_us`` above the gap between messages the reader never sleeps (it
       keeps a core busy, passing through the event loop on every round). After a sleep of
       0.1 s or more (an idle stream) a reader sleeps again without polling.
+    - ``zero_copy=True`` (pickle channels): large buffers are not copied out of the ring. A
+      ``bytes`` of 64 KiB or more arrives as a read-only ``memoryview``, and a numpy array sent
+      out of band (256 KiB or more) as a read-only array, both on the message's slot. **They are
+      valid until the next ``get``/``get_nowait`` on this reader (by any task) or its
+      ``aclose``**: the reader keeps the slot until then, and the writer may reuse it after. Copy
+      what must live longer (``bytes(view)``). A message larger than a slot, and any message
+      under policy ``"lag"``, is copied out once anyway (its views are then of that copy). No
+      effect on JSON and schema channels, nor with ``schema=``.
 
     Raises ``InvalidHandle`` (does not parse, segment gone, other layout, writer gone, pickle
     refused), ``TooManyReaders``, ``TransportError`` (remote writer unreachable or silent for
@@ -356,15 +376,25 @@ def open_reader(
         if h.codec == "pickle" and not trust_pickle:
             raise InvalidHandle("this channel sends pickle, and trust_pickle=False refuses it")
         decode = _decoder(h, schema)
+        if zero_copy and decode is decode_pickle:
+            decode = decode_pickle_view
         reader_name = name or f"reader-{os.getpid()}"
-        source = await _open_source(h, reader_name, decode, transport, connect_timeout)
+        source = await _open_source(
+            h, reader_name, decode, transport, connect_timeout, hold=decode is decode_pickle_view
+        )
         return Reader(_reader_token, source, h, reader_name, spin_us)
 
     return _Opening(make)
 
 
 async def _open_source(
-    h: Handle, name: str, decode: Callable[[Any, bool], Any], transport: Transport, connect_timeout: float
+    h: Handle,
+    name: str,
+    decode: Callable[[Any, bool], Any],
+    transport: Transport,
+    connect_timeout: float,
+    *,
+    hold: bool = False,
 ) -> Source:
     """The transport's side of a reader: the ring when asked for or reachable, else TCP."""
     if transport == "tcp" or (transport == "auto" and h.tcp is not None and not _ring_reachable(h)):
@@ -377,7 +407,7 @@ async def _open_source(
         return tcp_source
     seg = _ring.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
     try:
-        return ShmSource(seg, h, name, decode)
+        return ShmSource(seg, h, name, decode, hold=hold)
     except BaseException:
         seg.close()
         raise

@@ -52,7 +52,7 @@ class ShmSource:
     """Takes entries from the ring for one reader place. Used by one ``Reader``; only one task
     at a time calls ``sleep``."""
 
-    def __init__(self, seg: Segment, handle: Handle, name: str, decode: Decoder) -> None:
+    def __init__(self, seg: Segment, handle: Handle, name: str, decode: Decoder, *, hold: bool = False) -> None:
         self._seg = seg
         self._handle = handle
         self._name = name
@@ -62,6 +62,11 @@ class ShmSource:
         self._slot_bytes = lay.slot_bytes
         self._data = lay.data_offset
         self._block = handle.policy == "block"
+        # Zero-copy reads: a delivered message may be a view of its slot, so the slot is released
+        # only at the next get_nowait (or close). Under policy "lag" the body is copied out of the
+        # ring anyway (the seqlock read), so there is nothing to hold.
+        self._hold_slot = hold and self._block
+        self._held = False
         self._words = seg.words
         self._buf = seg.buf
         self._index = -1
@@ -147,6 +152,8 @@ class ShmSource:
     # --- what Reader calls -------------------------------------------------------------
     def get_nowait(self) -> Any:
         """Take the next message or raise (see ``Reader.get_nowait``)."""
+        if self._held:
+            self._release()
         w = self._words
         buf = self._buf
         while True:
@@ -171,6 +178,11 @@ class ShmSource:
                     body = bytes(buf[off + 32 : off + 32 + flen])
                     if w[off >> 3] != c:  # overwritten while we copied
                         continue
+                if self._hold_slot:
+                    try:
+                        return self._deliver(msg, body, flags & F_OOB)
+                    finally:
+                        self._hold(c)
                 try:
                     return self._deliver(msg, body, flags & F_OOB)
                 finally:
@@ -254,6 +266,20 @@ class ShmSource:
             target = w[W_WAIT_TARGET]
             if target and c < target <= c + 1:
                 self._outbox.wake(self._writer_sock)
+
+    def _hold(self, c: int) -> None:
+        """Take entry ``c`` but keep its slot: the shared cursor stays at ``c``, so the writer does
+        not reuse the slot while the message handed out has views of it (zero-copy reads)."""
+        self._cursor = c + 1
+        self._held = True
+        self._received += 1
+        self._words[self._recv_word] = self._received
+
+    def _release(self) -> None:
+        """Give back the slot ``_hold`` kept, as ``_advance`` would have."""
+        self._held = False
+        self._cursor -= 1
+        self._advance(self._cursor, 0)
 
     def _not_ready(self, c: int, seq: int) -> None:
         """Entry ``c`` is not in its slot: raise what that means, or resynchronise and return."""

@@ -119,6 +119,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                    help="event loop of aiobroadcast's writer and readers (default: uvloop if installed)")
     p.add_argument("--spin-us", type=float, default=None,
                    help="aiobroadcast readers' open_reader(spin_us=...) (default: the library's adaptive poll)")
+    p.add_argument("--zero-copy", action="store_true",
+                   help="aiobroadcast readers opened with open_reader(zero_copy=True): large payloads arrive "
+                        "as views of the ring, not copies (default: one copy out per reader)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is killed (default: 300)")
     p.add_argument("--gap-s", type=float, default=0.5, help="pause between runs in seconds (default: 0.5)")
     p.set_defaults(func=run)
@@ -166,6 +169,8 @@ def _command(system: str, cell: Cell, args: argparse.Namespace) -> tuple[list[st
             cmd += ["--slot-bytes", str(args.slot_bytes)]
         if args.spin_us is not None:
             cmd += ["--spin-us", repr(args.spin_us)]
+        if args.zero_copy:
+            cmd.append("--zero-copy")
         if args.insecure and args.transport == "tcp":
             cmd.append("--insecure")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, old_path) if p)
@@ -237,7 +242,7 @@ def aggregate(cell: Cell, system: str, runs: list[dict[str, Any]]) -> dict[str, 
     out: dict[str, Any] = {"system": system, "mode": cell.mode, "readers": cell.readers, "size": cell.size,
                            "count": cell.count}
     for key in ("peer", "transport", "security", "loop", "capacity", "slot_bytes", "max_chunk_bytes", "max_chunks",
-                "hwm", "lossless", "spin_us"):
+                "hwm", "lossless", "spin_us", "zero_copy"):
         if key in first:
             out[key] = first[key]
     out["runs"] = len(runs)

@@ -2,7 +2,7 @@
 
     python -m aiobroadcast._bench_ours MODE READERS SIZE COUNT [--capacity N] [--slot-bytes N]
                                        [--transport shm|tcp] [--insecure] [--loop uvloop|asyncio|trio]
-                                       [--spin-us US]
+                                       [--spin-us US] [--zero-copy]
 
 Same protocol and figures as the peer drivers in ``_bench_peers`` (see docs/performance.md);
 prints one JSON object on its last line. ``IDLE_S`` (environment, default 5) is the pause of
@@ -72,11 +72,11 @@ def _run_loop(loop: str, func: Any, *args: Any) -> Any:
 
 # --- readers --------------------------------------------------------------------------------------
 def _reader_process(
-    handle: str, rank: int, mode: str, count: int, transport: str, loop: str, spin_us: float | None, results: Any,
+    handle: str, rank: int, mode: str, count: int, transport: str, loop: str, opts: dict[str, Any], results: Any,
     ready: Any,
 ) -> None:
     try:
-        res = _run_loop(loop, _reader_main, handle, rank, mode, count, transport, spin_us, ready)
+        res = _run_loop(loop, _reader_main, handle, rank, mode, count, transport, opts, ready)
     except BaseException as exc:
         results.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
         raise
@@ -84,12 +84,12 @@ def _reader_process(
 
 
 async def _reader_main(
-    handle: str, rank: int, mode: str, count: int, transport: str, spin_us: float | None, ready: Any
+    handle: str, rank: int, mode: str, count: int, transport: str, opts: dict[str, Any], ready: Any
 ) -> dict[str, Any]:
     from . import open_reader
 
     extra: dict[str, Any] = {"transport": "tcp"} if transport == "tcp" else {}
-    async with open_reader(handle, name=f"bench-reader-{rank}", spin_us=spin_us, **extra) as reader:
+    async with open_reader(handle, name=f"bench-reader-{rank}", **opts, **extra) as reader:
         ready.set()
         lats: list[int] = []
         last = 0
@@ -118,7 +118,7 @@ async def _reader_main(
 # --- the writer -----------------------------------------------------------------------------------
 async def _writer_main(
     mode: str, readers: int, size: int, count: int, capacity: int, slot_bytes: int, transport: str, loop: str,
-    idle_s: float, spin_us: float | None = None, insecure: bool = False,
+    idle_s: float, spin_us: float | None = None, insecure: bool = False, zero_copy: bool = False,
 ) -> dict[str, Any]:
     from . import open_writer
 
@@ -127,12 +127,15 @@ async def _writer_main(
     readies = [ctx.Event() for _ in range(readers)]
     extra: dict[str, Any] = {"tcp": "tcp://127.0.0.1:0", "insecure": insecure} if transport == "tcp" else {}
     procs: list[Any] = []
+    opts: dict[str, Any] = {"spin_us": spin_us}
+    if zero_copy:
+        opts["zero_copy"] = True  # payloads arrive as views of the ring (the reader never touches them)
     async with open_writer(capacity=capacity, slot_bytes=slot_bytes, max_readers=readers, **extra) as writer:
         handle = writer.handle.to_json()
         procs = [
             ctx.Process(
                 target=_reader_process,
-                args=(handle, r, mode, count, transport, loop, spin_us, results_q, readies[r]),
+                args=(handle, r, mode, count, transport, loop, opts, results_q, readies[r]),
                 daemon=True,
             )
             for r in range(readers)
@@ -200,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="over TCP: plain TCP with HMAC-SHA256 instead of CurveZMQ encryption")
     p.add_argument("--loop", choices=("uvloop", "asyncio", "trio"), default=default_loop())
     p.add_argument("--spin-us", type=float, default=None)
+    p.add_argument("--zero-copy", action="store_true", help="readers opened with open_reader(zero_copy=True)")
     args = p.parse_args(argv)
     if args.transport == "tcp" and not tcp_available():
         print("tcp transport not available yet", file=sys.stderr)
@@ -211,14 +215,14 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {
         "system": "aiobroadcast", "mode": args.mode, "readers": args.readers, "size": args.size, "count": args.count,
         "transport": args.transport, "loop": args.loop, "capacity": capacity, "slot_bytes": slot_bytes,
-        "spin_us": args.spin_us,
+        "spin_us": args.spin_us, "zero_copy": args.zero_copy,
     }
     if args.transport == "tcp":
         out["security"] = "hmac" if args.insecure else "curve"
     out.update(
         _run_loop(
             args.loop, _writer_main, args.mode, args.readers, args.size, args.count, capacity, slot_bytes,
-            args.transport, args.loop, idle_s, args.spin_us, args.insecure,
+            args.transport, args.loop, idle_s, args.spin_us, args.insecure, args.zero_copy,
         )
     )
     print(json.dumps(out), flush=True)

@@ -141,3 +141,12 @@ def test_tcp_insecure_and_the_pyzmq_curve_peer() -> None:
         bench("--transport", "tcp", "--mode", "tput", "--readers", "1", "--size", "64", "--count", "200", "--json")
     )
     assert secure["security"] == "curve"
+
+
+def test_zero_copy_readers_cell_json() -> None:
+    """``--zero-copy``: the readers open with ``zero_copy=True`` (large payloads as views)."""
+    (obj,) = objects(
+        bench("--mode", "tput", "--readers", "2", "--size", "65536", "--count", "300", "--zero-copy", "--json")
+    )
+    assert (obj["system"], obj["size"], obj["count"], obj["zero_copy"]) == ("aiobroadcast", 65536, 300, True)
+    assert obj["received"] == [300, 300] and obj["in_order"] is True

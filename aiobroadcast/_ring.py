@@ -26,6 +26,7 @@ BUSY = 2**64 - 2
 # Header words (index into the segment viewed as uint64).
 W_MAGIC, W_VERSION, W_CAPACITY, W_SLOT_BYTES, W_MAX_READERS = 0, 1, 2, 3, 4
 W_POLICY, W_CODEC, W_WRITER_PID, W_TOKEN = 5, 6, 7, 8  # token: words 8 and 9
+W_WRITER_PIDNS = 10  # the writer's pid namespace (inode of /proc/self/ns/pid), 0 if unknown
 W_HEAD, W_CLOSED, W_NEXT_MSG = 16, 17, 18
 W_WAIT_TARGET = 24
 WAITING_OFFSET = 256
@@ -50,6 +51,15 @@ NAME_RE = re.compile(r"^aiobroadcast-[0-9a-f]{32}$")
 
 def _round_up(n: int, to: int) -> int:
     return (n + to - 1) // to * to
+
+
+def pid_namespace() -> int:
+    """This process's pid namespace (the inode of ``/proc/self/ns/pid``), 0 if unknown. A pid
+    stored in the segment names the writer only for a reader in the same namespace."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
 
 
 def check_platform() -> None:
@@ -250,6 +260,7 @@ def create_segment(
     w[W_POLICY] = policy
     w[W_CODEC] = codec
     w[W_WRITER_PID] = os.getpid()
+    w[W_WRITER_PIDNS] = pid_namespace()
     raw = bytes.fromhex(token)
     w[W_TOKEN] = int.from_bytes(raw[:8], "little")
     w[W_TOKEN + 1] = int.from_bytes(raw[8:], "little")

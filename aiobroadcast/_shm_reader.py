@@ -38,12 +38,17 @@ from ._ring import (
     W_NEXT_MSG,
     W_WAIT_TARGET,
     W_WRITER_PID,
+    W_WRITER_PIDNS,
     Segment,
     fence,
 )
 from ._stats import ReaderStatistics
 from ._wake import Inbox, Outbox
 from ._writer import LIVENESS_S
+
+#: How often a sleeping reader checks the writer's lock when the writer's pidfd watches for its
+#: exit: only for a writer that stops without closing in a process that lives on.
+WATCHED_LIVENESS_S = 5.0
 
 Decoder = Callable[[memoryview | bytes | bytearray, bool], Any]
 
@@ -105,7 +110,7 @@ class ShmSource:
         try:
             if _ring.is_locked(seg.fd, _ring.WRITER_LOCK_BYTE) is False or w[W_CLOSED]:
                 raise InvalidHandle(f"the writer of {self._handle.name} has closed or exited")
-            self._inbox = Inbox(seg.sock_path(f"r{i}"))
+            self._inbox = Inbox(seg.sock_path(f"r{i}"), self._writer_pidfd())
             self._cur_word = lay.record_word(i, R_CURSOR)
             self._recv_word = lay.record_word(i, R_RECEIVED)
             self._wait_word = lay.waiting_word(i)
@@ -132,6 +137,24 @@ class ShmSource:
         except BaseException:
             self._leave()
             raise
+
+    def _writer_pidfd(self) -> int | None:
+        """A pidfd of the writer's process, to wake when it exits (docs/design.md, "Liveness"):
+        only where the segment's pid names it (same pid namespace) and it still holds its lock
+        after the pidfd is open (so the pid was not reused). None otherwise: the reader then
+        checks the writer's lock every ``LIVENESS_S`` while it sleeps."""
+        w = self._words
+        ns = _ring.pid_namespace()
+        if not ns or w[W_WRITER_PIDNS] != ns or not hasattr(os, "pidfd_open"):
+            return None
+        try:
+            fd = os.pidfd_open(w[W_WRITER_PID])
+        except OSError:
+            return None
+        if not _ring.is_locked(self._seg.fd, _ring.WRITER_LOCK_BYTE):
+            os.close(fd)
+            return None
+        return fd
 
     def _leave(self) -> None:
         seg = self._seg
@@ -355,7 +378,8 @@ class ShmSource:
         try:
             assert self._inbox is not None
             try:
-                woken = await self._inbox.wait(LIVENESS_S)
+                limit = LIVENESS_S if self._inbox.watch is None else WATCHED_LIVENESS_S
+                woken = await self._inbox.wait(limit)
             except anyio.ClosedResourceError:
                 return  # closed by aclose() meanwhile: Reader raises ClosedResourceError
         finally:
@@ -373,19 +397,20 @@ class ShmSource:
         return False
 
     def end_sleep(self, woken: bool) -> None:
-        """End a sleep begun with ``begin_sleep``. ``woken``: a datagram arrived (otherwise the
-        liveness timeout passed, and the writer's lock is checked)."""
+        """End a sleep begun with ``begin_sleep``. ``woken``: a datagram arrived. If the ring has
+        nothing new (a timeout, the writer's pidfd, or a wake-up with nothing to read, as from a
+        writer that stops without closing), the writer's lock is checked."""
         if self._closed:
             return
         self._words[self._wait_word] = 0
-        if not woken and not self.ready() and not _ring.is_locked(self._seg.fd, _ring.WRITER_LOCK_BYTE):
+        if not self.ready() and not _ring.is_locked(self._seg.fd, _ring.WRITER_LOCK_BYTE):
             self._writer_gone = True
 
     @property
     def inbox_fd(self) -> int:
         """The file descriptor a sleeper polls (for callers outside an event loop)."""
         assert self._inbox is not None
-        return self._inbox.sock.fileno()
+        return self._inbox.fileno()
 
     def drain_inbox(self) -> bool:
         assert self._inbox is not None

@@ -8,6 +8,7 @@ writer's IPC namespace) reach each other even from another network namespace.
 from __future__ import annotations
 
 import os
+import select
 import socket
 from collections.abc import Callable
 from time import perf_counter_ns
@@ -17,10 +18,15 @@ import anyio.lowlevel
 
 
 class Inbox:
-    """The socket a sleeper waits on."""
+    """The socket a sleeper waits on; and, if given, a file descriptor it watches as well (the
+    writer's pidfd: readable once the writer's process has exited). Both are waited on through
+    one epoll instance, itself a readable file descriptor to the event loop."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, watch: int | None = None) -> None:
+        """``watch`` is owned by the inbox from now on (closed by ``close``)."""
         self.path = path
+        self.watch = watch
+        self._epoll: select.epoll | None = None
         try:
             os.unlink(path)  # left over by a dead process that had this place
         except FileNotFoundError:
@@ -29,35 +35,63 @@ class Inbox:
         try:
             self.sock.bind(path)
             os.chmod(path, 0o600)
+            if watch is not None:
+                self._epoll = select.epoll()
+                self._epoll.register(self.sock.fileno(), select.EPOLLIN)
+                self._epoll.register(watch, select.EPOLLIN)
         except BaseException:
             self.sock.close()
+            if watch is not None:
+                os.close(watch)
+            if self._epoll is not None:
+                self._epoll.close()
             raise
         self.sock.setblocking(False)
 
+    def fileno(self) -> int:
+        """What to wait on for readability: the epoll instance if there is a watch, else the socket."""
+        return self._epoll.fileno() if self._epoll is not None else self.sock.fileno()
+
     async def wait(self, limit_s: float) -> bool:
-        """Sleep until a datagram arrives or ``limit_s`` seconds pass. True if woken.
-        Raises ``anyio.ClosedResourceError`` if ``close`` is called meanwhile."""
+        """Sleep until a datagram arrives, the watch fires or ``limit_s`` seconds pass. True if
+        a datagram came. Raises ``anyio.ClosedResourceError`` if ``close`` is called meanwhile."""
         with anyio.move_on_after(limit_s):
-            await anyio.wait_readable(self.sock)
+            await anyio.wait_readable(self._epoll if self._epoll is not None else self.sock)
         if self.sock.fileno() < 0:  # closed while the wait was ending
             raise anyio.ClosedResourceError
         return self.drain()
 
     def drain(self) -> bool:
+        """Read every datagram; True if there was one. Without one, a watch that fired is
+        dropped (it stays readable: waiting on it again would return at once, forever)."""
         got = False
         while True:
             try:
                 self.sock.recv(64)
             except (BlockingIOError, InterruptedError):
-                return got
+                break
             got = True
+        watch = self.watch
+        if got or self._epoll is None or watch is None:
+            return got
+        if any(fd == watch for fd, _events in self._epoll.poll(0)):
+            self._epoll.unregister(watch)
+            os.close(watch)
+            self.watch = None
+        return got
 
     def close(self) -> None:
         if self.sock.fileno() >= 0:
             try:
-                anyio.notify_closing(self.sock)  # a task parked in wait() raises ClosedResourceError
+                # A task parked in wait() raises ClosedResourceError.
+                anyio.notify_closing(self._epoll if self._epoll is not None else self.sock)
             except RuntimeError:  # no event loop here, so no task can be parked
                 pass
+        if self._epoll is not None:
+            self._epoll.close()
+        if self.watch is not None:
+            os.close(self.watch)
+            self.watch = None
         self.sock.close()
         try:
             os.unlink(self.path)

@@ -236,6 +236,10 @@ class Writer(Generic[T_contra]):
             return
         _ring.unlock(self._seg.fd, _ring.WRITER_LOCK_BYTE)
         self._closed = True
+        fence()
+        for i, active in enumerate(self._seg.rec_active.tolist()):
+            if active:  # sleepers find the lock free on waking
+                self._outbox.wake(self._reader_socks[i])
         await self._stop_server()  # it sees the writer gone and tells remote readers
         self._inbox.close()
         self._outbox.close()

@@ -112,6 +112,7 @@ class WriterSpec:
 def set_reader_liveness(seconds: float) -> None:
     """How long a parked reader of this process sleeps before re-checking on its own."""
     vars(shm_reader_mod)["LIVENESS_S"] = seconds
+    vars(shm_reader_mod)["WATCHED_LIVENESS_S"] = seconds
 
 
 def _child(

@@ -208,6 +208,7 @@ async def test_cancelled_get_takes_nothing(anyio_backend: Backend, monkeypatch: 
     reader whose gets are cancelled at random moments while a writer process publishes still
     receives every message exactly once, in order."""
     monkeypatch.setattr(shm_reader_mod, "LIVENESS_S", NO_TIMEOUT)
+    monkeypatch.setattr(shm_reader_mod, "WATCHED_LIVENESS_S", NO_TIMEOUT)
     count = 300
     with spawn(writer_proc, anyio_backend, WriterSpec(capacity=4, count=count, sleep_prob=0.3)) as writer:
         handle = await writer.recv("handle")
@@ -414,6 +415,83 @@ async def test_sigkilled_writer_reader_drains_then_writer_gone_then_swept(anyio_
             assert handle.name in files_of(handle)
         async with ab.open_writer(capacity=2, slot_bytes=256):
             assert files_of(handle) == []
+
+
+async def test_a_sleeping_reader_is_woken_by_its_writers_exit(
+    anyio_backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reader parked in get() learns that its writer's process died from the writer's pidfd,
+    not from a periodic check: with every periodic check pushed to a minute, a SIGKILL of the
+    writer still ends the get with WriterGone (a missed exit would hang until fail_after)."""
+    monkeypatch.setattr(shm_reader_mod, "LIVENESS_S", NO_TIMEOUT)
+    monkeypatch.setattr(shm_reader_mod, "WATCHED_LIVENESS_S", NO_TIMEOUT)
+    spec = WriterSpec(capacity=4, count=0, then="hang")
+    with spawn(writer_proc, anyio_backend, spec) as writer_proc_:
+        handle = ab.Handle.parse(await writer_proc_.recv("handle"))
+        async with ab.open_reader(handle, name="parked") as reader:
+            writer_proc_.send("go")
+            assert await writer_proc_.recv("sent") == 0
+            outcome: list[BaseException] = []
+
+            async def park() -> None:
+                try:
+                    await reader.get()
+                except ab.WriterGone as exc:
+                    outcome.append(exc)
+
+            with anyio.fail_after(10):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(park)
+                    await until(lambda: reader.statistics().tasks_waiting == 1)
+                    await anyio.sleep(0.1)  # let it settle into its sleep
+                    writer_proc_.sigkill()
+            assert await writer_proc_.join() == -9
+            assert len(outcome) == 1 and isinstance(outcome[0], ab.WriterGone)
+    # The dead writer's files go with the next sweep once they are old enough.
+    age = time.time() - os.stat(handle.path).st_mtime
+    await anyio.sleep(max(0.0, ring_mod.STALE_MIN_AGE_S + 0.2 - age))
+    assert handle.path in ab.sweep_stale(handle.directory)
+    assert files_of(handle) == []
+
+
+async def test_a_writer_that_stops_without_closing_wakes_its_readers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A relay abandons its channel when its upstream dies: its process lives on (so no pidfd
+    fires), and its readers, on this host or in another pid namespace, must still get
+    WriterGone. Periodic checks are pushed to a minute: the wake-up must come."""
+    monkeypatch.setattr(shm_reader_mod, "LIVENESS_S", NO_TIMEOUT)
+    monkeypatch.setattr(shm_reader_mod, "WATCHED_LIVENESS_S", NO_TIMEOUT)
+    writer = await ab.open_writer(capacity=4, slot_bytes=256)
+    try:
+        same_ns = await ab.open_reader(writer.handle, name="same-namespace")
+        # As a reader in another pid namespace sees it: the pid in the segment is not its writer's.
+        seg_words = writer._seg.words
+        own_ns = seg_words[ring_mod.W_WRITER_PIDNS]
+        seg_words[ring_mod.W_WRITER_PIDNS] = own_ns + 1
+        other_ns = await ab.open_reader(writer.handle, name="other-namespace")
+        seg_words[ring_mod.W_WRITER_PIDNS] = own_ns
+        assert same_ns._src._inbox.watch is not None  # type: ignore[attr-defined]
+        assert other_ns._src._inbox.watch is None  # type: ignore[attr-defined]
+        await writer.put("last")
+        gone: list[str] = []
+
+        async def drain(reader: ab.Reader[str]) -> None:
+            assert await reader.get() == "last"
+            with pytest.raises(ab.WriterGone):
+                await reader.get()
+            gone.append(reader.name)
+
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(drain, same_ns)
+                tg.start_soon(drain, other_ns)
+                await until(lambda: all(r.statistics().tasks_waiting == 1 for r in (same_ns, other_ns)))
+                await anyio.sleep(0.1)
+                await writer._abandon()
+        assert sorted(gone) == ["other-namespace", "same-namespace"]
+        await same_ns.aclose()
+        await other_ns.aclose()
+    finally:
+        await writer.aclose()
 
 
 # --- 8. late join ---------------------------------------------------------------------------------
@@ -870,6 +948,7 @@ async def test_reader_aclose_wakes_its_parked_gets(anyio_backend: Backend, monke
     """Reader.aclose while tasks are parked in get(): each raises ClosedResourceError at once (they
     used to wake only at the next liveness check, with OSError(EBADF) from the closed socket)."""
     monkeypatch.setattr(shm_reader_mod, "LIVENESS_S", NO_TIMEOUT)
+    monkeypatch.setattr(shm_reader_mod, "WATCHED_LIVENESS_S", NO_TIMEOUT)
     async with ab.open_writer(capacity=4, slot_bytes=256) as writer:
         reader = await ab.open_reader(writer.handle)
         outcomes: list[str] = []

@@ -47,8 +47,10 @@ from ._wake import Inbox, Outbox
 from ._writer import LIVENESS_S
 
 #: How often a sleeping reader checks the writer's lock when the writer's pidfd watches for its
-#: exit: only for a writer that stops without closing in a process that lives on.
-WATCHED_LIVENESS_S = 5.0
+#: exit. Only a safety net: a writer that stops without closing while its process lives on (a
+#: relay whose upstream died) wakes its readers as it stops. Long, so that an idle reader
+#: stays asleep (a timer that fires as a message lands delays that message by a cold wake-up).
+WATCHED_LIVENESS_S = 30.0
 
 Decoder = Callable[[memoryview | bytes | bytearray, bool], Any]
 

@@ -46,11 +46,12 @@ from ._stats import ReaderStatistics
 from ._wake import Inbox, Outbox
 from ._writer import LIVENESS_S
 
-#: How often a sleeping reader checks the writer's lock when the writer's pidfd watches for its
-#: exit. Only a safety net: a writer that stops without closing while its process lives on (a
-#: relay whose upstream died) wakes its readers as it stops. Long, so that an idle reader
-#: stays asleep (a timer that fires as a message lands delays that message by a cold wake-up).
-WATCHED_LIVENESS_S = 30.0
+#: How often a sleeping reader re-checks the ring and the writer's lock when the writer's pidfd
+#: watches for its exit. A safety net: for a wake-up lost outside the protocol (its socket file
+#: removed), and for a writer that stops without closing while its process lives on (a relay
+#: whose upstream died wakes its readers as it stops). Longer than LIVENESS_S, so an idle
+#: reader wakes rarely; short enough that a lost wake-up costs a message 2 s at most.
+WATCHED_LIVENESS_S = 2.0
 
 Decoder = Callable[[memoryview | bytes | bytearray, bool], Any]
 

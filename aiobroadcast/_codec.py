@@ -36,10 +36,9 @@ from ._exceptions import SerializationError
 
 #: ``PickleBuffer`` producers (numpy arrays, bytearrays) from this size up travel out of band (one
 #: copy, straight into the ring). Below it the out-of-band bookkeeping costs more than it saves.
-#: A ``bytes`` goes out of band from ``BYPASS_MIN_BYTES`` up, at no cost (see the module's text).
+#: A ``bytes`` is handed over by reference from 64 KiB up (the C pickler's ``FRAME_SIZE_TARGET``,
+#: from which it writes a payload by itself: see the module's text).
 OOB_MIN_BYTES = 256 * 1024
-#: The C pickler's ``FRAME_SIZE_TARGET``: a payload this large is written to the file by itself.
-BYPASS_MIN_BYTES = 64 * 1024
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 _HEAD_1 = struct.Struct("<QQQ")  # the out-of-band header of a body with one buffer

@@ -204,15 +204,13 @@ class ShmSource:
                     body = bytes(buf[off + 32 : off + 32 + flen])
                     if w[off >> 3] != c:  # overwritten while we copied
                         continue
-                if self._hold_slot:
-                    try:
-                        return self._deliver(msg, body, flags & F_OOB)
-                    finally:
-                        self._hold(c)
                 try:
                     return self._deliver(msg, body, flags & F_OOB)
                 finally:
-                    self._advance(c, 1)
+                    if self._hold_slot:
+                        self._hold(c)
+                    else:
+                        self._advance(c, 1)
             # A fragment of a larger message. Under policy "lag" the header may be torn (the
             # writer zeroes it before filling it in): check that the entry is still ours before
             # acting on it, and again after copying its payload.

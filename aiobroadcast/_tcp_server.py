@@ -430,16 +430,7 @@ def _run_end(seqs: list[int], lo: int, hi: int) -> int:
     """The end of the run of consecutive seqs that starts at ``seqs[lo]``, at most ``hi``.
     ``seqs`` ascends without repeats, so ``seqs[j] - j`` never falls: a binary search."""
     d = seqs[lo] - lo
-    if seqs[hi - 1] - (hi - 1) == d:
-        return hi
-    a, b = lo, hi - 1  # seqs[a] - a == d, seqs[b] - b > d
-    while a + 1 < b:
-        m = (a + b) // 2
-        if seqs[m] - m == d:
-            a = m
-        else:
-            b = m
-    return a + 1
+    return lo + bisect.bisect_right(range(lo, hi), d, key=lambda j: seqs[j] - j)
 
 
 def _port_star(endpoint: str) -> str:

@@ -47,16 +47,17 @@ class Inbox:
                 self._epoll.close()
             raise
         self.sock.setblocking(False)
+        #: What to wait on for readability: the epoll instance if there is a watch, else the socket.
+        self._waitable: socket.socket | select.epoll = self.sock if self._epoll is None else self._epoll
 
     def fileno(self) -> int:
-        """What to wait on for readability: the epoll instance if there is a watch, else the socket."""
-        return self._epoll.fileno() if self._epoll is not None else self.sock.fileno()
+        return self._waitable.fileno()
 
     async def wait(self, limit_s: float) -> bool:
         """Sleep until a datagram arrives, the watch fires or ``limit_s`` seconds pass. True if
         a datagram came. Raises ``anyio.ClosedResourceError`` if ``close`` is called meanwhile."""
         with anyio.move_on_after(limit_s):
-            await anyio.wait_readable(self._epoll if self._epoll is not None else self.sock)
+            await anyio.wait_readable(self._waitable)
         if self.sock.fileno() < 0:  # closed while the wait was ending
             raise anyio.ClosedResourceError
         return self.drain()
@@ -84,7 +85,7 @@ class Inbox:
         if self.sock.fileno() >= 0:
             try:
                 # A task parked in wait() raises ClosedResourceError.
-                anyio.notify_closing(self._epoll if self._epoll is not None else self.sock)
+                anyio.notify_closing(self._waitable)
             except RuntimeError:  # no event loop here, so no task can be parked
                 pass
         if self._epoll is not None:

@@ -236,10 +236,7 @@ class Writer(Generic[T_contra]):
             return
         _ring.unlock(self._seg.fd, _ring.WRITER_LOCK_BYTE)
         self._closed = True
-        fence()
-        for i, active in enumerate(self._seg.rec_active.tolist()):
-            if active:  # sleepers find the lock free on waking
-                self._outbox.wake(self._reader_socks[i])
+        self._wake_all_readers()  # sleepers find the lock free on waking
         await self._stop_server()  # it sees the writer gone and tells remote readers
         self._inbox.close()
         self._outbox.close()
@@ -272,10 +269,7 @@ class Writer(Generic[T_contra]):
         self._closed = True
         w = self._words
         w[W_CLOSED] = 1
-        fence()
-        for i, active in enumerate(self._seg.rec_active.tolist()):
-            if active:
-                self._outbox.wake(self._reader_socks[i])
+        self._wake_all_readers()
         # Remote readers drain what the TCP server holds, within its drain timeout.
         await self._stop_server()
         self._inbox.close()
@@ -471,6 +465,13 @@ class Writer(Generic[T_contra]):
             w[W_HEAD] = self._head
             self._wake_readers()
         self._msg += 1
+
+    def _wake_all_readers(self) -> None:
+        """Wake every attached reader, asleep or not, after a change they must see (closed, gone)."""
+        fence()
+        for i, active in enumerate(self._seg.rec_active.tolist()):
+            if active:
+                self._outbox.wake(self._reader_socks[i])
 
     def _wake_readers(self) -> None:
         """Wake the readers that announced they sleep (and only once per sleep)."""

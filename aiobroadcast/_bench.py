@@ -242,7 +242,7 @@ def aggregate(cell: Cell, system: str, runs: list[dict[str, Any]]) -> dict[str, 
     out: dict[str, Any] = {"system": system, "mode": cell.mode, "readers": cell.readers, "size": cell.size,
                            "count": cell.count}
     for key in ("peer", "transport", "security", "loop", "capacity", "slot_bytes", "max_chunk_bytes", "max_chunks",
-                "hwm", "lossless", "spin_us", "zero_copy"):
+                "hwm", "lossless", "spin_us", "zero_copy", "payload_type"):
         if key in first:
             out[key] = first[key]
     out["runs"] = len(runs)

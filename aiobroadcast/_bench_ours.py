@@ -96,6 +96,7 @@ async def _reader_main(
         in_order = True
         lat = mode == "lat"
         get = reader.get
+        _payload: object = None
         for _ in range(count):
             ts, _payload = await get()
             if lat:
@@ -112,7 +113,9 @@ async def _reader_main(
             wake = time.perf_counter_ns() - ts
             idle_cpu = time.process_time() - c0
             received += 1
-    return reader_result(rank, t_end, lats, received, in_order, idle_cpu, wake)
+    res = reader_result(rank, t_end, lats, received, in_order, idle_cpu, wake)
+    res["payload_type"] = type(_payload).__name__  # memoryview with zero_copy (64 KiB and up)
+    return res
 
 
 # --- the writer -----------------------------------------------------------------------------------
@@ -170,7 +173,9 @@ async def _writer_main(
                 if p.is_alive():
                     p.kill()
                     p.join()
-    return figures(mode, count, size, t0, results, idle_s)
+    out = figures(mode, count, size, t0, results, idle_s)
+    out["payload_type"] = sorted({r["payload_type"] for r in results})
+    return out
 
 
 def _collect(q: Any, procs: list[Any]) -> list[dict[str, Any]]:

@@ -150,3 +150,6 @@ def test_zero_copy_readers_cell_json() -> None:
     )
     assert (obj["system"], obj["size"], obj["count"], obj["zero_copy"]) == ("aiobroadcast", 65536, 300, True)
     assert obj["received"] == [300, 300] and obj["in_order"] is True
+    assert obj["payload_type"] == ["memoryview"]  # what the readers got: views, not copies
+    (copying,) = objects(bench("--mode", "tput", "--readers", "1", "--size", "65536", "--count", "300", "--json"))
+    assert copying["zero_copy"] is False and copying["payload_type"] == ["bytes"]

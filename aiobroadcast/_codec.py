@@ -27,6 +27,7 @@ import importlib
 import json
 import pickle
 import struct
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,7 +106,32 @@ def _tail_header(chunk: bytes, first: bool) -> tuple[int, int, int] | None:
 
 
 class PickleEncoder:
-    """Encodes with pickle protocol 5; takes large buffers out of band."""
+    """Encodes with pickle protocol 5; takes large buffers out of band.
+
+    One C pickler (and its sink) is kept and reused: building one costs more than a small
+    message. A C pickler must never be re-entered: a ``__reduce__`` that publishes (a logging
+    handler that broadcasts), or another thread, would corrupt its state or crash the process. So
+    the kept pickler is taken with a non-blocking lock; a call that finds it taken encodes with a
+    pickler of its own. Safe from any thread and from inside an ``encode``."""
+
+    def __init__(self) -> None:
+        self._kept = _Pickling()
+        self._taken = threading.Lock()
+
+    def encode(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
+        """Return the body as parts, its total length, and whether it has out-of-band parts."""
+        if not self._taken.acquire(blocking=False):
+            return _Pickling().encode(obj)  # re-entered, or used by another thread right now
+        try:
+            return self._kept.encode(obj)
+        finally:
+            self._taken.release()
+
+
+class _Pickling:
+    """One pickler, its sink, and the out-of-band callback: used by one call at a time."""
+
+    __slots__ = ("_pickler", "_pieces")
 
     def __init__(self) -> None:
         sink = _Sink()
@@ -120,15 +146,19 @@ class PickleEncoder:
         return False
 
     def encode(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
-        """Return the body as parts, its total length, and whether it has out-of-band parts."""
         pickler = self._pickler
         pieces = self._pieces
         try:
             pickler.dump(obj)
-        except Exception as exc:
+        except BaseException as exc:
+            # Whatever stopped the dump (an unpicklable object, or Ctrl-C, SystemExit, a
+            # cancellation raised inside a __reduce__), the memo and the sink must be emptied:
+            # the next message would otherwise refer to memo entries of this one.
             pickler.clear_memo()
             pieces.clear()
-            raise SerializationError(f"cannot pickle {type(obj).__qualname__} object: {exc}") from exc
+            if isinstance(exc, Exception):
+                raise SerializationError(f"cannot pickle {type(obj).__qualname__} object: {exc}") from exc
+            raise
         pickler.clear_memo()
         if len(pieces) == 1:  # a small message: one chunk
             body = pieces.pop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import warnings
 from time import perf_counter_ns
 from types import TracebackType
@@ -10,7 +11,7 @@ from typing import Any, Generic, Protocol, TypeVar, final
 import anyio
 import anyio.lowlevel
 
-from ._exceptions import ClosedResourceError, EndOfStream, WouldBlock
+from ._exceptions import BroadcastError, ClosedResourceError, EndOfStream, WouldBlock
 from ._handle import Handle
 from ._stats import ReaderStatistics
 from ._wake import poll
@@ -58,6 +59,11 @@ class Reader(Generic[T_co]):
         self._tasks_waiting = 0
         self._since_yield = 0
         self._closed = False
+        # Held while a message is being taken and decoded, by whichever thread: a get_nowait that
+        # finds it held (another thread, or a __setstate__ of the message being decoded that
+        # reads from this reader) raises WouldBlock instead of taking a message twice.
+        self._taking = threading.Lock()
+        self._thread = threading.get_ident()
 
     @property
     def handle(self) -> Handle:
@@ -80,7 +86,14 @@ class Reader(Generic[T_co]):
         """
         if self._closed:
             raise ClosedResourceError("this reader is closed")
-        return self._src.get_nowait()  # type: ignore[no-any-return]
+        if not self._taking.acquire(blocking=False):
+            raise WouldBlock
+        try:
+            if self._closed:  # closed by another thread meanwhile
+                raise ClosedResourceError("this reader is closed")
+            return self._src.get_nowait()  # type: ignore[no-any-return]
+        finally:
+            self._taking.release()
 
     async def get(self) -> T_co:
         """Wait for the next message and return it.
@@ -88,6 +101,7 @@ class Reader(Generic[T_co]):
         Cancel-safe: a cancelled ``get`` has taken nothing. Raises like ``get_nowait``
         (never ``WouldBlock``). A parked ``get`` uses no CPU: it sleeps in the event loop.
         """
+        self._check_thread()
         while True:
             try:
                 obj = self.get_nowait()
@@ -112,8 +126,16 @@ class Reader(Generic[T_co]):
         raise ``ClosedResourceError``."""
         if self._closed:
             return
+        self._check_thread()
         self._closed = True
-        self._src.close()
+        # Wait for a get_nowait of another thread to finish with the ring before unmapping it
+        # (never for this thread's own: an aclose from inside decoding).
+        taken = self._taking.acquire(timeout=5)
+        try:
+            self._src.close()
+        finally:
+            if taken:
+                self._taking.release()
         if self._leader is not None:
             self._leader.set()
 
@@ -141,6 +163,14 @@ class Reader(Generic[T_co]):
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
+
+    def _check_thread(self) -> None:
+        """``get`` and ``aclose`` wait in the event loop of the thread that opened the reader."""
+        if threading.get_ident() != self._thread:
+            raise BroadcastError(
+                "this reader's get() and aclose() belong to the thread whose event loop opened it; "
+                "from another thread use get_nowait(), or anyio.from_thread.run(reader.get)"
+            )
 
     async def _wait(self) -> None:
         """One task sleeps in the source; the others wait for it on an in-process event, so

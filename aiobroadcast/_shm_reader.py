@@ -86,6 +86,9 @@ class ShmSource:
         self._partial_msg = -1
         self._partial_fill = 0
         self._partial_flags = 0
+        # A message taken out of the ring whose decoding was interrupted (Ctrl-C, SystemExit,
+        # a cancellation raised inside __setstate__): the next get_nowait decodes it again.
+        self._pending: tuple[int, bytearray, int] | None = None
         self._writer_gone = False
         self._episode = 0
         self._closed = True
@@ -180,6 +183,8 @@ class ShmSource:
         """Take the next message or raise (see ``Reader.get_nowait``)."""
         if self._held:
             self._release()
+        if self._pending is not None:
+            return self._deliver_assembled(*self._pending)
         w = self._words
         buf = self._buf
         while True:
@@ -205,12 +210,13 @@ class ShmSource:
                     if w[off >> 3] != c:  # overwritten while we copied
                         continue
                 try:
-                    return self._deliver(msg, body, flags & F_OOB)
-                finally:
-                    if self._hold_slot:
-                        self._hold(c)
-                    else:
-                        self._advance(c, 1)
+                    obj = self._deliver(msg, body, flags & F_OOB)
+                except DeserializationError:
+                    self._take(c)  # consumed: the next get returns the next message
+                    raise
+                # Any other BaseException propagates before _take: the entry stays in the ring.
+                self._take(c)
+                return obj
             # A fragment of a larger message. Under policy "lag" the header may be torn (the
             # writer zeroes it before filling it in): check that the entry is still ours before
             # acting on it, and again after copying its payload.
@@ -235,10 +241,7 @@ class ShmSource:
             self._advance(c, 0)
             if flags & F_LAST:
                 self._partial = None
-                try:
-                    return self._deliver(msg, partial, self._partial_flags & F_OOB)
-                finally:
-                    self._count_delivery()
+                return self._deliver_assembled(msg, partial, self._partial_flags & F_OOB)
 
     def statistics(self, tasks_waiting: int) -> ReaderStatistics:
         w = self._words
@@ -267,11 +270,36 @@ class ShmSource:
 
     # --- internals -----------------------------------------------------------------------
     def _deliver(self, msg: int, body: memoryview | bytes | bytearray, oob: int) -> Any:
-        self._next_msg = msg + 1
+        """Decode message ``msg``. ``Exception`` becomes ``DeserializationError`` (the message
+        counts as taken); any other ``BaseException`` propagates with nothing taken."""
         try:
-            return self._decode(body, bool(oob))
+            obj = self._decode(body, bool(oob))
         except Exception as exc:
+            self._next_msg = msg + 1
             raise DeserializationError(msg, exc) from exc
+        self._next_msg = msg + 1
+        return obj
+
+    def _take(self, c: int) -> None:
+        """Entry ``c`` (a whole message) is delivered: release its slot, or hold it (zero-copy)."""
+        if self._hold_slot:
+            self._hold(c)
+        else:
+            self._advance(c, 1)
+
+    def _deliver_assembled(self, msg: int, body: bytearray, oob: int) -> Any:
+        """Deliver a message assembled from fragments (already released from the ring). Kept as
+        ``_pending`` until it is delivered or found undecodable."""
+        self._pending = (msg, body, oob)
+        try:
+            obj = self._deliver(msg, body, oob)
+        except DeserializationError:
+            self._pending = None
+            self._count_delivery()
+            raise
+        self._pending = None
+        self._count_delivery()
+        return obj
 
     def _count_delivery(self) -> None:
         self._received += 1
@@ -368,7 +396,13 @@ class ShmSource:
         w = self._words
         c = self._cursor
         seq = w[(self._data + (c % self._cap) * self._slot_bytes) >> 3]
-        return seq == c or (seq != EMPTY and seq != BUSY and seq > c) or bool(w[W_CLOSED]) or self._writer_gone
+        return (
+            seq == c
+            or (seq != EMPTY and seq != BUSY and seq > c)
+            or self._pending is not None
+            or bool(w[W_CLOSED])
+            or self._writer_gone
+        )
 
     async def sleep(self) -> None:
         """Park until the ring may have changed (one task at a time). Announces the sleep,

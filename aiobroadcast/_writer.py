@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import atexit
+import collections
 import json
 import logging
 import subprocess
+import threading
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -19,7 +21,7 @@ import anyio.to_thread
 
 from . import _ring
 from ._codec import Buffer, JsonCodec, PickleEncoder, SchemaCodec
-from ._exceptions import ClosedResourceError, MessageTooLarge, WouldBlock
+from ._exceptions import BroadcastError, ClosedResourceError, MessageTooLarge, WouldBlock
 from ._handle import Handle
 from ._ring import (
     BUSY,
@@ -99,11 +101,19 @@ class Writer(Generic[T_contra]):
         self._reader_socks = [seg.sock_path(f"r{i}") for i in range(lay.max_readers)]
         self._inbox = Inbox(seg.sock_path("w"))
         self._outbox = Outbox()
-        self._lock = anyio.Lock()
+        # Two locks. `_lock` orders the tasks of the writer's event loop (a put waiting for room
+        # keeps its turn). `_mutex` is held, never across an await, by whoever is writing into the
+        # ring right now, from any thread; a put_nowait that cannot take it at once raises
+        # WouldBlock. Encoding runs outside both: it may run user code (a __reduce__ that
+        # publishes, a logging handler that broadcasts), which must find the writer usable.
+        self._lock = _Turns()
+        self._mutex = threading.Lock()
+        self._thread = threading.get_ident()
         self._waiting_tasks = 0
         self._since_yield = 0
         self._slept_ns = DENSE_NS  # no polling before the first sleep
         self._dropped = 0
+        self._aborted = 0  # message numbers used by messages cut short (their LAST never published)
         self._closed = False
         self._server: subprocess.Popen[bytes] | None = None
         self._server_stats = ""
@@ -163,13 +173,18 @@ class Writer(Generic[T_contra]):
         if self._lock.locked():
             raise WouldBlock
         parts, total, oob = self._encode_checked(obj)
-        self._put_encoded_nowait(parts, total, oob)
-
-    def _put_encoded_nowait(self, parts: Sequence[Buffer], total: int, oob: bool) -> None:
         entries = 1 if total <= self._payload else -(-total // self._payload)
-        if self._block and self._head + entries - self._min_cursor > self._cap and not self._room(entries):
-            raise WouldBlock
-        self._publish(parts, total, oob, entries)
+        if not self._mutex.acquire(blocking=False):
+            raise WouldBlock  # another thread is writing into the ring right now
+        try:
+            self._check_open()
+            # A task's put may have taken its turn while we encoded: it may be streaming a
+            # message larger than the ring, which nothing may interleave with.
+            if self._lock.locked() or (self._block and not self._room(entries)):
+                raise WouldBlock
+            self._publish(parts, total, oob, entries)
+        finally:
+            self._mutex.release()
 
     async def put(self, obj: T_contra) -> None:
         """Publish ``obj``, waiting for room while a live reader would be overrun.
@@ -180,20 +195,16 @@ class Writer(Generic[T_contra]):
         about a second and the ``put`` goes on.
         """
         self._check_open()
+        self._check_thread()
         parts, total, oob = self._encode_checked(obj)  # the object as it is now
         await self._put_encoded(parts, total, oob)
 
     async def _put_encoded(self, parts: Sequence[Buffer], total: int, oob: bool) -> None:
         entries = 1 if total <= self._payload else -(-total // self._payload)
-        if not self._lock.locked() and (
-            not self._block
-            or self._head + entries - self._min_cursor <= self._cap  # room, as last seen (has_room)
-            or (entries <= self._cap and self._room(entries))
-        ):
+        if not self._lock.locked() and self._try_publish(parts, total, oob, entries):
             # Fast path: room now and nobody queued. Yield to the loop now and then so that
             # a tight loop of puts does not starve other tasks. Shielded: the message is
             # published, so a cancellation here would report a published message as not sent.
-            self._publish(parts, total, oob, entries)
             self._since_yield += 1
             if self._since_yield >= YIELD_EVERY:
                 self._since_yield = 0
@@ -204,13 +215,36 @@ class Writer(Generic[T_contra]):
             async with self._lock:
                 self._check_open()
                 if entries <= self._cap or not self._block:
-                    if self._block:
-                        await self._wait_room(entries)
-                    self._publish(parts, total, oob, entries)
+                    await self._publish_when_room(parts, total, oob, entries)
                 else:
                     await self._stream(parts, total, oob, entries)
         finally:
             self._waiting_tasks -= 1
+
+    def _try_publish(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int = 0) -> bool:
+        """Publish now if no other thread is writing and there is room. No await."""
+        if not self._mutex.acquire(blocking=False):
+            return False
+        try:
+            if self._block and not self._room(entries):
+                return False
+            self._publish(parts, total, oob, entries, gap)
+            return True
+        finally:
+            self._mutex.release()
+
+    async def _publish_when_room(
+        self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int = 0
+    ) -> None:
+        """Wait for room (holding the task lock), then publish. Another thread's put_nowait may
+        take the room or hold the mutex meanwhile: then wait again."""
+        while True:
+            if self._block:
+                await self._wait_room(entries)
+            if self._try_publish(parts, total, oob, entries, gap):
+                return
+            await anyio.lowlevel.checkpoint()  # the other thread's copy takes microseconds
+            self._check_open()
 
     # --- for relays: republish bodies as they are, and gaps --------------------------------
     async def _put_raw(self, body: bytes, oob: bool) -> None:
@@ -221,9 +255,7 @@ class Writer(Generic[T_contra]):
         """Publish a marker that makes every reader raise ``ReaderLagged(missed)``."""
         self._check_open()
         async with self._lock:
-            if self._block:
-                await self._wait_room(1)
-            self._publish((b"",), 0, False, 1, gap=missed)
+            await self._publish_when_room((b"",), 0, False, 1, gap=missed)
 
     def _relay_codec(self, codec: str, schema_path: str | None) -> None:
         """A relay's channel carries the upstream's bodies: say how to decode them."""
@@ -234,8 +266,10 @@ class Writer(Generic[T_contra]):
         """Stop as if this process had died: readers drain, then get ``WriterGone``."""
         if self._closed:
             return
+        self._check_thread()
+        with self._mutex:  # no other thread is writing into the ring from here on
+            self._closed = True
         _ring.unlock(self._seg.fd, _ring.WRITER_LOCK_BYTE)
-        self._closed = True
         self._wake_all_readers()  # sleepers find the lock free on waking
         await self._stop_server()  # it sees the writer gone and tells remote readers
         self._inbox.close()
@@ -247,12 +281,12 @@ class Writer(Generic[T_contra]):
     def statistics(self) -> WriterStatistics:
         self._check_open()
         readers = self._readers()
-        target = self._head + 1 - self._cap
-        waiting_for = tuple(r for r in readers if self._head - r.lag < target) if self._lock.locked() else ()
+        target = self._words[W_WAIT_TARGET]
+        waiting_for = tuple(r for r in readers if _ring.holds_writer(self._head - r.lag, target))
         remote, remote_dropped = self._remote_readers() if self._server is not None else ((), 0)
         readers = readers + remote
         return WriterStatistics(
-            sent=self._msg,
+            sent=self._msg - self._aborted,
             head=self._head,
             capacity=self._cap,
             readers=readers,
@@ -266,7 +300,9 @@ class Writer(Generic[T_contra]):
         The segment is removed now; readers already attached keep their mapping."""
         if self._closed:
             return
-        self._closed = True
+        self._check_thread()
+        with self._mutex:  # no other thread is writing into the ring from here on
+            self._closed = True
         w = self._words
         w[W_CLOSED] = 1
         self._wake_all_readers()
@@ -298,6 +334,15 @@ class Writer(Generic[T_contra]):
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedResourceError("this writer is closed")
+
+    def _check_thread(self) -> None:
+        """``put`` and ``aclose`` wait in the event loop of the thread that opened the writer; its
+        task lock and wake-up socket cannot be shared with another thread's loop."""
+        if threading.get_ident() != self._thread:
+            raise BroadcastError(
+                "this writer's put() and aclose() belong to the thread whose event loop opened it; "
+                "from another thread use put_nowait(), or anyio.from_thread.run(writer.put, obj)"
+            )
 
     def _encode_checked(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
         parts, total, oob = self._encode(obj)
@@ -394,6 +439,43 @@ class Writer(Generic[T_contra]):
 
     def _publish(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int = 0) -> None:
         """Write a whole message into ``entries`` free slots and publish it. No await."""
+        try:
+            self._write_message(parts, total, oob, entries, gap)
+        except BaseException:
+            # A KeyboardInterrupt (or any exception a signal handler raises) can land between any
+            # two bytecodes of the copy. Readers go by the slots' seq words: whatever was
+            # committed before the interrupt is seen, so the writer's own counters must follow.
+            self._recover()
+            raise
+
+    def _recover(self) -> None:
+        """Bring ``head`` and the message number up to the entries whose seq word was stored.
+
+        Before the commit of a one-slot message nothing was stored: nothing is published. After
+        it (a few bytecodes of bookkeeping), the message is published whole: readers may have it
+        already. Fragments of a larger message that were committed stay, without their LAST:
+        readers drop them at the next FIRST fragment, as for a cancelled streamed message."""
+        w = self._words
+        head = self._head
+        msg = self._msg
+        whole = True
+        while w[self._data + (head % self._cap) * self._slot_bytes >> 3] == head:
+            at = self._data + (head % self._cap) * self._slot_bytes + 8
+            number, _length, flags, _total = SLOT_REST.unpack_from(self._buf, at)
+            msg = number + 1
+            whole = bool(flags & F_LAST)
+            head += 1
+        if head == self._head and w[W_HEAD] == head:
+            return
+        if not whole:
+            self._aborted += 1  # its number is used, but no reader delivers it
+        self._head = head
+        self._msg = max(self._msg, msg)
+        w[W_NEXT_MSG] = self._msg
+        w[W_HEAD] = head
+        self._wake_all_readers()
+
+    def _write_message(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int) -> None:
         w = self._words
         buf = self._buf
         msg = self._msg
@@ -451,20 +533,43 @@ class Writer(Generic[T_contra]):
         """Publish a message larger than the ring, a few slots at a time."""
         chunks = _Chunks(parts)
         w = self._words
-        first = True
+        msg = self._msg
         base_flags = F_OOB if oob else 0
-        while not chunks.done:
-            await self._wait_room(1)
-            free = self._cap - (self._head - self._min_cursor)
-            remaining = -(-(total - chunks.pos) // self._payload)
-            n = min(free, remaining)
-            self._head = self._write_fragments(chunks, total, base_flags, self._head, n, first=first)
-            if first:
-                w[W_NEXT_MSG] = self._msg + 1
-            first = False
-            w[W_HEAD] = self._head
-            self._wake_readers()
-        self._msg += 1
+        started = False
+        try:
+            while not chunks.done:
+                await self._wait_room(1)
+                # We hold the task lock, so no other thread starts a put_nowait now; one may still
+                # be finishing: wait for it, then count the room again.
+                if not self._mutex.acquire(blocking=False):
+                    await anyio.lowlevel.checkpoint()
+                    self._check_open()
+                    continue
+                try:
+                    free = self._cap - (self._head - self._min_cursor)
+                    remaining = -(-(total - chunks.pos) // self._payload)
+                    n = min(free, remaining)
+                    if n <= 0:
+                        continue
+                    first = not started
+                    started = True
+                    self._head = self._write_fragments(chunks, total, base_flags, self._head, n, first=first)
+                    if first:
+                        w[W_NEXT_MSG] = msg + 1
+                    w[W_HEAD] = self._head
+                    self._wake_readers()
+                except BaseException:
+                    self._recover()
+                    raise
+                finally:
+                    self._mutex.release()
+        finally:
+            # Whole, or cut short (cancelled, interrupted) after its FIRST fragment: the message
+            # number is used either way (readers drop a message whose LAST never comes).
+            if started and self._msg == msg:
+                self._msg = msg + 1
+                if not chunks.done:
+                    self._aborted += 1
 
     def _wake_all_readers(self) -> None:
         """Wake every attached reader, asleep or not, after a change they must see (closed, gone)."""
@@ -506,6 +611,45 @@ class Writer(Generic[T_contra]):
                 )
             )
         return tuple(out)
+
+
+class _Turns:
+    """The writer's tasks take turns, first come first served. Like ``anyio.Lock``, but an
+    exception of any kind thrown into a waiting task (not only a cancellation) gives its turn
+    back: a turn is never left held by a task that is gone."""
+
+    __slots__ = ("_held", "_waiters")
+
+    def __init__(self) -> None:
+        self._held = False
+        self._waiters: collections.deque[anyio.Event] = collections.deque()
+
+    def locked(self) -> bool:
+        return self._held
+
+    async def __aenter__(self) -> None:
+        if not self._held:
+            self._held = True
+            return
+        turn = anyio.Event()
+        self._waiters.append(turn)
+        try:
+            await turn.wait()
+        except BaseException:
+            if turn.is_set():
+                self._release()  # it was handed to us as we were interrupted: pass it on
+            else:
+                self._waiters.remove(turn)
+            raise
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if self._waiters:
+            self._waiters.popleft().set()  # handed over: still held, by the next task
+        else:
+            self._held = False
 
 
 class _Chunks:

@@ -9,6 +9,7 @@ from ._exceptions import ClosedResourceError as ClosedResourceError
 from ._exceptions import DeserializationError as DeserializationError
 from ._exceptions import EndOfStream as EndOfStream
 from ._exceptions import InsufficientSharedMemory as InsufficientSharedMemory
+from ._exceptions import InvalidArgument as InvalidArgument
 from ._exceptions import InvalidHandle as InvalidHandle
 from ._exceptions import MessageTooLarge as MessageTooLarge
 from ._exceptions import ReaderLagged as ReaderLagged
@@ -37,6 +38,7 @@ __all__ = [
     "EndOfStream",
     "Handle",
     "InsufficientSharedMemory",
+    "InvalidArgument",
     "InvalidHandle",
     "MessageTooLarge",
     "Reader",

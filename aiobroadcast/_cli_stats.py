@@ -102,9 +102,7 @@ class Snapshot:
 
     def holding(self) -> list[ReaderRow]:
         """The readers a blocked writer waits for: their cursor is below ``wait_target``."""
-        if not self.wait_target:
-            return []
-        return [r for r in self.readers if r.cursor < self.wait_target]
+        return [r for r in self.readers if _ring.holds_writer(r.cursor, self.wait_target)]
 
 
 class SegmentView:

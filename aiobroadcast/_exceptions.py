@@ -7,6 +7,12 @@ class BroadcastError(Exception):
     """Base class of every error raised by aiobroadcast."""
 
 
+class InvalidArgument(BroadcastError, ValueError):
+    """Raised by ``open_writer``/``open_reader`` (and the blocking and CLI front ends) for an
+    argument out of its range or of the wrong form; the message names the argument and what it
+    accepts. Also a ``ValueError``."""
+
+
 class WouldBlock(BroadcastError):
     """Raised by ``put_nowait`` when the message would overrun a reader (policy ``"block"``),
     and by ``get_nowait`` when no message is ready yet."""

@@ -3,15 +3,63 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ._exceptions import InvalidHandle
+from ._exceptions import InvalidArgument, InvalidHandle
 
 Policy = Literal["block", "lag"]
 Codec = Literal["pickle", "json", "pydantic-json"]
+
+
+#: The longest name of a file the package creates beside a channel's segment, for a reader place
+#: ``i``: ``aiobroadcast-<32 hex>-r<i>.sock`` (the stats file and its temporary are shorter).
+_NAME_LEN = len("aiobroadcast-") + 32
+#: Unix socket paths hold at most 107 bytes (sun_path is 108, with its terminating NUL).
+_UNIX_PATH_MAX = 107
+#: ``tcp://HOST:PORT``: HOST a DNS name, an IPv4 address, an IPv6 address in brackets, or (to
+#: bind) ``*``; the port is checked apart.
+_TCP_RE = re.compile(r"^tcp://(\*|\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_]([A-Za-z0-9_.-]*[A-Za-z0-9_])?):([0-9]{1,5})$")
+
+
+def check_directory(directory: str, max_readers: int) -> str | None:
+    """What is wrong with ``directory`` as a channel's directory, or None. It must be an absolute
+    path without NUL, short enough that the wake-up sockets beside the segment can be bound."""
+    if "\0" in directory:
+        return f"directory {directory!r} contains a NUL byte"
+    if not os.path.isabs(directory):
+        return f"directory {directory!r} is not an absolute path"
+    longest = len(os.fsencode(directory)) + 1 + _NAME_LEN + len(f"-r{max(0, max_readers - 1)}.sock")
+    if longest > _UNIX_PATH_MAX:
+        room = _UNIX_PATH_MAX - (longest - len(os.fsencode(directory)))
+        return (
+            f"directory {directory!r} is too long: the wake-up sockets beside the segment need paths "
+            f"of at most {_UNIX_PATH_MAX} bytes (use a directory of at most {room} bytes)"
+        )
+    return None
+
+
+def check_endpoint(endpoint: str, *, bind: bool) -> str | None:
+    """What is wrong with a ``tcp://host:port`` endpoint, or None. Port 0 (a free port) and
+    host ``*`` are for binding only."""
+    m = _TCP_RE.match(endpoint)
+    if m is None:
+        return f"{endpoint!r} is not a tcp:// endpoint of the form tcp://host:port"
+    port = int(m.group(3))
+    if port > 65535 or (port == 0 and not bind):
+        return f"tcp endpoint {endpoint!r} has no valid port (1-65535{', or 0 for any' if bind else ''})"
+    if m.group(1) == "*" and not bind:
+        return f"tcp endpoint {endpoint!r} names no host to connect to"
+    return None
+
+
+def require(problem: str | None) -> None:
+    """Raise ``InvalidArgument`` for a problem found by a ``check_*`` function."""
+    if problem is not None:
+        raise InvalidArgument(problem)
 
 
 class Handle(BaseModel):
@@ -44,6 +92,21 @@ class Handle(BaseModel):
     client_secret_key: str | None = Field(default=None, repr=False)
     hmac_key: str | None = Field(default=None, repr=False)
 
+    @field_validator("tcp")
+    @classmethod
+    def _tcp_endpoint(cls, value: str | None) -> str | None:
+        problem = None if value is None else check_endpoint(value, bind=False)
+        if problem is not None:
+            raise ValueError(problem)
+        return value
+
+    @model_validator(mode="after")
+    def _paths(self) -> Handle:
+        problem = check_directory(self.directory, self.max_readers)
+        if problem is not None:
+            raise ValueError(problem)
+        return self
+
     @property
     def token(self) -> str:
         return self.name.removeprefix("aiobroadcast-")
@@ -57,10 +120,11 @@ class Handle(BaseModel):
 
     @classmethod
     def parse(cls, data: str | bytes | dict[str, Any] | Handle) -> Handle:
-        """Build a handle from its JSON text or dict. Raises ``InvalidHandle``."""
-        if isinstance(data, Handle):
-            return data
+        """Build a handle from its JSON text or dict. Raises ``InvalidHandle``. A ``Handle`` is
+        checked again (``model_construct`` or ``model_copy`` skip validation)."""
         try:
+            if isinstance(data, Handle):
+                return cls.model_validate(data.model_dump())
             if isinstance(data, dict):
                 return cls.model_validate(data)
             return cls.model_validate_json(data)

@@ -27,8 +27,8 @@ from ._codec import (
     import_schema,
     schema_path,
 )
-from ._exceptions import BroadcastError, InvalidHandle
-from ._handle import CurveKeys, Handle, Policy
+from ._exceptions import BroadcastError, InvalidArgument, InvalidHandle
+from ._handle import CurveKeys, Handle, Policy, check_directory, check_endpoint, require
 from ._reader import Reader, Source
 from ._reader import _private as _reader_token
 from ._shm_reader import ShmSource
@@ -148,23 +148,24 @@ def open_writer(
     - ``heartbeat_s``: remote liveness; a silent remote reader is dropped after 6 heartbeats.
     - ``tcp_window``: messages a remote reader may have in flight (its credit).
 
-    Raises ``ValueError`` for bad arguments, ``InsufficientSharedMemory`` when the ring does not
+    Raises ``InvalidArgument`` (a ``ValueError``) for bad arguments, ``InsufficientSharedMemory`` when the ring does not
     fit, ``BroadcastError`` when the endpoint cannot be bound or the platform is not supported.
     """
     if capacity < 2:
-        raise ValueError("capacity must be at least 2")
+        raise InvalidArgument("capacity must be at least 2")
     if max_readers < 1:
-        raise ValueError("max_readers must be at least 1")
+        raise InvalidArgument("max_readers must be at least 1")
     if slot_bytes < 64:
-        raise ValueError("slot_bytes must be at least 64")
+        raise InvalidArgument("slot_bytes must be at least 64")
     if policy not in _ring.POLICIES:
-        raise ValueError(f"policy must be one of {_ring.POLICIES}, not {policy!r}")
+        raise InvalidArgument(f"policy must be one of {_ring.POLICIES}, not {policy!r}")
     if codec not in ("pickle", "json"):
-        raise ValueError(f"codec must be 'pickle' or 'json', not {codec!r}")
-    if tcp is not None and not tcp.startswith("tcp://"):
-        raise ValueError(f"tcp must be a tcp:// endpoint, not {tcp!r}")
+        raise InvalidArgument(f"codec must be 'pickle' or 'json', not {codec!r}")
+    if tcp is not None:
+        require(check_endpoint(tcp, bind=True))
     slot_bytes = (slot_bytes + 63) // 64 * 64
     ring_readers = max_readers + (1 if tcp else 0)  # a place for the TCP server
+    require(check_directory(directory, ring_readers))
 
     async def make() -> Writer[Any]:
         _ring.sweep_stale(directory)
@@ -368,9 +369,9 @@ def open_reader(
     """
     h = Handle.parse(handle)
     if transport not in ("auto", "shm", "tcp"):
-        raise ValueError(f"transport must be 'auto', 'shm' or 'tcp', not {transport!r}")
+        raise InvalidArgument(f"transport must be 'auto', 'shm' or 'tcp', not {transport!r}")
     if spin_us is not None and not 0 <= spin_us <= 1_000_000:
-        raise ValueError(f"spin_us must be None or between 0 and 1,000,000, not {spin_us!r}")
+        raise InvalidArgument(f"spin_us must be None or between 0 and 1,000,000, not {spin_us!r}")
 
     async def make() -> Reader[Any]:
         if h.codec == "pickle" and not trust_pickle:

@@ -11,6 +11,7 @@ import mmap
 import os
 import platform
 import re
+import stat
 import struct
 import threading
 import time
@@ -120,6 +121,13 @@ def has_room(head: int, min_cursor: int, entries: int, capacity: int) -> bool:
 def wait_target(head: int, entries: int, capacity: int) -> int:
     """The smallest ``min_cursor`` for which ``has_room`` becomes true."""
     return head + entries - capacity
+
+
+def holds_writer(cursor: int, target: int) -> bool:
+    """Whether a reader at ``cursor`` is one that a blocked writer, which stored ``target`` as its
+    ``wait_target`` (0: not waiting), waits for. The one definition, for ``statistics()`` and
+    ``aiobroadcast stats``."""
+    return target != 0 and cursor < target
 
 
 def crossed(old_cursor: int, new_cursor: int, target: int) -> bool:
@@ -237,17 +245,20 @@ def create_segment(
     available = st.f_bavail * st.f_frsize
     if layout.size > available:
         raise InsufficientSharedMemory(layout.size, available, directory)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        raise BroadcastError(f"cannot create the channel's segment in {directory!r}: {exc.strerror}") from exc
     try:
         if not try_lock(fd, WRITER_LOCK_BYTE):  # pragma: no cover - the file is new
             raise BroadcastError(f"cannot lock new segment {path}")
         try:
             os.posix_fallocate(fd, 0, layout.size)
+            seg = Segment(path, fd, layout)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise InsufficientSharedMemory(layout.size, available, directory) from exc
-            raise
-        seg = Segment(path, fd, layout)
+            raise BroadcastError(f"cannot size or map the channel's segment {path}: {exc.strerror}") from exc
     except BaseException:
         os.close(fd)
         os.unlink(path)
@@ -274,20 +285,27 @@ def attach_segment(path: str, token: str, capacity: int, slot_bytes: int, max_re
     """Map an existing channel's file, checking that it is the channel the handle names."""
     check_platform()
     try:
-        fd = os.open(path, os.O_RDWR)
+        # Never through a symbolic link: the handle names a file in the channel's directory.
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError as exc:
         raise InvalidHandle(f"the channel's segment {path} is gone (the writer closed or exited)") from exc
     except OSError as exc:
         raise InvalidHandle(f"cannot open the channel's segment {path}: {exc}") from exc
     try:
         layout = Layout(capacity, slot_bytes, max_readers)
-        actual = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidHandle(f"{path} is not a channel's segment (not a regular file)")
+        actual = st.st_size
         if actual != layout.size:
             raise InvalidHandle(
                 f"segment {path} is {actual} bytes, the handle's layout needs {layout.size}: "
                 "it belongs to another layout or another version"
             )
-        seg = Segment(path, fd, layout)
+        try:
+            seg = Segment(path, fd, layout)
+        except OSError as exc:
+            raise InvalidHandle(f"cannot map the channel's segment {path}: {exc.strerror}") from exc
     except BaseException:
         os.close(fd)
         raise
@@ -314,7 +332,8 @@ def sweep_stale(directory: str) -> list[str]:
     """Remove channel files (and their sockets) left by writers that died with no reader left.
 
     A file is stale when nobody holds any lock on it: the writer's and every reader's lock
-    died with their processes.
+    died with their processes. Only regular files of this user are looked at, never through a
+    symbolic link (``/dev/shm`` is writable by everyone).
     """
     removed: list[str] = []
     try:
@@ -327,12 +346,16 @@ def sweep_stale(directory: str) -> list[str]:
             continue
         path = os.path.join(directory, name)
         try:
-            fd = os.open(path, os.O_RDWR)
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
         except OSError:
             continue
         try:
-            young = time.time() - os.fstat(fd).st_mtime < STALE_MIN_AGE_S
-            if not young and try_lock(fd, 0, 0):
+            st = os.fstat(fd)
+            young = time.time() - st.st_mtime < STALE_MIN_AGE_S
+            if stat.S_ISREG(st.st_mode) and not young and try_lock(fd, 0, 0):
                 for extra in os.listdir(directory):
                     if extra.startswith(name + "-") and extra.endswith((".sock", ".json")):
                         _unlink_quiet(os.path.join(directory, extra))
@@ -353,7 +376,8 @@ def _sweep_orphan(directory: str, name: str) -> None:
         return
     path = os.path.join(directory, name)
     try:
-        if time.time() - os.lstat(path).st_mtime > STALE_MIN_AGE_S:
+        st = os.lstat(path)
+        if st.st_uid == os.geteuid() and time.time() - st.st_mtime > STALE_MIN_AGE_S:
             _unlink_quiet(path)
     except FileNotFoundError:
         pass

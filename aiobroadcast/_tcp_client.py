@@ -111,10 +111,12 @@ class TcpSource:
             self._monitor = d.get_monitor_socket(_HANDSHAKE_EVENTS)
             self._monitor.linger = 0
             d.connect(handle.tcp)
-        except BaseException:
+        except BaseException as exc:
             self._close_sockets()
             for s in (self._wake_r, self._wake_w, self._ctrl_r, self._ctrl_w):
                 s.close()
+            if isinstance(exc, zmq.ZMQError):  # bad keys or an endpoint ZeroMQ cannot use
+                raise TransportError(f"cannot connect to the writer at {handle.tcp}: {exc}") from exc
             raise
         self._thread = threading.Thread(target=self._run, name="aiobroadcast-tcp-reader", daemon=True)
         self._stop = False
@@ -140,18 +142,20 @@ class TcpSource:
             if not self._items:
                 raise WouldBlock
             kind, a, b = self._items[0]
-            if kind in (_MSG, _LAG):
+            if kind == _LAG:
                 self._items.popleft()
         if kind == _MSG:
+            # Taken only once decoded, or found undecodable: a BaseException from decoding (Ctrl-C,
+            # SystemExit) leaves it first in the queue for the next get. One consumer at a time
+            # (Reader), and the I/O thread only appends: the head is still this message after.
             seq, flags = a[0], a[1]
-            self._consumed = seq + 1
-            self._received += 1
-            if self._consumed % max(1, self._window // 2) == 0:
-                self._poke()
             try:
-                return self._decode(b, bool(flags & 1))
+                obj = self._decode(b, bool(flags & 1))
             except Exception as exc:  # consumed, like a local reader's undecodable message
+                self._consume(seq)
                 raise DeserializationError(seq, exc) from exc
+            self._consume(seq)
+            return obj
         if kind == _LAG:
             self._lagged_total += a
             self._consumed = max(self._consumed, b)  # the gap counts as taken: credit for what follows
@@ -162,6 +166,14 @@ class TcpSource:
         if kind == _GONE:
             raise WriterGone(self._handle.writer_pid)
         raise TransportError(str(a))
+
+    def _consume(self, seq: int) -> None:
+        with self._lock:
+            self._items.popleft()
+        self._consumed = seq + 1
+        self._received += 1
+        if self._consumed % max(1, self._window // 2) == 0:
+            self._poke()
 
     def ready(self) -> bool:
         with self._lock:

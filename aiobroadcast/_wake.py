@@ -16,6 +16,8 @@ from time import perf_counter_ns
 import anyio
 import anyio.lowlevel
 
+from ._exceptions import BroadcastError
+
 
 class Inbox:
     """The socket a sleeper waits on; and, if given, a file descriptor it watches as well (the
@@ -27,24 +29,26 @@ class Inbox:
         self.path = path
         self.watch = watch
         self._epoll: select.epoll | None = None
-        try:
-            os.unlink(path)  # left over by a dead process that had this place
-        except FileNotFoundError:
-            pass
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
+            try:
+                os.unlink(path)  # left over by a dead process that had this place
+            except FileNotFoundError:
+                pass
             self.sock.bind(path)
             os.chmod(path, 0o600)
             if watch is not None:
                 self._epoll = select.epoll()
                 self._epoll.register(self.sock.fileno(), select.EPOLLIN)
                 self._epoll.register(watch, select.EPOLLIN)
-        except BaseException:
+        except BaseException as exc:
             self.sock.close()
             if watch is not None:
                 os.close(watch)
             if self._epoll is not None:
                 self._epoll.close()
+            if isinstance(exc, OSError):
+                raise BroadcastError(f"cannot bind the wake-up socket {path}: {exc.strerror or exc}") from exc
             raise
         self.sock.setblocking(False)
         #: What to wait on for readability: the epoll instance if there is a watch, else the socket.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from time import perf_counter_ns
 from types import TracebackType
@@ -10,6 +11,7 @@ from typing import Any, Generic, Protocol, TypeVar, final
 import anyio
 import anyio.lowlevel
 
+from . import _fork
 from ._exceptions import ClosedResourceError, EndOfStream, WouldBlock
 from ._handle import Handle
 from ._stats import ReaderStatistics
@@ -58,6 +60,9 @@ class Reader(Generic[T_co]):
         self._tasks_waiting = 0
         self._since_yield = 0
         self._closed = False
+        self._refusal: str | None = None  # why a fork child may not use it
+        self._owner = os.getpid()
+        _fork.track(self)
 
     @property
     def handle(self) -> Handle:
@@ -79,7 +84,7 @@ class Reader(Generic[T_co]):
         after ``aclose``.
         """
         if self._closed:
-            raise ClosedResourceError("this reader is closed")
+            raise ClosedResourceError(self._refusal or "this reader is closed")
         return self._src.get_nowait()  # type: ignore[no-any-return]
 
     async def get(self) -> T_co:
@@ -104,15 +109,17 @@ class Reader(Generic[T_co]):
 
     def statistics(self) -> ReaderStatistics:
         if self._closed:
-            raise ClosedResourceError("this reader is closed")
+            raise ClosedResourceError(self._refusal or "this reader is closed")
         return self._src.statistics(self._tasks_waiting)
 
     async def aclose(self) -> None:
         """Detach. The writer stops waiting for this reader at once; parked ``get`` calls
-        raise ``ClosedResourceError``."""
+        raise ``ClosedResourceError``. In a fork child of the reader's process it does nothing:
+        the place in the ring is the parent's."""
         if self._closed:
             return
         self._closed = True
+        _fork.untrack(self)
         self._src.close()
         if self._leader is not None:
             self._leader.set()
@@ -142,6 +149,12 @@ class Reader(Generic[T_co]):
         if not getattr(self, "_closed", True):
             warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
 
+    def _forget_in_child(self) -> None:
+        """In a fork child: this reader is the parent's; refuse every use from now on. Its
+        source lets go of its own descriptors (docs/design.md, "Fork")."""
+        self._closed = True
+        self._refusal = _fork.refusal("reader", self._owner)
+
     async def _wait(self) -> None:
         """One task sleeps in the source; the others wait for it on an in-process event, so
         every parked task re-checks when anything changes."""
@@ -163,7 +176,7 @@ class Reader(Generic[T_co]):
         finally:
             self._tasks_waiting -= 1
         if self._closed:
-            raise ClosedResourceError("this reader was closed while waiting")
+            raise ClosedResourceError(self._refusal or "this reader was closed while waiting")
 
     async def _poll(self) -> bool:
         """Poll the source for a while before sleeping (see ``POLL_NS``). True if it became

@@ -6,13 +6,13 @@ import os
 import warnings
 from time import perf_counter_ns
 from types import TracebackType
-from typing import Any, Generic, Protocol, TypeVar, final
+from typing import Any, Generic, NoReturn, Protocol, TypeVar, final
 
 import anyio
 import anyio.lowlevel
 
 from . import _fork
-from ._exceptions import ClosedResourceError, EndOfStream, WouldBlock
+from ._exceptions import BroadcastError, ClosedResourceError, EndOfStream, WouldBlock
 from ._handle import Handle
 from ._stats import ReaderStatistics
 from ._wake import poll
@@ -148,6 +148,12 @@ class Reader(Generic[T_co]):
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
+
+    def __reduce__(self) -> NoReturn:
+        raise BroadcastError(
+            "a Reader cannot be pickled or sent to another process: send reader.handle (or its JSON) "
+            "and open_reader there"
+        )
 
     def _forget_in_child(self) -> None:
         """In a fork child: this reader is the parent's; refuse every use from now on. Its

@@ -13,7 +13,7 @@ import weakref
 from collections.abc import Sequence
 from time import perf_counter_ns
 from types import TracebackType
-from typing import Generic, TypeVar, final
+from typing import Generic, NoReturn, TypeVar, final
 
 import anyio
 import anyio.lowlevel
@@ -21,7 +21,7 @@ import anyio.to_thread
 
 from . import _fork, _ring
 from ._codec import Buffer, JsonCodec, PickleEncoder, SchemaCodec
-from ._exceptions import ClosedResourceError, MessageTooLarge, WouldBlock
+from ._exceptions import BroadcastError, ClosedResourceError, MessageTooLarge, WouldBlock
 from ._handle import Handle
 from ._ring import (
     BUSY,
@@ -304,6 +304,12 @@ class Writer(Generic[T_contra]):
     def __del__(self) -> None:
         if not getattr(self, "_closed", True):
             warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
+
+    def __reduce__(self) -> NoReturn:
+        raise BroadcastError(
+            "a Writer cannot be pickled or sent to another process: send writer.handle (or its JSON) "
+            "and open_reader there"
+        )
 
     def _forget_in_child(self) -> None:
         """In a fork child: this writer is the parent's. Refuse every use from now on and close

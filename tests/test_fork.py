@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -202,6 +203,20 @@ async def test_a_child_cannot_use_inherited_roles_and_does_not_disturb_them(
     assert any(f.endswith("-w.sock") for f in done["files"]) and len(done["files"]) > 1
     assert done["server_exitcode"] == (0 if tcp else None)
     assert done["files_after"] == []
+
+
+def test_a_role_cannot_be_sent_to_another_process() -> None:
+    """The spawn and forkserver start methods pickle a child's arguments: a writer or a reader
+    refuses with a BroadcastError that says to send the handle instead."""
+
+    async def main() -> None:
+        async with ab.open_writer(capacity=2, slot_bytes=256) as writer:
+            async with ab.open_reader(writer.handle) as reader:
+                for role, obj in (("writer", writer), ("reader", reader)):
+                    with pytest.raises(ab.BroadcastError, match=rf"send {role}\.handle .* and open_reader"):
+                        pickle.dumps(obj)
+
+    anyio.run(main)
 
 
 # --- the child opens its own reader ---------------------------------------------------------------------

@@ -24,7 +24,9 @@ class EndOfStream(BroadcastError):
 
 
 class ClosedResourceError(BroadcastError):
-    """Raised when a ``Writer`` or ``Reader`` is used after its own ``aclose()``."""
+    """Raised when a ``Writer`` or ``Reader`` is used after its own ``aclose()``, and when a fork
+    child uses one it inherited from its parent (a child inherits no role: it opens its own
+    reader from the handle)."""
 
 
 class WriterGone(BroadcastError):

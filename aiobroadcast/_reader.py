@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from time import perf_counter_ns
 from types import TracebackType
-from typing import Any, Generic, Protocol, TypeVar, final
+from typing import Any, Generic, NoReturn, Protocol, TypeVar, final
 
 import anyio
 import anyio.lowlevel
 
+from . import _fork
 from ._exceptions import BroadcastError, ClosedResourceError, EndOfStream, WouldBlock
 from ._handle import Handle
 from ._stats import ReaderStatistics
@@ -64,6 +66,9 @@ class Reader(Generic[T_co]):
         # reads from this reader) raises WouldBlock instead of taking a message twice.
         self._taking = threading.Lock()
         self._thread = threading.get_ident()
+        self._refusal: str | None = None  # why a fork child may not use it
+        self._owner = os.getpid()
+        _fork.track(self)
 
     @property
     def handle(self) -> Handle:
@@ -85,7 +90,7 @@ class Reader(Generic[T_co]):
         after ``aclose``.
         """
         if self._closed:
-            raise ClosedResourceError("this reader is closed")
+            raise ClosedResourceError(self._refusal or "this reader is closed")
         if not self._taking.acquire(blocking=False):
             raise WouldBlock
         try:
@@ -118,18 +123,20 @@ class Reader(Generic[T_co]):
 
     def statistics(self) -> ReaderStatistics:
         if self._closed:
-            raise ClosedResourceError("this reader is closed")
+            raise ClosedResourceError(self._refusal or "this reader is closed")
         return self._src.statistics(self._tasks_waiting)
 
     async def aclose(self) -> None:
         """Detach. The writer stops waiting for this reader at once; parked ``get`` calls
-        raise ``ClosedResourceError``."""
+        raise ``ClosedResourceError``. In a fork child of the reader's process it does nothing:
+        the place in the ring is the parent's."""
         if self._closed:
             return
         self._check_thread()
         self._closed = True
         # Wait for a get_nowait of another thread to finish with the ring before unmapping it
         # (never for this thread's own: an aclose from inside decoding).
+        _fork.untrack(self)
         taken = self._taking.acquire(timeout=5)
         try:
             self._src.close()
@@ -172,6 +179,18 @@ class Reader(Generic[T_co]):
                 "from another thread use get_nowait(), or anyio.from_thread.run(reader.get)"
             )
 
+    def __reduce__(self) -> NoReturn:
+        raise BroadcastError(
+            "a Reader cannot be pickled or sent to another process: send reader.handle (or its JSON) "
+            "and open_reader there"
+        )
+
+    def _forget_in_child(self) -> None:
+        """In a fork child: this reader is the parent's; refuse every use from now on. Its
+        source lets go of its own descriptors (docs/design.md, "Fork")."""
+        self._closed = True
+        self._refusal = _fork.refusal("reader", self._owner)
+
     async def _wait(self) -> None:
         """One task sleeps in the source; the others wait for it on an in-process event, so
         every parked task re-checks when anything changes."""
@@ -193,7 +212,7 @@ class Reader(Generic[T_co]):
         finally:
             self._tasks_waiting -= 1
         if self._closed:
-            raise ClosedResourceError("this reader was closed while waiting")
+            raise ClosedResourceError(self._refusal or "this reader was closed while waiting")
 
     async def _poll(self) -> bool:
         """Poll the source for a while before sleeping (see ``POLL_NS``). True if it became

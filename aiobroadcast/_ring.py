@@ -5,6 +5,7 @@ See docs/design.md for the layout and the memory-ordering argument.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import mmap
@@ -17,6 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from . import _fork
 from ._exceptions import BroadcastError, InsufficientSharedMemory, InvalidHandle
 
 MAGIC = int.from_bytes(b"ABCAST\x00\x01", "little")
@@ -186,13 +188,22 @@ def reader_lock_byte(index: int) -> int:
 
 # --- the segment -----------------------------------------------------------------------------
 class Segment:
-    """One mapping of a channel's file. The creator owns the file; attachers only map it."""
+    """One mapping of a channel's file. The creator owns the file; attachers only map it.
+
+    Two open file descriptions of the file: ``fd`` carries this process's liveness lock and
+    nothing else; the mapping is made from another one, which never carries a lock. A mapping
+    keeps the description it was made from alive for as long as it exists (CPython's ``mmap``
+    keeps a duplicate descriptor of it, too), and a view of the ring a user still holds (a
+    zero-copy message) keeps the mapping: were the lock on that description, it would outlive
+    ``close``, and in a fork child it would outlive the parent. Closing ``fd`` releases the lock
+    whatever else is alive (docs/design.md, "Fork").
+    """
 
     def __init__(self, path: str, fd: int, layout: Layout) -> None:
         self.path = path
         self.fd = fd
         self.layout = layout
-        self._mmap = mmap.mmap(fd, layout.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        self._mmap = _map(path, fd, layout.size)
         self.buf = memoryview(self._mmap)
         self.words = self.buf.cast("Q")
         recs = self.words[layout.records_offset // 8 : layout.data_offset // 8]
@@ -201,6 +212,7 @@ class Segment:
         w0 = WAITING_OFFSET // 8
         self.waiting = self.words[w0 : w0 + layout.max_readers]
         self._views = [recs, self.rec_active, self.rec_cursor, self.waiting, self.words, self.buf]
+        _fork.track(self)
 
     @property
     def token(self) -> str:
@@ -222,13 +234,42 @@ class Segment:
         self.words[self.layout.record_word(index, R_NAME_LEN)] = len(raw)
 
     def close(self) -> None:
+        _fork.untrack(self)
+        self._unmap()
+        os.close(self.fd)
+
+    def _forget_in_child(self) -> None:
+        """A fork child's copy: drop the lock's descriptor and unmap, writing nothing. Views
+        handed out before the fork release their own mapping when they are freed."""
+        with contextlib.suppress(OSError):  # a descriptor the child closed already
+            os.close(self.fd)
+        self._unmap()
+
+    def _unmap(self) -> None:
         for v in self._views:
-            v.release()
+            try:
+                v.release()
+            except BufferError:  # exported right now (in a fork child: by a call another thread was in)
+                pass
         try:
             self._mmap.close()
         except BufferError:
-            pass  # a slice of the ring is still referenced (a kept traceback): unmapped when freed
-        os.close(self.fd)
+            pass  # a view of the ring is still referenced (a kept message or traceback): unmapped when freed
+
+
+def _map(path: str, fd: int, size: int) -> mmap.mmap:
+    """Map the file of ``fd`` through a description of its own, opened here (see ``Segment``)."""
+    try:
+        map_fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError as exc:
+        raise InvalidHandle(f"the channel's segment {path} is gone (the writer closed or exited)") from exc
+    try:
+        a, b = os.fstat(fd), os.fstat(map_fd)
+        if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+            raise InvalidHandle(f"the channel's segment {path} was replaced while it was being opened")
+        return mmap.mmap(map_fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(map_fd)
 
 
 def create_segment(

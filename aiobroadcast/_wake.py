@@ -7,6 +7,7 @@ writer's IPC namespace) reach each other even from another network namespace.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import socket
@@ -16,6 +17,7 @@ from time import perf_counter_ns
 import anyio
 import anyio.lowlevel
 
+from . import _fork
 from ._exceptions import BroadcastError
 
 
@@ -53,6 +55,8 @@ class Inbox:
         self.sock.setblocking(False)
         #: What to wait on for readability: the epoll instance if there is a watch, else the socket.
         self._waitable: socket.socket | select.epoll = self.sock if self._epoll is None else self._epoll
+        self._forgotten = False
+        _fork.track(self)
 
     def fileno(self) -> int:
         return self._waitable.fileno()
@@ -86,6 +90,9 @@ class Inbox:
         return got
 
     def close(self) -> None:
+        if self._forgotten:
+            return  # the socket file is the parent's
+        _fork.untrack(self)
         if self.sock.fileno() >= 0:
             try:
                 # A task parked in wait() raises ClosedResourceError.
@@ -103,6 +110,21 @@ class Inbox:
         except FileNotFoundError:
             pass
 
+    def _forget_in_child(self) -> None:
+        """A fork child's copy: close the descriptors, leave the socket file to the parent, and
+        tell no event loop (one inherited from the parent is not this process's to use)."""
+        self._forgotten = True
+        # Quietly: a descriptor may be closed already (by another hook that closes everything).
+        with contextlib.suppress(OSError):
+            self.sock.close()
+        if self._epoll is not None:
+            with contextlib.suppress(OSError):
+                self._epoll.close()
+        if self.watch is not None:
+            with contextlib.suppress(OSError):
+                os.close(self.watch)
+            self.watch = None
+
 
 class Outbox:
     """Sends wake-ups; never blocks and never fails: a missing or full inbox needs none."""
@@ -110,6 +132,7 @@ class Outbox:
     def __init__(self) -> None:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.setblocking(False)
+        _fork.track(self)
 
     def wake(self, path: str) -> None:
         try:
@@ -118,7 +141,12 @@ class Outbox:
             pass  # full: it is being woken already; gone: nobody to wake
 
     def close(self) -> None:
+        _fork.untrack(self)
         self.sock.close()
+
+    def _forget_in_child(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.close()
 
 
 async def poll(ready: Callable[[], bool], limit_ns: int) -> bool:

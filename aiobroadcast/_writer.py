@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import json
 import logging
+import os
 import subprocess
 import threading
 import warnings
@@ -13,13 +15,13 @@ import weakref
 from collections.abc import Sequence
 from time import perf_counter_ns
 from types import TracebackType
-from typing import Generic, TypeVar, final
+from typing import Generic, NoReturn, TypeVar, final
 
 import anyio
 import anyio.lowlevel
 import anyio.to_thread
 
-from . import _ring
+from . import _fork, _ring
 from ._codec import Buffer, JsonCodec, PickleEncoder, SchemaCodec
 from ._exceptions import BroadcastError, ClosedResourceError, MessageTooLarge, WouldBlock
 from ._handle import Handle
@@ -115,12 +117,18 @@ class Writer(Generic[T_contra]):
         self._dropped = 0
         self._aborted = 0  # message numbers used by messages cut short (their LAST never published)
         self._closed = False
+        self._refusal: str | None = None  # why a fork child may not use it
         self._server: subprocess.Popen[bytes] | None = None
         self._server_stats = ""
         self._server_stop_s = 0.0
         # The readers' sockets too: a reader that died unnoticed (never reaped) leaves its own.
-        self._finalizer = weakref.finalize(self, _cleanup_files, seg.path, self._inbox.path, *self._reader_socks)
+        # Inherited by fork children (atexit hooks and finalizers are), so they carry our pid.
+        self._owner = os.getpid()
+        self._finalizer = weakref.finalize(
+            self, _cleanup_files, self._owner, seg.path, self._inbox.path, *self._reader_socks
+        )
         atexit.register(self._finalizer)
+        _fork.track(self)
 
     def _serve_tcp(self, proc: subprocess.Popen[bytes], handle: Handle, stats_path: str, stop_s: float) -> None:
         self._server = proc
@@ -270,6 +278,7 @@ class Writer(Generic[T_contra]):
         with self._mutex:  # no other thread is writing into the ring from here on
             self._closed = True
         _ring.unlock(self._seg.fd, _ring.WRITER_LOCK_BYTE)
+        _fork.untrack(self)
         self._wake_all_readers()  # sleepers find the lock free on waking
         await self._stop_server()  # it sees the writer gone and tells remote readers
         self._inbox.close()
@@ -297,12 +306,14 @@ class Writer(Generic[T_contra]):
 
     async def aclose(self) -> None:
         """Close the channel: readers receive what was published, then ``EndOfStream``.
-        The segment is removed now; readers already attached keep their mapping."""
+        The segment is removed now; readers already attached keep their mapping. In a fork child
+        of the writer's process it does nothing: the channel is the parent's."""
         if self._closed:
             return
         self._check_thread()
         with self._mutex:  # no other thread is writing into the ring from here on
             self._closed = True
+        _fork.untrack(self)
         w = self._words
         w[W_CLOSED] = 1
         self._wake_all_readers()
@@ -330,10 +341,31 @@ class Writer(Generic[T_contra]):
         if not getattr(self, "_closed", True):
             warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
 
+    def __reduce__(self) -> NoReturn:
+        raise BroadcastError(
+            "a Writer cannot be pickled or sent to another process: send writer.handle (or its JSON) "
+            "and open_reader there"
+        )
+
+    def _forget_in_child(self) -> None:
+        """In a fork child: this writer is the parent's. Refuse every use from now on and close
+        this process's copy of the TCP server's pipes (the server stops when the parent closes
+        its stdin: a copy left open here would keep it serving). Nothing is removed, stored or
+        woken: the parent goes on with its channel (docs/design.md, "Fork")."""
+        self._closed = True
+        self._refusal = _fork.refusal("writer", self._owner)
+        proc = self._server
+        self._server = None
+        if proc is not None:
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
+
     # --- internals -----------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
-            raise ClosedResourceError("this writer is closed")
+            raise ClosedResourceError(self._refusal or "this writer is closed")
 
     def _check_thread(self) -> None:
         """``put`` and ``aclose`` wait in the event loop of the thread that opened the writer; its
@@ -680,6 +712,8 @@ class _Chunks:
         return written
 
 
-def _cleanup_files(*paths: str) -> None:
+def _cleanup_files(owner: int, *paths: str) -> None:
+    if os.getpid() != owner:
+        return  # a fork child exiting: the files are its parent's
     for path in paths:
         _ring._unlink_quiet(path)

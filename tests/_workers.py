@@ -349,9 +349,9 @@ async def _forget(conn: Conn, handle: str) -> None:
 class Child:
     """A spawned process and its end of the pipe."""
 
-    def __init__(self, target: Callable[..., None], *args: Any) -> None:
+    def __init__(self, target: Callable[..., None], *args: Any, daemon: bool = True) -> None:
         self.conn, child_conn = CTX.Pipe()
-        self.proc = CTX.Process(target=target, args=(child_conn, *args), daemon=True)
+        self.proc = CTX.Process(target=target, args=(child_conn, *args), daemon=daemon)
         self.proc.start()
         child_conn.close()
 
@@ -398,9 +398,10 @@ class Child:
 
 
 @contextmanager
-def spawn(target: Callable[..., None], *args: Any) -> Iterator[Child]:
-    """Start ``target(conn, *args)`` in a spawned process; kill and reap it on the way out."""
-    child = Child(target, *args)
+def spawn(target: Callable[..., None], *args: Any, daemon: bool = True) -> Iterator[Child]:
+    """Start ``target(conn, *args)`` in a spawned process; kill and reap it on the way out.
+    ``daemon=False``: it may start multiprocessing children of its own."""
+    child = Child(target, *args, daemon=daemon)
     try:
         yield child
     finally:

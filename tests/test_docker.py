@@ -24,6 +24,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -45,6 +46,7 @@ DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "compose.yaml"
 DOCKERFILE = DOCKER / "Dockerfile"
 CLI = [sys.executable, "-m", "aiobroadcast"]
+HOST = socket.gethostname().encode()[:16].decode("utf-8", "ignore")  # this host's name, as the ring keeps it
 
 # --- the compose specification's rules we rely on (compose-spec, schema/compose-spec.json) ------
 TOP_LEVEL_KEYS = {"version", "name", "include", "services", "models", "networks", "volumes", "secrets", "configs"}
@@ -537,7 +539,7 @@ def test_compose_topology_runs_as_processes(tmp_path: Path, namespaces: Namespac
         res = subprocess.run(health, capture_output=True, text=True, check=False)
         assert res.returncode == 0, res.stderr
         for r in readers[:-1]:
-            assert re.search(rf"^\s+\d+\s+{r.name}\s+\d+\s+yes\s", res.stdout, re.M), res.stdout
+            assert re.search(rf"^\s+\d+\s+{r.name}\s+\d+\s+{HOST}\s+yes\s", res.stdout, re.M), res.stdout
         assert re.search(rf"^\s+tcp\s+{t.remote}\s", res.stdout, re.M), res.stdout
         # `docker compose down`, the writer's part: SIGTERM closes the channel; every reader ends.
         writer.popen.send_signal(signal.SIGTERM)

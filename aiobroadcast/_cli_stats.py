@@ -1,7 +1,7 @@
 """``aiobroadcast stats HANDLE_FILE``: a live view of a running channel from another process.
 
 It maps the channel's segment read-only (``O_RDONLY``, ``PROT_READ``: it cannot disturb the ring)
-and reads what docs/design.md lays out: the head, each reader's record (name, pid, cursor,
+and reads what docs/design.md lays out: the head, each reader's record (name, pid, host, cursor,
 messages received), the waiting bytes, and ``wait_target``, which a blocked writer sets to the
 cursor it needs. The readers whose cursor is below it are the ones holding the writer, so a stuck
 writer is explained in one line. Liveness is read from the kernel's locks (``F_OFD_GETLK``), as
@@ -29,11 +29,8 @@ from ._ring import (
     MAGIC,
     R_ACTIVE,
     R_CURSOR,
-    R_NAME_LEN,
-    R_NAME_OFFSET,
     R_PID,
     R_RECEIVED,
-    RECORD_BYTES,
     W_CLOSED,
     W_HEAD,
     W_MAGIC,
@@ -49,15 +46,16 @@ from ._tcp_server import BRIDGE_NAME as TCP_SERVER_NAME
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "stats",
-        help="show a running channel: readers by name and pid, their lag and rates, who the writer waits for",
+        help="show a running channel: readers by name, pid and host, their lag and rates, who the writer waits for",
         description=(
             "Show the channel named by HANDLE_FILE as it runs, refreshed every --interval seconds: the "
-            "writer, each reader (place, name, pid, alive, lag in ring entries, messages received, rate) "
-            "and, when the writer is blocked, a line 'writer is waiting for: NAME (pid N) at entry X of Y' "
-            "for each reader holding it. The segment is mapped read-only. --once prints one snapshot (rates "
-            "measured over --interval) and exits. Exit codes: 0 the writer is alive and the channel open (the "
-            "live view: also when it closes), 1 the channel is closed (--once) or its writer died, 2 the handle "
-            "file is missing or bad or the channel is gone, 130 Ctrl-C."
+            "writer, each reader (place, name, pid, host, alive, lag in ring entries, messages received, rate) "
+            "and, when the writer is blocked, a line 'writer is waiting for: NAME (pid N on HOST) at entry X of "
+            "Y' for each reader holding it. A pid is one of the process's own pid namespace, and HOST says where: "
+            "its host name (in a container, by default, the container's short id). The segment is mapped "
+            "read-only. --once prints one snapshot (rates measured over --interval) and exits. Exit codes: 0 the "
+            "writer is alive and the channel open (the live view: also when it closes), 1 the channel is closed "
+            "(--once) or its writer died, 2 the handle file is missing or bad or the channel is gone, 130 Ctrl-C."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -72,6 +70,7 @@ class ReaderRow:
     place: int
     name: str
     pid: int
+    host: str
     alive: bool
     cursor: int
     received: int
@@ -84,6 +83,7 @@ class RemoteRow:
 
     name: str
     pid: int  #: on the reader's host
+    host: str
     received: int
     lag: int  #: messages the server holds that this reader has not acknowledged
 
@@ -95,6 +95,7 @@ class Snapshot:
     messages: int
     closed: bool
     writer_pid: int
+    writer_host: str
     writer_alive: bool
     wait_target: int
     readers: tuple[ReaderRow, ...]
@@ -143,8 +144,9 @@ class SegmentView:
             readers.append(
                 ReaderRow(
                     place=i,
-                    name=self._name(i),
+                    name=_ring.record_name(self._buf, lay, i),
                     pid=w[lay.record_word(i, R_PID)],
+                    host=_ring.record_host(self._buf, lay, i),
                     alive=_ring.is_locked(self._fd, _ring.reader_lock_byte(i)),
                     cursor=w[lay.record_word(i, R_CURSOR)],
                     received=w[lay.record_word(i, R_RECEIVED)],
@@ -158,6 +160,7 @@ class SegmentView:
             messages=w[W_NEXT_MSG],
             closed=bool(w[W_CLOSED]),
             writer_pid=w[W_WRITER_PID],
+            writer_host=_ring.writer_host(self._buf),
             writer_alive=_ring.is_locked(self._fd, _ring.WRITER_LOCK_BYTE),
             wait_target=w[W_WAIT_TARGET],
             readers=tuple(readers),
@@ -170,16 +173,11 @@ class SegmentView:
             with open(f"{self.handle.path}-tcp.json", encoding="utf-8") as f:
                 report = json.load(f)
             return tuple(
-                RemoteRow(str(r["name"]), int(r["pid"]), int(r["received"]), int(r["lag"])) for r in report["readers"]
+                RemoteRow(str(r["name"]), int(r["pid"]), str(r.get("host", "")), int(r["received"]), int(r["lag"]))
+                for r in report["readers"]
             )
         except (OSError, ValueError, KeyError, TypeError):
             return None  # an older writer, or the report is being replaced: show what the ring says
-
-    def _name(self, index: int) -> str:
-        lay = self.layout
-        n = min(self._words[lay.record_word(index, R_NAME_LEN)], _ring.NAME_BYTES)
-        off = lay.records_offset + RECORD_BYTES * index + R_NAME_OFFSET
-        return bytes(self._buf[off : off + n]).decode("utf-8", "replace")
 
     def close(self) -> None:
         self._words.release()
@@ -204,7 +202,7 @@ def render(h: Handle, now: Snapshot, before: Snapshot | None) -> list[str]:
         return f"{(new - old) / span:,.1f}" if old is not None and span > 0 else "-"
 
     lines = [
-        f"channel {h.name}  writer pid {now.writer_pid}  {state}",
+        f"channel {h.name}  writer {_where(now.writer_pid, now.writer_host)}  {state}",
         f"  policy {h.policy}, codec {h.codec}, ring {h.capacity} x {h.slot_bytes} B"
         + (f", tcp {h.tcp}" if h.tcp else ""),
         f"  published {now.messages} messages ({now.head} ring entries)"
@@ -214,7 +212,8 @@ def render(h: Handle, now: Snapshot, before: Snapshot | None) -> list[str]:
         lines.append("  no readers attached")
     else:
         lines.append(
-            f"  {'place':>5}  {'name':<24} {'pid':>8}  {'alive':<5} {'lag':>7} {'received':>10} {'msg/s':>10}  state"
+            f"  {'place':>5}  {'name':<24} {'pid':>8} {'host':<16} {'alive':<5} {'lag':>7} {'received':>10} "
+            f"{'msg/s':>10}  state"
         )
     prev = {(r.place, r.pid): r for r in before.readers} if before is not None else {}
     holding = {r.place for r in now.holding()}
@@ -230,31 +229,42 @@ def render(h: Handle, now: Snapshot, before: Snapshot | None) -> list[str]:
             what += " (the TCP server: reads for the remote readers)"
         r_rate = rate(r.received, old.received if old else None)
         lines.append(
-            f"  {r.place:>5}  {r.name[:24]:<24} {r.pid:>8}  {'yes' if r.alive else 'NO':<5} "
+            f"  {r.place:>5}  {r.name[:24]:<24} {r.pid:>8} {_host(r.host)} {'yes' if r.alive else 'NO':<5} "
             f"{max(0, now.head - r.cursor):>7} {r.received:>10} {r_rate:>10}  {what}"
         )
     prev_remote = {(r.name, r.pid): r for r in (before.remote or ())} if before is not None else {}
     for rr in now.remote or ():
         old_rr = prev_remote.get((rr.name, rr.pid))
         lines.append(
-            f"  {'tcp':>5}  {rr.name[:24]:<24} {rr.pid:>8}  {'yes':<5} {rr.lag:>7} {rr.received:>10} "
-            f"{rate(rr.received, old_rr.received if old_rr else None):>10}  remote (pid on its own host)"
+            f"  {'tcp':>5}  {rr.name[:24]:<24} {rr.pid:>8} {_host(rr.host)} {'yes':<5} {rr.lag:>7} {rr.received:>10} "
+            f"{rate(rr.received, old_rr.received if old_rr else None):>10}  remote (pid on its host)"
         )
     for r in now.holding():
-        line = f"writer is waiting for: {r.name} (pid {r.pid}) at entry {r.cursor} of {now.head}"
+        line = f"writer is waiting for: {r.name} ({_where(r.pid, r.host)}) at entry {r.cursor} of {now.head}"
         if not r.alive:
             line += " - its process is gone; the writer drops it within a second"
         elif _is_tcp_server(h, r):
             slowest = max(now.remote or (), key=lambda rr: rr.lag, default=None)
             line += " - the TCP server, held by a slow remote reader"
             if slowest is not None:
-                line += f": {slowest.name} (remote pid {slowest.pid}, {slowest.lag} messages unacknowledged)"
+                where = _where(slowest.pid, slowest.host)
+                line += f": {slowest.name} (remote {where}, {slowest.lag} messages unacknowledged)"
         else:
             line += " - it is alive but not reading (busy, stopped, or not calling get)"
         lines.append(line)
     if now.wait_target and not holding:
         lines.append("writer is waiting for room; the readers holding it have just moved")
     return lines
+
+
+def _where(pid: int, host: str) -> str:
+    """A pid and where it means something: 'pid 7 on 3f2a9c1d0b4e'."""
+    return f"pid {pid} on {host}" if host else f"pid {pid}"
+
+
+def _host(host: str) -> str:
+    """The host column: a remote reader's host name may be longer than the ring's 16 bytes."""
+    return f"{host[:16] or '-':<16}"
 
 
 def _is_tcp_server(h: Handle, r: ReaderRow) -> bool:

@@ -12,6 +12,7 @@ import mmap
 import os
 import platform
 import re
+import socket
 import stat
 import struct
 import threading
@@ -30,6 +31,7 @@ BUSY = 2**64 - 2
 W_MAGIC, W_VERSION, W_CAPACITY, W_SLOT_BYTES, W_MAX_READERS = 0, 1, 2, 3, 4
 W_POLICY, W_CODEC, W_WRITER_PID, W_TOKEN = 5, 6, 7, 8  # token: words 8 and 9
 W_WRITER_PIDNS = 10  # the writer's pid namespace (inode of /proc/self/ns/pid), 0 if unknown
+W_WRITER_HOST = 11  # words 11 and 12: where the writer lives (host_name(), HOST_BYTES, NUL-padded)
 W_HEAD, W_CLOSED, W_NEXT_MSG = 16, 17, 18
 W_WAIT_TARGET = 24
 WAITING_OFFSET = 256
@@ -39,6 +41,8 @@ RECORD_WORDS = RECORD_BYTES // 8
 R_ACTIVE, R_CURSOR, R_PID, R_GENERATION, R_RECEIVED, R_NAME_LEN = 0, 1, 2, 3, 4, 5
 R_NAME_OFFSET = 48
 NAME_BYTES = 64
+R_HOST_OFFSET = R_NAME_OFFSET + NAME_BYTES  # where the reader lives: HOST_BYTES, NUL-padded
+HOST_BYTES = 16
 
 SLOT_HEADER = struct.Struct("<QQIIQ")  # seq, msg, frag_len, flags, total
 SLOT_REST = struct.Struct("<QIIQ")  # the header after seq
@@ -63,6 +67,23 @@ def pid_namespace() -> int:
         return os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return 0
+
+
+def host_name() -> str:
+    """Where this process lives, shown beside its pid (a pid means nothing across containers or
+    hosts): the host name, which in a Docker or podman container is the container's short id
+    unless the container is given another one."""
+    return socket.gethostname()
+
+
+def pack_host(host: str) -> bytes:
+    """``host`` in ``HOST_BYTES``: UTF-8, cut at a character boundary, NUL-padded."""
+    raw = host.encode("utf-8")[:HOST_BYTES].decode("utf-8", "ignore").encode("utf-8")
+    return raw.ljust(HOST_BYTES, b"\0")
+
+
+def unpack_host(raw: bytes) -> str:
+    return raw.rstrip(b"\0").decode("utf-8", "replace")
 
 
 def check_platform() -> None:
@@ -187,6 +208,23 @@ def reader_lock_byte(index: int) -> int:
 
 
 # --- the segment -----------------------------------------------------------------------------
+def record_name(buf: memoryview, layout: Layout, index: int) -> str:
+    """Reader ``index``'s name, from any mapping of the segment (read-only too)."""
+    off = layout.records_offset + RECORD_BYTES * index
+    n = int.from_bytes(buf[off + 8 * R_NAME_LEN : off + 8 * R_NAME_LEN + 8], "little")
+    return bytes(buf[off + R_NAME_OFFSET : off + R_NAME_OFFSET + min(n, NAME_BYTES)]).decode("utf-8", "replace")
+
+
+def record_host(buf: memoryview, layout: Layout, index: int) -> str:
+    """Where reader ``index`` lives ("" if its process did not say)."""
+    off = layout.records_offset + RECORD_BYTES * index + R_HOST_OFFSET
+    return unpack_host(bytes(buf[off : off + HOST_BYTES]))
+
+
+def writer_host(buf: memoryview) -> str:
+    return unpack_host(bytes(buf[8 * W_WRITER_HOST : 8 * W_WRITER_HOST + HOST_BYTES]))
+
+
 class Segment:
     """One mapping of a channel's file. The creator owns the file; attachers only map it.
 
@@ -222,16 +260,20 @@ class Segment:
         return f"{self.path}-{who}.sock"
 
     def read_name(self, index: int) -> str:
-        lay = self.layout
-        n = self.words[lay.record_word(index, R_NAME_LEN)]
-        off = lay.records_offset + RECORD_BYTES * index + R_NAME_OFFSET
-        return bytes(self.buf[off : off + min(n, NAME_BYTES)]).decode("utf-8", "replace")
+        return record_name(self.buf, self.layout, index)
+
+    def read_host(self, index: int) -> str:
+        return record_host(self.buf, self.layout, index)
 
     def write_name(self, index: int, name: str) -> None:
         raw = name.encode("utf-8")[:NAME_BYTES]
         off = self.layout.records_offset + RECORD_BYTES * index + R_NAME_OFFSET
         self.buf[off : off + len(raw)] = raw
         self.words[self.layout.record_word(index, R_NAME_LEN)] = len(raw)
+
+    def write_host(self, index: int, host: str) -> None:
+        off = self.layout.records_offset + RECORD_BYTES * index + R_HOST_OFFSET
+        self.buf[off : off + HOST_BYTES] = pack_host(host)
 
     def close(self) -> None:
         _fork.untrack(self)
@@ -313,6 +355,7 @@ def create_segment(
     w[W_CODEC] = codec
     w[W_WRITER_PID] = os.getpid()
     w[W_WRITER_PIDNS] = pid_namespace()
+    seg.buf[8 * W_WRITER_HOST : 8 * W_WRITER_HOST + HOST_BYTES] = pack_host(host_name())
     raw = bytes.fromhex(token)
     w[W_TOKEN] = int.from_bytes(raw[:8], "little")
     w[W_TOKEN + 1] = int.from_bytes(raw[8:], "little")

@@ -127,6 +127,7 @@ class ShmSource:
             self._episode = w[lay.record_word(i, R_GENERATION)] << 32
             w[self._recv_word] = 0
             seg.write_name(i, self._name)
+            seg.write_host(i, _ring.host_name())
             w[self._wait_word] = 0
             # docs/design.md, "Joining without missing anything".
             w[self._cur_word] = w[W_HEAD]

@@ -17,6 +17,9 @@ class ReaderInfo(NamedTuple):
     #: "shm"; "tcp" for a remote reader (then ``place`` is -1); "tcp-server" for the ring place
     #: of the process that serves remote readers (it holds the writer back for them)
     transport: str = "shm"
+    #: where it lives, to read the pid by: its host name (in a container, by default, the
+    #: container's short id); for shared memory the first 16 bytes of it; "" if it did not say
+    host: str = ""
 
 
 class WriterStatistics(NamedTuple):

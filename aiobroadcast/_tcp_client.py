@@ -31,6 +31,7 @@ from ._exceptions import (
     WriterGone,
 )
 from ._handle import Handle
+from ._ring import host_name
 from ._stats import ReaderStatistics
 
 _MSG, _LAG, _END, _GONE, _ERROR = range(5)
@@ -268,6 +269,7 @@ class TcpSource:
             "version": wire.PROTOCOL_VERSION,
             "name": self._name,
             "pid": os.getpid(),
+            "host": host_name(),
             "window": self._window,
             "resume": resume,
         }

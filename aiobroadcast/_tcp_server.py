@@ -59,6 +59,7 @@ class _Client:
     ended: bool = False
     received_total: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    host: str = ""  #: where it lives, as it says in HELLO (optional)
 
 
 class _Allow:
@@ -151,7 +152,7 @@ class TcpServer:
             "dropped": self.dropped,
             "rejected_frames": self.rejected_frames,
             "readers": [
-                {"name": c.name, "pid": c.pid, "received": c.acked, "lag": max(0, self._end - c.acked)}
+                {"name": c.name, "pid": c.pid, "host": c.host, "received": c.acked, "lag": max(0, self._end - c.acked)}
                 for c in self._clients.values()
             ],
         }
@@ -295,6 +296,7 @@ class TcpServer:
                 ident=ident,
                 name=str(hello.get("name", "?"))[:64],
                 pid=int(hello.get("pid", 0)),
+                host=str(hello.get("host", ""))[:64],
                 window=max(1, min(int(hello.get("window", self._window)), self._window)),
                 next_send=start,
                 acked=start,

@@ -19,7 +19,7 @@ from typing import Any
 PROTOCOL_VERSION = 3
 
 # reader -> server
-HELLO = b"H"  # json {version, name, pid, window, resume}
+HELLO = b"H"  # json {version, name, pid, host (optional), window, resume}
 ACK = b"A"  # u64 next seq wanted (everything before it consumed); also the heartbeat
 NACK = b"N"  # u64 next seq wanted: resend from there
 BYE = b"B"

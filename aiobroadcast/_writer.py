@@ -162,7 +162,8 @@ class Writer(Generic[T_contra]):
         except (OSError, ValueError):
             return (), 0
         infos = tuple(
-            ReaderInfo(-1, r["name"], r["pid"], r["received"], r["lag"], False, "tcp") for r in snap["readers"]
+            ReaderInfo(-1, r["name"], r["pid"], r["received"], r["lag"], False, "tcp", str(r.get("host", "")))
+            for r in snap["readers"]
         )
         return infos, int(snap["dropped"])
 
@@ -454,6 +455,7 @@ class Writer(Generic[T_contra]):
             try:
                 name = seg.read_name(i)
                 pid = self._words[seg.layout.record_word(i, R_PID)]
+                host = seg.read_host(i)
                 seg.rec_active[i] = 0
                 seg.waiting[i] = 0
                 _ring._unlink_quiet(self._reader_socks[i])
@@ -461,9 +463,10 @@ class Writer(Generic[T_contra]):
                 _ring.unlock(fd, byte)
             self._dropped += 1
             log.warning(
-                "aiobroadcast: reader %r (pid %d, place %d) died at entry %d of %d; dropped it",
+                "aiobroadcast: reader %r (pid %d on %s, place %d) died at entry %d of %d; dropped it",
                 name,
                 pid,
+                host or "?",
                 i,
                 cursor,
                 self._head,
@@ -640,6 +643,7 @@ class Writer(Generic[T_contra]):
                     lag=max(0, self._head - cursor),
                     sleeping=bool(seg.waiting[i]),
                     transport="tcp-server" if pid == server_pid else "shm",
+                    host=seg.read_host(i),
                 )
             )
         return tuple(out)

@@ -6,7 +6,10 @@ import json
 import os
 import queue
 import re
+import secrets
+import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -15,6 +18,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import psutil
 import pytest
 import zmq
@@ -23,6 +27,7 @@ import aiobroadcast as ab
 from aiobroadcast.__main__ import main
 
 CLI = [sys.executable, "-m", "aiobroadcast"]
+HERE = socket.gethostname().encode()[:16].decode("utf-8", "ignore")  # this host's name, as the ring keeps it
 
 
 class Proc:
@@ -34,10 +39,11 @@ class Proc:
         stdin: int | None = subprocess.DEVNULL,
         new_session: bool = False,
         env: dict[str, str] | None = None,
+        prefix: tuple[str, ...] = (),
     ) -> None:
         self.args = list(args)
         self.popen = subprocess.Popen(
-            [*CLI, *args],
+            [*prefix, *CLI, *args],
             env={**os.environ, **(env or {})},
             stdin=stdin,
             stdout=subprocess.PIPE,
@@ -203,10 +209,10 @@ def test_ticks_over_tcp_with_an_advertised_address(tmp_path: Path, procs: list[P
     deadline = time.monotonic() + 10
     while True:
         res = run("stats", str(handle), "--once", "--interval", "0")
-        if re.search(rf"^\s+tcp\s+far-away\s+{far.pid}\s+yes\s", res.stdout, re.M) or time.monotonic() > deadline:
+        if re.search(rf"^\s+tcp\s+far-away\s+{far.pid}\s+{HERE}\s+yes\s", res.stdout, re.M):
             break
+        assert time.monotonic() < deadline, res.stdout
         time.sleep(0.2)
-    assert re.search(rf"^\s+tcp\s+far-away\s+{far.pid}\s+yes\s", res.stdout, re.M), res.stdout
     assert re.search(r"^\s+0\s+tcp-server\s.*the TCP server", res.stdout, re.M), res.stdout
     pub.popen.send_signal(signal.SIGTERM)
     assert pub.wait() == 0  # SIGTERM: a clean, requested stop
@@ -235,7 +241,7 @@ def test_stats_names_readers_and_who_the_writer_waits_for(tmp_path: Path, procs:
         time.sleep(0.1)
     assert waiting, res.stdout
     assert re.fullmatch(
-        rf"writer is waiting for: stuck-reader \(pid {stuck.pid}\) at entry \d+ of \d+ - .*", waiting[0]
+        rf"writer is waiting for: stuck-reader \(pid {stuck.pid} on {HERE}\) at entry \d+ of \d+ - .*", waiting[0]
     )
     assert len(waiting) == 1  # the other reader keeps up
     rows = {line.split()[1]: line for line in res.stdout.splitlines() if re.match(r"\s+\d+\s", line)}
@@ -251,6 +257,53 @@ def test_stats_names_readers_and_who_the_writer_waits_for(tmp_path: Path, procs:
             break
     assert res.returncode == 0 and "writer is waiting for" not in res.stdout, res.stdout
     assert re.search(r"published \d+ messages \(\d+ ring entries\), [\d,.]+ msg/s", res.stdout)
+
+
+def _elsewhere(host: str) -> tuple[str, ...]:
+    """A prefix that runs a command in a UTS namespace of its own, named ``host``: another host
+    name, as in a container."""
+    return ("unshare", "--uts", "sh", "-c", f'hostname {host} && exec "$@"', "sh")
+
+
+def test_stats_and_statistics_show_where_each_reader_lives(tmp_path: Path, procs: list[Proc]) -> None:
+    """A pid means something only where it lives (a container, another host): stats and
+    Writer.statistics() show each reader's host name beside its pid, and stats the writer's. The
+    readers here have host names of their own, as in containers: one over shared memory, one over
+    TCP whose name is longer than the 16 bytes the ring keeps (TCP carries all of it)."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to give readers host names of their own (UTS namespaces)")
+    box = f"box-{secrets.token_hex(4)}"  # like a container's short id
+    far = f"far-away-host-{secrets.token_hex(4)}"  # 22 bytes
+    handle = tmp_path / "h.json"
+
+    async def main() -> None:
+        async with ab.open_writer(tcp="tcp://127.0.0.1:0") as writer:
+            writer.handle.save(handle)
+            local = Proc("subscribe", str(handle), "--name", "local", "--quiet")
+            boxed = Proc("subscribe", str(handle), "--name", "boxed", "--quiet", prefix=_elsewhere(box))
+            remote = Proc(
+                "subscribe", str(handle), "--name", "remote", "--quiet", "--transport", "tcp", prefix=_elsewhere(far)
+            )
+            procs.extend((local, boxed, remote))
+            for p in (local, boxed, remote):
+                await anyio.to_thread.run_sync(p.wait_for, "attached")
+            for _ in range(200):  # the TCP server lists its reader once it said HELLO
+                if len(writer.statistics().readers) == 4:
+                    break
+                await anyio.sleep(0.05)
+            where = {r.name: (r.pid, r.host, r.transport) for r in writer.statistics().readers}
+            assert where["local"] == (local.pid, HERE, "shm")
+            assert where["boxed"] == (boxed.pid, box, "shm")
+            assert where["remote"] == (remote.pid, far, "tcp")
+            res = await anyio.to_thread.run_sync(lambda: run("stats", str(handle), "--once", "--interval", "0"))
+            assert f"writer pid {os.getpid()} on {HERE} " in res.stdout.splitlines()[0], res.stdout
+            for name, pid, host in (("local", local.pid, HERE), ("boxed", boxed.pid, box)):
+                assert re.search(rf"^\s+\d+\s+{name}\s+{pid}\s+{host}\s+yes\s", res.stdout, re.M), res.stdout
+            assert re.search(rf"^\s+tcp\s+remote\s+{remote.pid}\s+{far[:16]}\s+yes\s", res.stdout, re.M), res.stdout
+
+    anyio.run(main)
+    for p in procs:
+        assert p.wait() == 0, p.err  # the writer closed: every reader ends cleanly
 
 
 def test_stats_live_view_ends_when_the_writer_closes(tmp_path: Path, procs: list[Proc]) -> None:

@@ -1,16 +1,19 @@
-"""docker/: what can be checked without a Docker engine (this machine has none).
+"""docker/: the compose file run for real on a Docker engine, and what can be checked without one.
 
 1. compose.yaml follows the rules of the compose specification that the topology relies on
-   (checked here rule by rule; ``docker-compose config`` also validates it when installed).
+   (checked here rule by rule, for engines and compose versions other than the one the real run
+   uses; ``docker-compose config`` also validates it when installed).
 2. The topology is the one the README promises: a writer, two readers sharing its IPC namespace
    and /dev/shm, one remote reader in its own IPC namespace reading over TCP on the compose network
-   with CurveZMQ, the handle shared through a volume.
+   with CurveZMQ, the handle shared through a volume; one image, built once.
 3. Every command the services run (and the healthcheck) exists in the CLI with exactly those
-   flags, and the Dockerfile installs that CLI as the entry point.
-4. The same commands run as processes in the same topology: the writer and the remote reader in
-   network namespaces of their own joined by a veth pair (as root), the remote reader with a
-   private /dev/shm and resolving "writer" as compose's DNS would, the local readers with no
-   network at all; on loopback when namespaces cannot be made.
+   flags, and the Dockerfile installs that CLI as the entry point from a small build context.
+4. The real run: docker-compose builds the image and starts the services on a Docker engine, and
+   the test checks from outside what the README promises (namespaces, transports, the same ticks
+   everywhere, a killed reader dropped, SIGTERM and ``down -v`` ending and removing everything).
+   The engine comes from ../shared/tools/docker-engine.sh (beside the repository, as root); where
+   none can be had the test is skipped with the reason, or fails where AIOBROADCAST_REQUIRE_DOCKER
+   is set (CI sets it: there the run must happen).
 """
 
 from __future__ import annotations
@@ -19,21 +22,19 @@ import argparse
 import fnmatch
 import json
 import os
-import queue
 import re
 import secrets
 import shutil
-import signal
+import socket
 import subprocess
-import sys
 import threading
 import time
 import tomllib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 import yaml
 
@@ -44,7 +45,6 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
 COMPOSE = DOCKER / "compose.yaml"
 DOCKERFILE = DOCKER / "Dockerfile"
-CLI = [sys.executable, "-m", "aiobroadcast"]
 
 # --- the compose specification's rules we rely on (compose-spec, schema/compose-spec.json) ------
 TOP_LEVEL_KEYS = {"version", "name", "include", "services", "models", "networks", "volumes", "secrets", "configs"}
@@ -141,11 +141,12 @@ def test_compose_file_follows_the_specification_rules_it_relies_on() -> None:
         assert NAME.match(name), where
         assert set(svc) <= SERVICE_KEYS, f"{where}: {set(svc) - SERVICE_KEYS}"
         assert isinstance(svc["image"], str)
-        build = svc["build"]
-        assert isinstance(build, dict) and set(build) <= BUILD_KEYS, where
-        context = (COMPOSE.parent / build["context"]).resolve()
-        assert context.is_dir(), where
-        assert (context / build["dockerfile"]).resolve() == DOCKERFILE, where
+        if "build" in svc:
+            build = svc["build"]
+            assert isinstance(build, dict) and set(build) <= BUILD_KEYS, where
+            context = (COMPOSE.parent / build["context"]).resolve()
+            assert context.is_dir(), where
+            assert (context / build["dockerfile"]).resolve() == DOCKERFILE, where
         cli_args(svc)
         assert isinstance(svc.get("init", False), bool)
         assert re.fullmatch(r"linux/(amd64|arm64)", svc.get("platform", "linux/amd64"))
@@ -273,6 +274,10 @@ def test_compose_topology_is_the_promised_one() -> None:
     assert remote.get("ipc", "private") == "private"  # its own IPC namespace and /dev/shm
     assert "network_mode" not in remote
     assert set(remote["networks"]) & set(w["networks"]), "the remote reader must reach the writer's network"
+    # One image, built once (docker-compose 1.29 builds it once per service that has `build`): the
+    # writer builds it, and the readers, which start after the writer, run it.
+    assert [n for n, s in svcs.items() if "build" in s] == [t.writer]
+    assert len({s["image"] for s in svcs.values()}) == 1
 
 
 # --- 3. the CLI and the image -------------------------------------------------------------------
@@ -332,23 +337,29 @@ def test_dockerfile_installs_the_cli_as_the_entry_point() -> None:
     assert m and int(m.group(1)) >= 11  # requires-python >= 3.11
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert pyproject["project"]["scripts"]["aiobroadcast"] == "aiobroadcast.__main__:main"
+    # The build context is the repository root: compose builders read its .dockerignore (docker-compose
+    # 1.29 reads no Dockerfile.dockerignore), which must let through what the Dockerfile copies, and
+    # nothing else that a checkout holds (the real run measures the context).
     ignore = [
         line.strip()
-        for line in (DOCKER / "Dockerfile.dockerignore").read_text().splitlines()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
         if line.strip() and not line.startswith("#")
     ]
+    assert not (DOCKER / "Dockerfile.dockerignore").exists()  # BuildKit would prefer it to .dockerignore
     copied = set()
     for word, rest in steps:
         if word == "COPY":
             *sources, _dest = rest.split()
             for src in sources:
                 assert (ROOT / src).exists(), src
-                assert not _ignored(src, ignore), f"{src} is excluded by Dockerfile.dockerignore"
+                assert not _ignored(src, ignore), f"{src} is excluded by .dockerignore"
                 copied.add(src)
     assert {"pyproject.toml", "README.md", "aiobroadcast"} <= copied  # what `pip install` needs
-    assert not _ignored("aiobroadcast/_cli.py", ignore) and _ignored(".venv/bin/python", ignore)
+    assert not _ignored("aiobroadcast/_cli.py", ignore)
+    for path in (".venv/bin/python", ".git/HEAD", "tests/test_docker.py", "aiobroadcast/__pycache__/_cli.pyc"):
+        assert _ignored(path, ignore), path
     runs = " ".join(rest for word, rest in steps if word == "RUN")
-    assert "pip install /src" in runs
+    assert "pip install --no-deps /src" in runs
     users = [rest for word, rest in steps if word == "USER"]
     assert users and users[-1] not in ("root", "0")
     handle_dir = topology().handle_dir
@@ -357,195 +368,277 @@ def test_dockerfile_installs_the_cli_as_the_entry_point() -> None:
     assert entry and json.loads(entry[-1]) == ["aiobroadcast"]  # exec form: signals reach the CLI
 
 
-# --- 4. the same topology as processes ----------------------------------------------------------
-class Service:
-    def __init__(self, name: str, argv: list[str]) -> None:
-        self.name = name
-        self.popen = subprocess.Popen(
-            argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._ticks: queue.Queue[str] = queue.Queue()
-        assert self.popen.stdout is not None and self.popen.stderr is not None
-        threading.Thread(target=self._pump, args=(self.popen.stdout, self.out), daemon=True).start()
-        threading.Thread(target=self._pump, args=(self.popen.stderr, self.err), daemon=True).start()
+# --- 4. the real run, on a Docker engine ---------------------------------------------------------
+ENGINE_SCRIPT = ROOT.parent / "shared" / "tools" / "docker-engine.sh"
+MAX_CONTEXT_BYTES = 1 << 20  # what the image needs is about 300 kB; a checkout's .venv alone is 250 MB
 
-    def _pump(self, stream: Any, into: list[str]) -> None:
-        into.extend(line.rstrip("\n") for line in iter(stream.readline, ""))
 
-    def wait_lines(self, n: int, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while len(self.out) < n:
-            assert self.popen.poll() is None, f"{self.name} exited: {self.err}"
-            assert time.monotonic() < deadline, f"{self.name}: {len(self.out)} lines; {self.err}"
-            time.sleep(0.05)
+def _engine_env() -> dict[str, str]:
+    """The environment for docker and docker-compose, once the engine script has made sure an
+    engine runs. Where none can be had: skipped with the precise reason, or failed where
+    AIOBROADCAST_REQUIRE_DOCKER is set (.ci/run sets it)."""
+    why: str | None = None
+    host = None
+    if os.geteuid() != 0:
+        why = f"a Docker engine needs root here ({ENGINE_SCRIPT.name} installs and starts one as root)"
+    elif not ENGINE_SCRIPT.is_file():
+        why = f"no {ENGINE_SCRIPT} beside the repository to start a Docker engine with"
+    else:
+        res = subprocess.run(["bash", str(ENGINE_SCRIPT)], capture_output=True, text=True, timeout=900, check=False)
+        host = re.fullmatch(r"export DOCKER_HOST=(unix://\S+)", res.stdout.strip())
+        if res.returncode != 0 or host is None:
+            tail = " | ".join(res.stderr.strip().splitlines()[-5:])
+            why = f"{ENGINE_SCRIPT} failed (exit {res.returncode}): {tail or res.stdout.strip()}"
+        elif shutil.which("docker") is None or shutil.which("docker-compose") is None:
+            why = f"{ENGINE_SCRIPT} succeeded but docker or docker-compose is not on PATH"
+    if why is not None:
+        if os.environ.get("AIOBROADCAST_REQUIRE_DOCKER"):
+            pytest.fail(f"AIOBROADCAST_REQUIRE_DOCKER is set, but: {why}")
+        pytest.skip(why)
+    assert host is not None
+    return {**os.environ, "DOCKER_HOST": host.group(1)}
 
-    def finish(self, timeout: float = 30.0) -> int:
-        code = self.popen.wait(timeout)
-        time.sleep(0.05)
-        return code
 
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.kill()
-            self.popen.wait()
-        for f in (self.popen.stdout, self.popen.stderr):
-            if f is not None:
-                f.close()
+class CountingRelay:
+    """A Unix socket in front of the engine's that counts the bytes clients send through it. What
+    ``docker-compose build`` sends is the build context, and a few kB of API requests."""
+
+    def __init__(self, engine: str, path: Path) -> None:
+        self.path = str(path)
+        self.sent = 0
+        self._engine = engine
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sockets: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.path)
+        self._listener.listen(16)
+        self._listener.settimeout(0.1)
+        self._spawn(self._accept)
+
+    def _spawn(self, target: Any, *args: Any) -> None:
+        t = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(t)
+        t.start()
+
+    def _accept(self) -> None:
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            client.settimeout(None)
+            engine = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            engine.connect(self._engine)
+            self._sockets += [client, engine]
+            self._spawn(self._pump, client, engine, True)
+            self._spawn(self._pump, engine, client, False)
+
+    def _pump(self, src: socket.socket, dst: socket.socket, count: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                dst.sendall(data)
+                if count:
+                    with self._lock:
+                        self.sent += len(data)
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the other side went away: so does this connection
+
+    def close(self) -> None:
+        self._stop.set()
+        for s in self._sockets:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        for t in self._threads:
+            t.join(10)
+        for s in [self._listener, *self._sockets]:
+            s.close()
 
 
 @dataclass
-class Namespaces:
-    """The writer's and the remote reader's network namespaces, joined by a veth pair."""
+class Deployment:
+    """One compose project on the engine, under names of its own (concurrent runs never meet)."""
 
-    suffix: str = field(default_factory=lambda: secrets.token_hex(3))
-    created: list[str] = field(default_factory=list)
-    etc_dirs: list[Path] = field(default_factory=list)
-    made_etc_netns: bool = False
+    env: dict[str, str]
+    project: str = field(default_factory=lambda: f"aiobroadcast-test-{secrets.token_hex(4)}")
+    image: str = field(default_factory=lambda: f"aiobroadcast:test-{secrets.token_hex(4)}")
 
-    @property
-    def writer(self) -> str:
-        return f"abcw-{self.suffix}"
+    def run(
+        self, argv: list[str], timeout: float, env: dict[str, str] | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        full_env = {**self.env, "AIOBROADCAST_IMAGE": self.image, **(env or {})}
+        return subprocess.run(argv, env=full_env, capture_output=True, text=True, timeout=timeout, check=False)
 
-    @property
-    def reader(self) -> str:
-        return f"abcr-{self.suffix}"
+    def compose(self, *args: str, timeout: float = 120, env: dict[str, str] | None = None) -> str:
+        res = self.run(["docker-compose", "-p", self.project, "-f", str(COMPOSE), *args], timeout, env)
+        assert res.returncode == 0, f"docker-compose {' '.join(args)}: {res.stdout}{res.stderr}"
+        return res.stdout + res.stderr
 
-    def create(self, writer_host: str) -> None:
-        for ns in (self.writer, self.reader):
-            _ip("netns", "add", ns)
-            self.created.append(ns)
-            _ip("-n", ns, "link", "set", "lo", "up")
-        # Both ends are made inside our namespaces: the host's own network is never touched.
-        _ip("-n", self.writer, "link", "add", "eth0", "type", "veth", "peer", "name", "eth0", "netns", self.reader)
-        for ns, addr in ((self.writer, "10.232.7.1/24"), (self.reader, "10.232.7.2/24")):
-            _ip("-n", ns, "addr", "add", addr, "dev", "eth0")
-            _ip("-n", ns, "link", "set", "eth0", "up")
-        # `ip netns exec` mounts /etc/netns/NS/hosts over /etc/hosts: "writer" resolves as in compose.
-        etc = Path("/etc/netns")
-        self.made_etc_netns = not etc.exists()
-        d = etc / self.reader
-        d.mkdir(parents=True)
-        self.etc_dirs.append(d)
-        (d / "hosts").write_text(f"127.0.0.1 localhost\n10.232.7.1 {writer_host}\n")
+    def docker(self, *args: str, timeout: float = 60) -> str:
+        res = self.run(["docker", *args], timeout)
+        assert res.returncode == 0, f"docker {' '.join(args)}: {res.stdout}{res.stderr}"
+        return res.stdout
 
-    def destroy(self) -> None:
-        for ns in self.created:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
-        for d in self.etc_dirs:
-            shutil.rmtree(d, ignore_errors=True)
-        if self.made_etc_netns:
-            try:
-                Path("/etc/netns").rmdir()
-            except OSError:
-                pass
+    def left(self, kind: str) -> list[str]:
+        """The project's containers, volumes or networks still on the engine."""
+        label = f"label=com.docker.compose.project={self.project}"
+        listing = {"container": ["ps", "-aq"], "volume": ["volume", "ls", "-q"], "network": ["network", "ls", "-q"]}
+        return self.docker(*listing[kind], "--filter", label).split()
 
+    def containers(self) -> dict[str, dict[str, Any]]:
+        """``docker inspect`` of each service's container, by service name."""
+        ids = self.left("container")
+        if not ids:
+            return {}
+        info = json.loads(self.docker("inspect", *ids))
+        return {c["Config"]["Labels"]["com.docker.compose.service"]: c for c in info}
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+    def logs(self, container: dict[str, Any]) -> tuple[list[str], list[str]]:
+        """A container's stdout and stderr lines."""
+        res = self.run(["docker", "logs", container["Id"]], 30)
+        assert res.returncode == 0, res.stderr
+        return res.stdout.splitlines(), res.stderr.splitlines()
 
+    def stats(self, writer: dict[str, Any], handle_file: str) -> str:
+        """``aiobroadcast stats --once`` where the healthcheck runs it: in the writer's container."""
+        return self.docker("exec", writer["Id"], "aiobroadcast", "stats", "--once", "--interval", "0", handle_file)
 
-def _namespaces_possible() -> str | None:
-    """None if we can make network namespaces here, else why not."""
-    if os.environ.get("AIOBROADCAST_TEST_LOOPBACK"):
-        return "AIOBROADCAST_TEST_LOOPBACK is set"
-    if os.geteuid() != 0:
-        return "not root"
-    if shutil.which("ip") is None or shutil.which("unshare") is None:
-        return "iproute2 or util-linux missing"
-    probe = f"abcp-{secrets.token_hex(3)}"
-    res = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
-    if res.returncode != 0:
-        return f"ip netns add failed: {res.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
-    return None
+    def clean_up(self) -> None:
+        """Whatever a failed run left (the project's containers, volumes, networks), and the image
+        with its intermediate layers: the engine keeps only the base image."""
+        self.run(["docker-compose", "-p", self.project, "-f", str(COMPOSE), "down", "-v", "-t", "1"], 120)
+        self.run(["docker", "rmi", self.image], 60)
 
 
-@pytest.fixture
-def namespaces() -> Iterator[Namespaces | None]:
-    why_not = _namespaces_possible()
-    if why_not is not None:
-        yield None  # loopback instead
-        return
-    ns = Namespaces()
-    try:
-        yield ns
-    finally:
-        ns.destroy()
+def _until(what: str, check: Any, timeout: float) -> Any:
+    """Poll ``check()`` until it returns something true; fail naming ``what`` after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not (result := check()):
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(0.5)
+    return result
 
 
-def test_compose_topology_runs_as_processes(tmp_path: Path, namespaces: Namespaces | None) -> None:
-    svcs = services()
+def _ticks(lines: list[str]) -> list[dict[str, Any]]:
+    ticks = [json.loads(line) for line in lines]
+    seqs = [t["seq"] for t in ticks]
+    assert seqs and seqs == list(range(seqs[0], seqs[0] + len(seqs))), seqs  # in order, no gap
+    return ticks
+
+
+def _in_container_pid(container: dict[str, Any]) -> int:
+    """The pid, in its container's pid namespace, of the command under the container's init."""
+    children = psutil.Process(container["State"]["Pid"]).children()
+    assert len(children) == 1, children
+    status = Path(f"/proc/{children[0].pid}/status").read_text()
+    return int(re.search(r"^NSpid:.*\s(\d+)$", status, re.M).group(1))  # type: ignore[union-attr]
+
+
+@pytest.mark.timeout(900)
+def test_compose_runs_on_a_docker_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    env = _engine_env()
     t = topology()
-    volume = str(tmp_path)
-
-    def command(args: list[str]) -> list[str]:
-        # The volume is a directory here; in loopback mode the writer binds and advertises 127.0.0.1.
-        args = [a.replace(t.handle_dir, volume) for a in args]
-        if namespaces is None:
-            args = [re.sub(r"^tcp://0\.0\.0\.0:\d+$", "tcp://127.0.0.1:0", a) for a in args]
-            args = ["127.0.0.1" if a == t.writer and args[i - 1] == "--advertise" else a for i, a in enumerate(args)]
-        return [*CLI, *args]
-
-    def in_writer_ns(argv: list[str]) -> list[str]:
-        return ["ip", "netns", "exec", namespaces.writer, *argv] if namespaces else argv
-
-    if namespaces is not None:
-        namespaces.create(t.writer)
-    started: list[Service] = []
+    svcs = services()
+    d = Deployment(env)
+    t0 = time.monotonic()
     try:
-        writer = Service(t.writer, in_writer_ns(command(cli_args(svcs[t.writer]))))
-        started.append(writer)
-        # depends_on: service_healthy: the healthcheck, run where docker runs it (in the writer's namespaces).
-        health = in_writer_ns(command(svcs[t.writer]["healthcheck"]["test"][2:]))
-        deadline = time.monotonic() + 30
-        while subprocess.run(health, capture_output=True, check=False).returncode != 0:
-            assert writer.popen.poll() is None, writer.err
-            assert time.monotonic() < deadline, "the writer never became healthy"
-            time.sleep(0.2)
-        for name in t.local:  # network_mode: none; ipc: service:writer (this host's /dev/shm)
-            argv = command(cli_args(svcs[name]))
-            started.append(Service(name, ["unshare", "--net", *argv] if namespaces else argv))
-        remote_argv = command(cli_args(svcs[t.remote]))
-        if namespaces is not None:  # its own network namespace, and a /dev/shm of its own
-            remote_argv = [
-                *["ip", "netns", "exec", namespaces.reader, "unshare", "--mount", "sh", "-c"],
-                'mount -t tmpfs tmpfs /dev/shm && exec "$@"',
-                "sh",
-                *remote_argv,
-            ]
-        started.append(Service(t.remote, remote_argv))
-        readers = started[1:]
-        for r in readers:
-            r.wait_lines(8)
-        # Every reader receives every tick from the one it joined at, in order; the same ticks.
-        ticks = {r.name: [json.loads(line) for line in r.out] for r in readers}
-        for name, got in ticks.items():
-            seqs = [tick["seq"] for tick in got]
-            assert seqs == list(range(seqs[0], seqs[0] + len(seqs))), (name, seqs)
-        by_seq = [{tick["seq"]: tick for tick in got} for got in ticks.values()]
+        # Build, through a relay that measures the context docker-compose sends.
+        relay = CountingRelay(env["DOCKER_HOST"].removeprefix("unix://"), tmp_path / "engine.sock")
+        try:
+            out = d.compose("build", timeout=600, env={"DOCKER_HOST": f"unix://{relay.path}"})
+        finally:
+            relay.close()
+        built_in = time.monotonic() - t0
+        assert re.findall(r"^Building ([\w.-]+)$", out, re.M) == [t.writer], out  # once
+        for name in [*t.local, t.remote]:
+            assert f"{name} uses an image, skipping" in out, out
+        assert relay.sent < MAX_CONTEXT_BYTES, f"the build context is {relay.sent} bytes: see .dockerignore"
+
+        # Up: the readers start once the writer's healthcheck passes.
+        d.compose("up", "-d")
+        c = d.containers()
+        assert set(c) == set(svcs)
+        assert c[t.writer]["State"]["Health"]["Status"] == "healthy"
+        ipc = {name: os.readlink(f"/proc/{info['State']['Pid']}/ns/ipc") for name, info in c.items()}
+        for name in t.local:  # the writer's IPC namespace, so its /dev/shm and the ring in it
+            assert ipc[name] == ipc[t.writer], name
+            assert c[name]["HostConfig"]["NetworkMode"] == "none"
+        assert ipc[t.remote] != ipc[t.writer]
+        readers = [*t.local, t.remote]
+
+        def got(n: int) -> dict[str, tuple[list[str], list[str]]] | None:
+            logs = {name: d.logs(c[name]) for name in readers}
+            return logs if all(len(out) >= n for out, _ in logs.values()) else None
+
+        logs = _until("8 ticks for every reader", lambda: got(8), 60)
+        for name in t.local:
+            assert any(f"{name}: attached to" in e and "local, over shared memory" in e for e in logs[name][1])
+        assert any(f"remote, over TCP tcp://{t.writer}:" in e for e in logs[t.remote][1]), logs[t.remote][1]
+        # Every reader prints every tick from the one it joined at, in order; the same ticks.
+        by_seq = [{tick["seq"]: tick for tick in _ticks(out)} for out, _ in logs.values()]
         common = set.intersection(*(set(b) for b in by_seq))
         assert len(common) >= 5 and all(b[s] == by_seq[0][s] for b in by_seq for s in common)
+
+        # stats, where the healthcheck runs it: each reader by name, its pid in its own container,
+        # and where it lives (the container's host name), beside the TCP server and the writer's.
+        host = {name: info["Config"]["Hostname"] for name, info in c.items()}
+        report = d.stats(c[t.writer], t.handle_file)
+        assert f"writer pid {_in_container_pid(c[t.writer])} on {host[t.writer]} " in report.splitlines()[0], report
         for name in t.local:
-            r = next(r for r in readers if r.name == name)
-            assert any("local, over shared memory" in line for line in r.err), r.err
-        remote = readers[-1]
-        host = t.writer if namespaces else "127.0.0.1"
-        assert any(f"remote, over TCP tcp://{host}:" in line for line in remote.err), remote.err
-        # The healthcheck's view: both local readers by name, the remote one from the TCP server.
-        res = subprocess.run(health, capture_output=True, text=True, check=False)
-        assert res.returncode == 0, res.stderr
-        for r in readers[:-1]:
-            assert re.search(rf"^\s+\d+\s+{r.name}\s+\d+\s+yes\s", res.stdout, re.M), res.stdout
-        assert re.search(rf"^\s+tcp\s+{t.remote}\s", res.stdout, re.M), res.stdout
-        # `docker compose down`, the writer's part: SIGTERM closes the channel; every reader ends.
-        writer.popen.send_signal(signal.SIGTERM)
-        assert writer.finish() == 0, writer.err
-        for r in readers:
-            assert r.finish() == 0, (r.name, r.err)
-            assert re.search(r"received \d+ messages$", r.err[-1]), r.err
-        assert not os.path.exists(os.path.join(volume, os.path.basename(t.handle_file)))
+            row = rf"^\s+\d+\s+{name}\s+{_in_container_pid(c[name])}\s+{host[name]}\s+yes\s"
+            assert re.search(row, report, re.M), report
+        row = rf"^\s+tcp\s+{t.remote}\s+{_in_container_pid(c[t.remote])}\s+{host[t.remote]}\s+yes\s"
+        assert re.search(row, report, re.M), report
+
+        # A SIGKILLed shared-memory reader: the writer drops it once it waits for it (a full ring),
+        # saying who and where; the other readers carry on without a gap.
+        victim, survivor = t.local[1], t.local[0]
+        victim_pid = _in_container_pid(c[victim])
+        d.docker("kill", "-s", "KILL", c[victim]["Id"])
+        before = {name: len(d.logs(c[name])[0]) for name in (survivor, t.remote)}
+        dropped = (
+            rf"reader '{victim}' \(pid {victim_pid} on {host[victim]}, place \d+\) died at entry \d+ of \d+; dropped it"
+        )
+        _until("the writer drops the killed reader", lambda: re.search(dropped, "\n".join(d.logs(c[t.writer])[1])), 60)
+        capacity = parse(cli_args(svcs[t.writer])).capacity
+        _until(
+            "the other readers carry on past a full ring",
+            lambda: all(len(d.logs(c[n])[0]) > before[n] + capacity for n in before),
+            60,
+        )
+        report = d.stats(c[t.writer], t.handle_file)
+        assert victim not in report and re.search(rf"^\s+\d+\s+{survivor}\s", report, re.M), report
+        # Started again, it joins again (a place is free), so that all four end below.
+        d.docker("start", c[victim]["Id"])
+        _until(
+            "the restarted reader attaches again",
+            lambda: sum("local, over shared memory" in e for e in d.logs(c[victim])[1]) == 2,
+            60,
+        )
+
+        # SIGTERM to the writer (what `docker compose stop` sends it) closes the channel: every
+        # reader drains and exits 0, the writer too; `down -v` then removes everything.
+        d.docker("kill", "-s", "TERM", c[t.writer]["Id"])
+        c = _until(
+            "every container exits",
+            lambda: (x := d.containers()) and not any(i["State"]["Running"] for i in x.values()) and x,
+            60,
+        )
+        for name, info in c.items():
+            assert info["State"]["ExitCode"] == 0, (name, d.logs(info))
+        for name in readers:
+            assert re.search(r"received \d+ messages$", d.logs(c[name])[1][-1]), d.logs(c[name])
+        d.compose("down", "-v")
+        for kind in ("container", "volume", "network"):
+            assert d.left(kind) == [], kind
+        with capsys.disabled():
+            print(
+                f"\n  docker: build context {relay.sent / 1024:.0f} KiB; image built in {built_in:.0f} s; "
+                f"whole run {time.monotonic() - t0:.0f} s"
+            )
     finally:
-        for s in started:
-            s.stop()
+        d.clean_up()

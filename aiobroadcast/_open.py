@@ -151,68 +151,118 @@ def open_writer(
     Raises ``ValueError`` for bad arguments, ``InsufficientSharedMemory`` when the ring does not
     fit, ``BroadcastError`` when the endpoint cannot be bound or the platform is not supported.
     """
-    if capacity < 2:
-        raise ValueError("capacity must be at least 2")
-    if max_readers < 1:
-        raise ValueError("max_readers must be at least 1")
-    if slot_bytes < 64:
-        raise ValueError("slot_bytes must be at least 64")
-    if policy not in _ring.POLICIES:
-        raise ValueError(f"policy must be one of {_ring.POLICIES}, not {policy!r}")
-    if codec not in ("pickle", "json"):
-        raise ValueError(f"codec must be 'pickle' or 'json', not {codec!r}")
-    if tcp is not None and not tcp.startswith("tcp://"):
-        raise ValueError(f"tcp must be a tcp:// endpoint, not {tcp!r}")
-    slot_bytes = (slot_bytes + 63) // 64 * 64
-    ring_readers = max_readers + (1 if tcp else 0)  # a place for the TCP server
+    spec = _WriterSpec(
+        capacity, slot_bytes, max_readers, policy, schema, codec, max_message_bytes, directory, tcp, insecure,
+        advertise, keys, heartbeat_s, tcp_window,
+    )
 
     async def make() -> Writer[Any]:
-        _ring.sweep_stale(directory)
-        token = secrets.token_hex(16)
-        encoder: PickleEncoder | SchemaCodec | JsonCodec
-        if schema is not None:
-            encoder, channel_codec = SchemaCodec(schema), "pydantic-json"
-        elif codec == "json":
-            encoder, channel_codec = JsonCodec(), "json"
-        else:
-            encoder, channel_codec = PickleEncoder(), "pickle"
-        seg = _ring.create_segment(
-            directory,
-            token,
-            capacity,
-            slot_bytes,
-            ring_readers,
-            _ring.POLICIES.index(policy),
-            _ring.CODECS.index(channel_codec),
-        )
-        try:
-            handle = Handle(
-                directory=directory,
-                name=f"aiobroadcast-{token}",
-                capacity=capacity,
-                slot_bytes=slot_bytes,
-                max_readers=ring_readers,
-                policy=policy,
-                codec=channel_codec,  # type: ignore[arg-type]
-                schema_path=schema_path(schema) if schema is not None else None,
-                writer_pid=os.getpid(),
-            )
-            writer: Writer[Any] = Writer(_writer_token, seg, handle, encoder, max_message_bytes)
-        except BaseException:
-            seg.close()
-            _ring._unlink_quiet(seg.path)
-            raise
+        writer = spec.create()
         if tcp is not None:
             try:
-                await _start_server(
-                    writer, seg, handle, tcp, insecure, advertise, keys, heartbeat_s, tcp_window, max_readers
-                )
+                start = _ServerStart(writer, spec)
+                line = b""
+                try:
+                    with anyio.move_on_after(SERVER_START_S):
+                        line = await anyio.to_thread.run_sync(start.readline, abandon_on_cancel=True)
+                except BaseException:
+                    start.kill()
+                    raise
+                start.finish(line)
             except BaseException:
                 await writer.aclose()
                 raise
         return writer
 
     return _Opening(make)
+
+
+class _WriterSpec:
+    """``open_writer``'s arguments, checked, and the channel's creation: shared by the async and
+    the blocking factories (``aiobroadcast.blocking``)."""
+
+    def __init__(
+        self,
+        capacity: int,
+        slot_bytes: int,
+        max_readers: int,
+        policy: Policy,
+        schema: type[BaseModel] | None,
+        codec: str,
+        max_message_bytes: int | None,
+        directory: str,
+        tcp: str | None,
+        insecure: bool,
+        advertise: str | None,
+        keys: CurveKeys | None,
+        heartbeat_s: float,
+        tcp_window: int,
+    ) -> None:
+        if capacity < 2:
+            raise ValueError("capacity must be at least 2")
+        if max_readers < 1:
+            raise ValueError("max_readers must be at least 1")
+        if slot_bytes < 64:
+            raise ValueError("slot_bytes must be at least 64")
+        if policy not in _ring.POLICIES:
+            raise ValueError(f"policy must be one of {_ring.POLICIES}, not {policy!r}")
+        if codec not in ("pickle", "json"):
+            raise ValueError(f"codec must be 'pickle' or 'json', not {codec!r}")
+        if tcp is not None and not tcp.startswith("tcp://"):
+            raise ValueError(f"tcp must be a tcp:// endpoint, not {tcp!r}")
+        self.capacity = capacity
+        self.slot_bytes = (slot_bytes + 63) // 64 * 64
+        self.max_readers = max_readers
+        self.ring_readers = max_readers + (1 if tcp else 0)  # a place for the TCP server
+        self.policy = policy
+        self.schema = schema
+        self.codec = codec
+        self.max_message_bytes = max_message_bytes
+        self.directory = directory
+        self.tcp = tcp
+        self.insecure = insecure
+        self.advertise = advertise
+        self.keys = keys
+        self.heartbeat_s = heartbeat_s
+        self.tcp_window = tcp_window
+
+    def create(self) -> Writer[Any]:
+        """Create the segment and its writer (without the TCP server)."""
+        _ring.sweep_stale(self.directory)
+        token = secrets.token_hex(16)
+        encoder: PickleEncoder | SchemaCodec | JsonCodec
+        if self.schema is not None:
+            encoder, channel_codec = SchemaCodec(self.schema), "pydantic-json"
+        elif self.codec == "json":
+            encoder, channel_codec = JsonCodec(), "json"
+        else:
+            encoder, channel_codec = PickleEncoder(), "pickle"
+        seg = _ring.create_segment(
+            self.directory,
+            token,
+            self.capacity,
+            self.slot_bytes,
+            self.ring_readers,
+            _ring.POLICIES.index(self.policy),
+            _ring.CODECS.index(channel_codec),
+        )
+        try:
+            handle = Handle(
+                directory=self.directory,
+                name=f"aiobroadcast-{token}",
+                capacity=self.capacity,
+                slot_bytes=self.slot_bytes,
+                max_readers=self.ring_readers,
+                policy=self.policy,
+                codec=channel_codec,  # type: ignore[arg-type]
+                schema_path=schema_path(self.schema) if self.schema is not None else None,
+                writer_pid=os.getpid(),
+            )
+            return Writer(_writer_token, seg, handle, encoder, self.max_message_bytes)
+        except BaseException:
+            seg.close()
+            _ring._unlink_quiet(seg.path)
+            raise
 
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -231,70 +281,85 @@ def _spawn_server() -> subprocess.Popen[bytes]:
     )
 
 
-async def _start_server(
-    writer: Writer[Any],
-    seg: _ring.Segment,
-    handle: Handle,
-    endpoint: str,
-    insecure: bool,
-    advertise: str | None,
-    keys: CurveKeys | None,
-    heartbeat_s: float,
-    window: int,
-    max_remote: int,
-) -> None:
-    """Start the TCP server process for ``writer`` and give the writer the full handle."""
-    if insecure:
-        log.warning(
-            "aiobroadcast: serving %s WITHOUT encryption (insecure=True); use only on a closed network", endpoint
-        )
-        k = None
-        hmac_key: str | None = secrets.token_hex(32)
-    else:
-        k = keys or CurveKeys.generate()
-        hmac_key = None
-    stats_path = seg.sock_path("tcp").removesuffix(".sock") + ".json"
-    cfg = {
-        "handle": handle.model_dump(),
-        "endpoint": endpoint,
-        "insecure": insecure,
-        "server_secret": k.server_secret if k else None,
-        "client_public": k.client_public if k else None,
-        "hmac_key": hmac_key,
-        "window": window,
-        "buffer_max": max(window, handle.capacity) * 2,
-        "hb_interval": heartbeat_s,
-        "hb_timeout": 6 * heartbeat_s,
-        "max_remote": max_remote,
-        "stats_path": stats_path,
-    }
-    proc = _spawn_server()
-    assert proc.stdin is not None and proc.stdout is not None
-    try:
-        proc.stdin.write(json.dumps(cfg).encode() + b"\n")
-        proc.stdin.flush()
-        with anyio.move_on_after(SERVER_START_S):
-            line = await anyio.to_thread.run_sync(proc.stdout.readline, abandon_on_cancel=True)
-        answer = json.loads(line) if line else {"error": "the TCP server process did not start"}
-        if "error" in answer:
-            raise BroadcastError(f"cannot serve {endpoint}: {answer['error']}")
-    except BaseException:
+class _ServerStart:
+    """Starting the TCP server process for a writer: the parts before and after waiting for its
+    answer (``readline``, within ``SERVER_START_S``), shared by the async and blocking factories."""
+
+    def __init__(self, writer: Writer[Any], spec: _WriterSpec) -> None:
+        assert spec.tcp is not None
+        self._writer = writer
+        self._spec = spec
+        handle = writer.handle
+        if spec.insecure:
+            log.warning(
+                "aiobroadcast: serving %s WITHOUT encryption (insecure=True); use only on a closed network", spec.tcp
+            )
+            self._keys = None
+            self._hmac_key: str | None = secrets.token_hex(32)
+        else:
+            self._keys = spec.keys or CurveKeys.generate()
+            self._hmac_key = None
+        k = self._keys
+        self._stats_path = writer._seg.sock_path("tcp").removesuffix(".sock") + ".json"
+        cfg = {
+            "handle": handle.model_dump(),
+            "endpoint": spec.tcp,
+            "insecure": spec.insecure,
+            "server_secret": k.server_secret if k else None,
+            "client_public": k.client_public if k else None,
+            "hmac_key": self._hmac_key,
+            "window": spec.tcp_window,
+            "buffer_max": max(spec.tcp_window, handle.capacity) * 2,
+            "hb_interval": spec.heartbeat_s,
+            "hb_timeout": 6 * spec.heartbeat_s,
+            "max_remote": spec.max_readers,
+            "stats_path": self._stats_path,
+        }
+        self.proc = proc = _spawn_server()
+        assert proc.stdin is not None and proc.stdout is not None
+        self.stdout = proc.stdout
+        try:
+            proc.stdin.write(json.dumps(cfg).encode() + b"\n")
+            proc.stdin.flush()
+        except BaseException:
+            self.kill()
+            raise
+
+    def readline(self) -> bytes:
+        return self.stdout.readline()
+
+    def kill(self) -> None:
+        proc = self.proc
+        assert proc.stdin is not None
         proc.kill()
         proc.wait()
         proc.stdin.close()
-        proc.stdout.close()
-        raise
-    full = handle.model_copy(
-        update={
-            "tcp": _advertised(answer["endpoint"], advertise),
-            "insecure": insecure,
-            "server_key": k.server_public if k else None,
-            "client_public_key": k.client_public if k else None,
-            "client_secret_key": k.client_secret if k else None,
-            "hmac_key": hmac_key,
-        }
-    )
-    writer._serve_tcp(proc, Handle.model_validate(full.model_dump()), stats_path, 12 * heartbeat_s)
+        self.stdout.close()
+
+    def finish(self, line: bytes) -> None:
+        """Read the server's answer and give the writer the full handle (kills it on error)."""
+        spec = self._spec
+        try:
+            answer = json.loads(line) if line else {"error": "the TCP server process did not start"}
+            if "error" in answer:
+                raise BroadcastError(f"cannot serve {spec.tcp}: {answer['error']}")
+        except BaseException:
+            self.kill()
+            raise
+        k = self._keys
+        full = self._writer.handle.model_copy(
+            update={
+                "tcp": _advertised(answer["endpoint"], spec.advertise),
+                "insecure": spec.insecure,
+                "server_key": k.server_public if k else None,
+                "client_public_key": k.client_public if k else None,
+                "client_secret_key": k.client_secret if k else None,
+                "hmac_key": self._hmac_key,
+            }
+        )
+        self._writer._serve_tcp(
+            self.proc, Handle.model_validate(full.model_dump()), self._stats_path, 12 * spec.heartbeat_s
+        )
 
 
 def _advertised(endpoint: str, host: str | None) -> str:
@@ -367,24 +432,36 @@ def open_reader(
     ``connect_timeout`` seconds; a handshake refused for wrong keys fails at once instead).
     """
     h = Handle.parse(handle)
-    if transport not in ("auto", "shm", "tcp"):
-        raise ValueError(f"transport must be 'auto', 'shm' or 'tcp', not {transport!r}")
-    if spin_us is not None and not 0 <= spin_us <= 1_000_000:
-        raise ValueError(f"spin_us must be None or between 0 and 1,000,000, not {spin_us!r}")
+
+    check_reader_args(transport, spin_us)
 
     async def make() -> Reader[Any]:
-        if h.codec == "pickle" and not trust_pickle:
-            raise InvalidHandle("this channel sends pickle, and trust_pickle=False refuses it")
-        decode = _decoder(h, schema)
-        if zero_copy and decode is decode_pickle:
-            decode = decode_pickle_view
-        reader_name = name or f"reader-{os.getpid()}"
+        reader_name, decode = _reader_decoder(h, name, schema, trust_pickle, zero_copy)
         source = await _open_source(
             h, reader_name, decode, transport, connect_timeout, hold=decode is decode_pickle_view
         )
         return Reader(_reader_token, source, h, reader_name, spin_us)
 
     return _Opening(make)
+
+
+def check_reader_args(transport: Transport, spin_us: float | None) -> None:
+    if transport not in ("auto", "shm", "tcp"):
+        raise ValueError(f"transport must be 'auto', 'shm' or 'tcp', not {transport!r}")
+    if spin_us is not None and not 0 <= spin_us <= 1_000_000:
+        raise ValueError(f"spin_us must be None or between 0 and 1,000,000, not {spin_us!r}")
+
+
+def _reader_decoder(
+    h: Handle, name: str | None, schema: type[BaseModel] | None, trust_pickle: bool, zero_copy: bool
+) -> tuple[str, Callable[[Any, bool], Any]]:
+    """A reader's name and decoder, from ``open_reader``'s arguments."""
+    if h.codec == "pickle" and not trust_pickle:
+        raise InvalidHandle("this channel sends pickle, and trust_pickle=False refuses it")
+    decode = _decoder(h, schema)
+    if zero_copy and decode is decode_pickle:
+        decode = decode_pickle_view
+    return name or f"reader-{os.getpid()}", decode
 
 
 async def _open_source(
@@ -397,14 +474,25 @@ async def _open_source(
     hold: bool = False,
 ) -> Source:
     """The transport's side of a reader: the ring when asked for or reachable, else TCP."""
-    if transport == "tcp" or (transport == "auto" and h.tcp is not None and not _ring_reachable(h)):
-        if h.tcp is None:
-            raise InvalidHandle("this channel has no TCP endpoint (open_writer(tcp=...) serves one)")
+    if _over_tcp(h, transport):
         from ._tcp_client import TcpSource
 
         tcp_source = TcpSource(h, name, decode)
         await tcp_source.wait_welcome(connect_timeout)
         return tcp_source
+    return _shm_source(h, name, decode, hold)
+
+
+def _over_tcp(h: Handle, transport: Transport) -> bool:
+    """Whether a reader goes over TCP: when asked to, or (``auto``) when the ring is not reachable."""
+    if transport == "tcp" or (transport == "auto" and h.tcp is not None and not _ring_reachable(h)):
+        if h.tcp is None:
+            raise InvalidHandle("this channel has no TCP endpoint (open_writer(tcp=...) serves one)")
+        return True
+    return False
+
+
+def _shm_source(h: Handle, name: str, decode: Callable[[Any, bool], Any], hold: bool) -> ShmSource:
     seg = _ring.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
     try:
         return ShmSource(seg, h, name, decode, hold=hold)

@@ -8,7 +8,7 @@ import logging
 import subprocess
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
 from time import perf_counter_ns
 from types import TracebackType
 from typing import Generic, TypeVar, final
@@ -40,7 +40,7 @@ from ._ring import (
     fence,
 )
 from ._stats import ReaderInfo, WriterStatistics
-from ._wake import Inbox, Outbox, poll
+from ._wake import Inbox, Outbox, poll, poll_blocking
 
 T_contra = TypeVar("T_contra", contravariant=True)
 
@@ -119,6 +119,11 @@ class Writer(Generic[T_contra]):
         self._handle = handle
 
     async def _stop_server(self) -> None:
+        if self._server is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._stop_server_blocking)
+
+    def _stop_server_blocking(self) -> None:
         """Ask the TCP server to stop once remote readers have drained, and wait for it."""
         proc = self._server
         if proc is None:
@@ -127,8 +132,7 @@ class Writer(Generic[T_contra]):
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.close()
         try:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(proc.wait, self._server_stop_s)
+            proc.wait(self._server_stop_s)
         except subprocess.TimeoutExpired:
             log.warning("aiobroadcast: the TCP server did not stop in %.0f s; killed it", self._server_stop_s)
             proc.kill()
@@ -238,11 +242,7 @@ class Writer(Generic[T_contra]):
         self._closed = True
         self._wake_all_readers()  # sleepers find the lock free on waking
         await self._stop_server()  # it sees the writer gone and tells remote readers
-        self._inbox.close()
-        self._outbox.close()
-        self._finalizer()
-        atexit.unregister(self._finalizer)
-        self._seg.close()
+        self._release()
 
     def statistics(self) -> WriterStatistics:
         self._check_open()
@@ -266,17 +266,10 @@ class Writer(Generic[T_contra]):
         The segment is removed now; readers already attached keep their mapping."""
         if self._closed:
             return
-        self._closed = True
-        w = self._words
-        w[W_CLOSED] = 1
-        self._wake_all_readers()
+        self._mark_closed()
         # Remote readers drain what the TCP server holds, within its drain timeout.
         await self._stop_server()
-        self._inbox.close()
-        self._outbox.close()
-        self._finalizer()
-        atexit.unregister(self._finalizer)
-        self._seg.close()
+        self._release()
 
     async def __aenter__(self) -> Writer[T_contra]:
         return self
@@ -295,6 +288,20 @@ class Writer(Generic[T_contra]):
             warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
 
     # --- internals -----------------------------------------------------------------------
+    def _mark_closed(self) -> None:
+        """The first step of a close: readers drain what was published, then ``EndOfStream``."""
+        self._closed = True
+        self._words[W_CLOSED] = 1
+        self._wake_all_readers()
+
+    def _release(self) -> None:
+        """The last step of a close: unlink the files, close the sockets, unmap the ring."""
+        self._inbox.close()
+        self._outbox.close()
+        self._finalizer()
+        atexit.unregister(self._finalizer)
+        self._seg.close()
+
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedResourceError("this writer is closed")
@@ -325,6 +332,39 @@ class Writer(Generic[T_contra]):
             return
         if self._slept_ns < DENSE_NS and await self._poll_room(entries):
             return
+        steps = self._room_steps(entries)
+        try:
+            limit = next(steps, None)
+            while limit is not None:
+                try:
+                    woken = await self._inbox.wait(limit)
+                except anyio.ClosedResourceError:
+                    woken = False  # aclose() meanwhile: _check_open raises
+                limit = _resume(steps, woken)
+        finally:
+            steps.close()
+
+    def _wait_room_blocking(self, entries: int, sleep: Callable[[float], bool]) -> None:
+        """``_wait_room`` for a thread without an event loop (the blocking writer).
+        ``sleep(limit)`` blocks on the inbox for up to ``limit`` seconds and says whether a
+        wake-up came; it may raise instead (a deadline passed, the writer is closing)."""
+        if self._room(entries):
+            return
+        if self._slept_ns < DENSE_NS and poll_blocking(lambda: self._room(entries), POLL_NS):
+            self._slept_ns = 0
+            return
+        steps = self._room_steps(entries)
+        try:
+            limit = next(steps, None)
+            while limit is not None:
+                limit = _resume(steps, sleep(limit))
+        finally:
+            steps.close()
+
+    def _room_steps(self, entries: int) -> Generator[float, bool, None]:
+        """The wait for room once polling is over, written once for both drivers (async and
+        blocking): yields how long to sleep on the inbox, and is sent whether a wake-up came.
+        Returns once the slowest live reader made room. The driver must close it."""
         w = self._words
         # Hysteresis: a full ring makes the writer wait for a quarter of it to be free, not for
         # one slot, so a writer faster than its slowest reader sleeps and is woken once per
@@ -339,10 +379,7 @@ class Writer(Generic[T_contra]):
                 if self._min_cursor >= target:
                     return
                 start = perf_counter_ns()
-                try:
-                    woken = await self._inbox.wait(LIVENESS_S)
-                except anyio.ClosedResourceError:
-                    woken = False  # aclose() meanwhile: _check_open raises
+                woken = yield LIVENESS_S
                 self._slept_ns = perf_counter_ns() - start
                 self._check_open()
                 if not woken:
@@ -450,21 +487,23 @@ class Writer(Generic[T_contra]):
     async def _stream(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int) -> None:
         """Publish a message larger than the ring, a few slots at a time."""
         chunks = _Chunks(parts)
-        w = self._words
-        first = True
-        base_flags = F_OOB if oob else 0
         while not chunks.done:
             await self._wait_room(1)
-            free = self._cap - (self._head - self._min_cursor)
-            remaining = -(-(total - chunks.pos) // self._payload)
-            n = min(free, remaining)
-            self._head = self._write_fragments(chunks, total, base_flags, self._head, n, first=first)
-            if first:
-                w[W_NEXT_MSG] = self._msg + 1
-            first = False
-            w[W_HEAD] = self._head
-            self._wake_readers()
+            self._stream_some(chunks, total, oob)
         self._msg += 1
+
+    def _stream_some(self, chunks: _Chunks, total: int, oob: bool) -> None:
+        """Publish the next fragments of a streamed message into the room there is now."""
+        w = self._words
+        first = chunks.pos == 0
+        free = self._cap - (self._head - self._min_cursor)
+        remaining = -(-(total - chunks.pos) // self._payload)
+        n = min(free, remaining)
+        self._head = self._write_fragments(chunks, total, F_OOB if oob else 0, self._head, n, first=first)
+        if first:
+            w[W_NEXT_MSG] = self._msg + 1
+        w[W_HEAD] = self._head
+        self._wake_readers()
 
     def _wake_all_readers(self) -> None:
         """Wake every attached reader, asleep or not, after a change they must see (closed, gone)."""
@@ -534,6 +573,14 @@ class _Chunks:
         self.pos += written
         self.done = self._i >= len(parts)
         return written
+
+
+def _resume(steps: Generator[float, bool, None], woken: bool) -> float | None:
+    """Send a wake-up result into ``_room_steps``: the next sleep, or None once there is room."""
+    try:
+        return steps.send(woken)
+    except StopIteration:
+        return None
 
 
 def _cleanup_files(*paths: str) -> None:

@@ -9,8 +9,9 @@ import secrets
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Generic, Literal, Protocol, TypeVar, overload
+from typing import Any, Generic, Literal, Protocol, TypedDict, TypeVar, overload
 
 import anyio
 import anyio.to_thread
@@ -152,8 +153,9 @@ def open_writer(
     fit, ``BroadcastError`` when the endpoint cannot be bound or the platform is not supported.
     """
     spec = _WriterSpec(
-        capacity, slot_bytes, max_readers, policy, schema, codec, max_message_bytes, directory, tcp, insecure,
-        advertise, keys, heartbeat_s, tcp_window,
+        capacity=capacity, slot_bytes=slot_bytes, max_readers=max_readers, policy=policy, schema=schema,
+        codec=codec, max_message_bytes=max_message_bytes, directory=directory, tcp=tcp, insecure=insecure,
+        advertise=advertise, keys=keys, heartbeat_s=heartbeat_s, tcp_window=tcp_window,
     )
 
     async def make() -> Writer[Any]:
@@ -177,54 +179,62 @@ def open_writer(
     return _Opening(make)
 
 
-class _WriterSpec:
-    """``open_writer``'s arguments, checked, and the channel's creation: shared by the async and
-    the blocking factories (``aiobroadcast.blocking``)."""
+class WriterOptions(TypedDict, total=False):
+    """``open_writer``'s keyword arguments but ``schema`` (the blocking factory takes them so)."""
 
-    def __init__(
-        self,
-        capacity: int,
-        slot_bytes: int,
-        max_readers: int,
-        policy: Policy,
-        schema: type[BaseModel] | None,
-        codec: str,
-        max_message_bytes: int | None,
-        directory: str,
-        tcp: str | None,
-        insecure: bool,
-        advertise: str | None,
-        keys: CurveKeys | None,
-        heartbeat_s: float,
-        tcp_window: int,
-    ) -> None:
-        if capacity < 2:
+    capacity: int
+    slot_bytes: int
+    max_readers: int
+    policy: Policy
+    codec: Literal["pickle", "json"]
+    max_message_bytes: int | None
+    directory: str
+    tcp: str | None
+    insecure: bool
+    advertise: str | None
+    keys: CurveKeys | None
+    heartbeat_s: float
+    tcp_window: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class _WriterSpec:
+    """``open_writer``'s arguments (defaults as documented there), checked, and the channel's
+    creation: shared by the async and the blocking factories (``aiobroadcast.blocking``)."""
+
+    capacity: int = 64
+    slot_bytes: int = 1 << 16
+    max_readers: int = 16
+    policy: Policy = "block"
+    schema: type[BaseModel] | None = None
+    codec: Literal["pickle", "json"] = "pickle"
+    max_message_bytes: int | None = None
+    directory: str = DEFAULT_DIRECTORY
+    tcp: str | None = None
+    insecure: bool = False
+    advertise: str | None = None
+    keys: CurveKeys | None = None
+    heartbeat_s: float = 0.5
+    tcp_window: int = 256
+
+    def __post_init__(self) -> None:
+        if self.capacity < 2:
             raise ValueError("capacity must be at least 2")
-        if max_readers < 1:
+        if self.max_readers < 1:
             raise ValueError("max_readers must be at least 1")
-        if slot_bytes < 64:
+        if self.slot_bytes < 64:
             raise ValueError("slot_bytes must be at least 64")
-        if policy not in _ring.POLICIES:
-            raise ValueError(f"policy must be one of {_ring.POLICIES}, not {policy!r}")
-        if codec not in ("pickle", "json"):
-            raise ValueError(f"codec must be 'pickle' or 'json', not {codec!r}")
-        if tcp is not None and not tcp.startswith("tcp://"):
-            raise ValueError(f"tcp must be a tcp:// endpoint, not {tcp!r}")
-        self.capacity = capacity
-        self.slot_bytes = (slot_bytes + 63) // 64 * 64
-        self.max_readers = max_readers
-        self.ring_readers = max_readers + (1 if tcp else 0)  # a place for the TCP server
-        self.policy = policy
-        self.schema = schema
-        self.codec = codec
-        self.max_message_bytes = max_message_bytes
-        self.directory = directory
-        self.tcp = tcp
-        self.insecure = insecure
-        self.advertise = advertise
-        self.keys = keys
-        self.heartbeat_s = heartbeat_s
-        self.tcp_window = tcp_window
+        if self.policy not in _ring.POLICIES:
+            raise ValueError(f"policy must be one of {_ring.POLICIES}, not {self.policy!r}")
+        if self.codec not in ("pickle", "json"):
+            raise ValueError(f"codec must be 'pickle' or 'json', not {self.codec!r}")
+        if self.tcp is not None and not self.tcp.startswith("tcp://"):
+            raise ValueError(f"tcp must be a tcp:// endpoint, not {self.tcp!r}")
+        object.__setattr__(self, "slot_bytes", (self.slot_bytes + 63) // 64 * 64)
+
+    @property
+    def ring_readers(self) -> int:
+        return self.max_readers + (1 if self.tcp else 0)  # a place for the TCP server
 
     def create(self) -> Writer[Any]:
         """Create the segment and its writer (without the TCP server)."""
@@ -433,10 +443,13 @@ def open_reader(
     """
     h = Handle.parse(handle)
 
-    check_reader_args(transport, spin_us)
+    spec = _ReaderSpec(
+        name=name, schema=schema, transport=transport, trust_pickle=trust_pickle,
+        connect_timeout=connect_timeout, spin_us=spin_us, zero_copy=zero_copy,
+    )
 
     async def make() -> Reader[Any]:
-        reader_name, decode = _reader_decoder(h, name, schema, trust_pickle, zero_copy)
+        reader_name, decode = spec.decoder(h)
         source = await _open_source(
             h, reader_name, decode, transport, connect_timeout, hold=decode is decode_pickle_view
         )
@@ -445,23 +458,44 @@ def open_reader(
     return _Opening(make)
 
 
-def check_reader_args(transport: Transport, spin_us: float | None) -> None:
-    if transport not in ("auto", "shm", "tcp"):
-        raise ValueError(f"transport must be 'auto', 'shm' or 'tcp', not {transport!r}")
-    if spin_us is not None and not 0 <= spin_us <= 1_000_000:
-        raise ValueError(f"spin_us must be None or between 0 and 1,000,000, not {spin_us!r}")
+class ReaderOptions(TypedDict, total=False):
+    """``open_reader``'s keyword arguments but ``schema`` (the blocking factory takes them so)."""
+
+    name: str | None
+    transport: Transport
+    trust_pickle: bool
+    connect_timeout: float
+    spin_us: float | None
+    zero_copy: bool
 
 
-def _reader_decoder(
-    h: Handle, name: str | None, schema: type[BaseModel] | None, trust_pickle: bool, zero_copy: bool
-) -> tuple[str, Callable[[Any, bool], Any]]:
-    """A reader's name and decoder, from ``open_reader``'s arguments."""
-    if h.codec == "pickle" and not trust_pickle:
-        raise InvalidHandle("this channel sends pickle, and trust_pickle=False refuses it")
-    decode = _decoder(h, schema)
-    if zero_copy and decode is decode_pickle:
-        decode = decode_pickle_view
-    return name or f"reader-{os.getpid()}", decode
+@dataclass(frozen=True, kw_only=True)
+class _ReaderSpec:
+    """``open_reader``'s arguments (defaults as documented there), checked: shared by the async
+    and the blocking factories."""
+
+    name: str | None = None
+    schema: type[BaseModel] | None = None
+    transport: Transport = "auto"
+    trust_pickle: bool = True
+    connect_timeout: float = 10.0
+    spin_us: float | None = None
+    zero_copy: bool = False
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("auto", "shm", "tcp"):
+            raise ValueError(f"transport must be 'auto', 'shm' or 'tcp', not {self.transport!r}")
+        if self.spin_us is not None and not 0 <= self.spin_us <= 1_000_000:
+            raise ValueError(f"spin_us must be None or between 0 and 1,000,000, not {self.spin_us!r}")
+
+    def decoder(self, h: Handle) -> tuple[str, Callable[[Any, bool], Any]]:
+        """The reader's name and decoder for the channel of ``h``."""
+        if h.codec == "pickle" and not self.trust_pickle:
+            raise InvalidHandle("this channel sends pickle, and trust_pickle=False refuses it")
+        decode = _decoder(h, self.schema)
+        if self.zero_copy and decode is decode_pickle:
+            decode = decode_pickle_view
+        return self.name or f"reader-{os.getpid()}", decode
 
 
 async def _open_source(

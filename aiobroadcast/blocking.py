@@ -40,10 +40,11 @@ from __future__ import annotations
 
 import threading
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from time import monotonic, perf_counter_ns
 from types import TracebackType
-from typing import Any, Generic, Protocol, TypeVar, Unpack, final, overload
+from typing import Any, Generic, Protocol, Self, TypeVar, Unpack, final, overload
 
 from pydantic import BaseModel
 
@@ -128,9 +129,30 @@ class _Owned:
         self._lock.release()
 
 
+class _Closable(ABC):
+    """``with`` closes; an object dropped unclosed warns (``ResourceWarning``), as the async roles."""
+
+    _closed = True
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not self._closed:
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
+
+
 # --- the writer --------------------------------------------------------------------------------
 @final
-class BlockingWriter(Generic[T_contra]):
+class BlockingWriter(_Closable, Generic[T_contra]):
     """The sending end of a channel, for code without an event loop. Built by
     ``aiobroadcast.blocking.open_writer``; has no ``get``. Thread-safe (see the module)."""
 
@@ -189,22 +211,10 @@ class BlockingWriter(Generic[T_contra]):
             finally:
                 self._lock.release()
 
-    def __enter__(self) -> BlockingWriter[T_contra]:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         h = self._w.handle
         state = "closed" if self._closed else f"sent={self._w._msg}"
         return f"<aiobroadcast.blocking.BlockingWriter {h.name} {h.policy} {state}>"
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
 
     # --- internals ---------------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -288,7 +298,7 @@ class _Source(Protocol):
 
 
 @final
-class BlockingReader(Generic[T_co]):
+class BlockingReader(_Closable, Generic[T_co]):
     """The receiving end of a channel, for code without an event loop. Built by
     ``aiobroadcast.blocking.open_reader``; has no ``put``. Thread-safe (see the module)."""
 
@@ -372,21 +382,9 @@ class BlockingReader(Generic[T_co]):
         except EndOfStream:
             raise StopIteration from None
 
-    def __enter__(self) -> BlockingReader[T_co]:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
     def __repr__(self) -> str:
         state = "closed" if self._closed else self._src.describe()
         return f"<aiobroadcast.blocking.BlockingReader {self._name!r} {state}>"
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
 
     # --- internals ---------------------------------------------------------------------------
     def _get(

@@ -390,13 +390,14 @@ class BlockingReader(_Closable, Generic[T_co]):
     def _get(
         self,
         deadline: float | None,
-        stop: Callable[[], None] | None = None,
+        stop: Callable[[], BaseException | None] | None = None,
         stop_every_s: float | None = None,
         poll_ns: int | None = None,
     ) -> Any:
-        """``get`` with the knobs of ``aiobroadcast.vllm``: ``stop()`` is called before each
-        wait and may raise to end it; a sleep lasts at most ``stop_every_s`` (for a condition
-        nothing signals); ``poll_ns`` overrides the poll before sleeping."""
+        """``get`` with the knobs of ``aiobroadcast.vllm``: ``stop()`` is asked before each wait
+        and while polling, and returns an exception to end the wait with (or None); a sleep lasts
+        at most ``stop_every_s`` (for a condition nothing signals; ``_interrupt`` wakes it
+        otherwise); ``poll_ns`` overrides how long to poll before sleeping."""
         if self._lock.owner == threading.get_ident():
             raise WouldBlock("get() called from inside this reader's own get() on this thread")
         while True:
@@ -406,11 +407,22 @@ class BlockingReader(_Closable, Generic[T_co]):
                 pass
             if self._closing:
                 raise ClosedResourceError("this reader was closed while get() waited")
-            if stop is not None:
-                stop()
-            self._wait(deadline, stop_every_s, poll_ns)
+            if stop is not None and (exc := stop()) is not None:
+                raise exc
+            self._wait(deadline, stop, stop_every_s, poll_ns)
 
-    def _wait(self, deadline: float | None, stop_every_s: float | None, poll_ns: int | None) -> None:
+    def _interrupt(self) -> None:
+        """Wake the thread sleeping in ``get`` (from another thread): it looks again, and asks
+        its ``stop``."""
+        self._src.interrupt()
+
+    def _wait(
+        self,
+        deadline: float | None,
+        stop: Callable[[], BaseException | None] | None,
+        stop_every_s: float | None,
+        poll_ns: int | None,
+    ) -> None:
         """Wait until the source may have something: one thread sleeps on the socket, the
         others queue for its place, and each looks at the source again before sleeping."""
         self._sleep_lock.acquire(deadline)
@@ -418,12 +430,19 @@ class BlockingReader(_Closable, Generic[T_co]):
             if self._closing:
                 return
             src = self._src
+            left = _left(deadline)
             spin = poll_budget(self._spin_ns, self._slept_ns) if poll_ns is None else poll_ns
-            if spin and poll_blocking(lambda: self._closing or src.ready(), spin):
+            if left is not None:
+                spin = min(spin, int(left * 1e9))
+
+            def ready() -> bool:
+                return self._closing or src.ready() or (stop is not None and stop() is not None)
+
+            if spin and poll_blocking(ready, spin):
                 self._slept_ns = 0
                 return
             limit = src.sleep_limit_s
-            left = _left(deadline)
+            left = _left(deadline)  # again: the poll took some of it
             if left is not None:
                 limit = min(limit, left)
             if stop_every_s is not None:

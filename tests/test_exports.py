@@ -6,6 +6,7 @@ from types import FunctionType, ModuleType
 
 import aiobroadcast as ab
 import aiobroadcast.blocking
+import aiobroadcast.vllm
 
 
 def test_all_names_exist_and_nothing_public_is_missing() -> None:
@@ -17,7 +18,7 @@ def test_all_names_exist_and_nothing_public_is_missing() -> None:
 
 
 def test_public_submodules_export_what_they_define() -> None:
-    for module in (aiobroadcast.blocking,):
+    for module in (aiobroadcast.blocking, aiobroadcast.vllm):
         for name in module.__all__:
             assert hasattr(module, name), name
         defined = {

@@ -5,8 +5,9 @@
 One process, one thread, one writer and one reader on a ring that never fills: each round
 publishes a small object and takes it back, first with ``BlockingWriter.put`` and
 ``BlockingReader.get_nowait`` (the cheapest direct path), then with ``MessageQueue.enqueue``
-and ``MessageQueue.dequeue`` on another channel of the same shape. The two kinds of round alternate R times; the difference of
-the medians is the adapter's cost for one ``enqueue`` plus one ``dequeue``. Prints one JSON object.
+and ``MessageQueue.dequeue`` on another channel of the same shape. The two kinds of round
+alternate R times; the difference of the medians is the adapter's cost for one ``enqueue``
+plus one ``dequeue``. Prints one JSON object.
 """
 
 from __future__ import annotations

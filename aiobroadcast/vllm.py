@@ -196,7 +196,7 @@ class MessageQueueWriter(MessageQueue):
             max_readers=max(1, n_local_reader, self.n_remote_reader),
             tcp=tcp,
         )
-        self._finalizer = weakref.finalize(self, self._writer.close)
+        self._finalizer = weakref.finalize(self, _close_here, os.getpid(), self._writer.close)
         self.handle = Handle(list(local_reader_ranks), self._writer.handle.to_json(), n_reader, n_local_reader)
         self.shutting_down = False
         self._ready = n_reader == 0
@@ -282,7 +282,7 @@ class MessageQueueReader(MessageQueue):
                 )
             reader = blocking.open_reader(handle.channel, name=name, transport="tcp")
         self._reader: blocking.BlockingReader[Any] = reader
-        self._finalizer = weakref.finalize(self, reader.close)
+        self._finalizer = weakref.finalize(self, _close_here, os.getpid(), reader.close)
 
     def dequeue(
         self, timeout: float | None = None, cancel: threading.Event | None = None, indefinite: bool = False
@@ -336,6 +336,14 @@ class MessageQueueReader(MessageQueue):
             busy_ns = max(0, int((spin.last_read + spin.busy_loop_s - time.monotonic()) * 1e9))
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         return self._reader._get(deadline, stop, CANCEL_CHECK_S if cancel is not None else None, busy_ns)
+
+
+def _close_here(pid: int, close: Callable[[], None]) -> None:
+    """Close a queue when it is collected or at exit, in the process that made it only: a fork
+    child inherits the finalizer (and drops the object, or exits through ``sys.exit``), and must
+    not end its parent's channel."""
+    if os.getpid() == pid:
+        close()
 
 
 # --- process groups ----------------------------------------------------------------------------

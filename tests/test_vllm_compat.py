@@ -17,7 +17,9 @@ torch is in the ``vllm`` extra; without it the copied tests skip and the rest st
 from __future__ import annotations
 
 import multiprocessing
+import os
 import random
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -346,3 +348,28 @@ def test_a_group_without_torch_never_imports_torch() -> None:
         (1, "writer", False, "MessageQueueWriter"),
         (2, True, False, "MessageQueueReader"),
     ]
+
+
+def test_a_fork_child_that_drops_an_inherited_queue_leaves_it_open() -> None:
+    """A child forked after the queue was made (a worker pool) inherits its finalizer; dropping
+    the object there, or exiting through sys.exit, must not close the parent's channel."""
+    writer = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=4)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    try:
+
+        def drop_and_exit() -> None:
+            nonlocal writer, reader
+            del writer, reader
+            sys.exit(0)
+
+        child = mp.Process(target=drop_and_exit)
+        child.start()
+        child.join(30)
+        assert child.exitcode == 0
+        assert not reader.statistics().writer_closed
+        assert os.path.exists(ab.Handle.parse(writer.export_handle().channel).path)
+        writer.enqueue("still open")
+        assert reader.dequeue(timeout=5) == "still open"
+    finally:
+        reader.close()
+        writer.close()

@@ -41,14 +41,15 @@ from __future__ import annotations
 import threading
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from threading import get_ident
 from time import monotonic, perf_counter_ns
 from types import TracebackType
 from typing import Any, Generic, Protocol, Self, TypeVar, Unpack, final, overload
 
 from pydantic import BaseModel
 
-from ._codec import decode_pickle_view
+from ._codec import Buffer, decode_pickle_view
 from ._exceptions import ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
 from ._handle import Handle
 from ._open import (
@@ -109,8 +110,8 @@ class _Owned:
     def acquire(self, deadline: float | None, *, wait: bool = True) -> None:
         """Take the lock (raises ``WouldBlock`` on re-entry or with ``wait=False`` if taken,
         ``WaitTimeout`` when ``deadline`` passes)."""
-        me = threading.get_ident()
-        if not self._lock.acquire(blocking=False):
+        me = get_ident()
+        if not self._lock.acquire(False):
             if self.owner == me:
                 raise WouldBlock("called again from inside this object's own call on this thread")
             if not wait:
@@ -123,6 +124,12 @@ class _Owned:
             finally:
                 self.count(-1)
         self.owner = me
+
+    def try_acquire(self) -> bool:
+        if self._lock.acquire(False):
+            self.owner = get_ident()
+            return True
+        return False
 
     def release(self) -> None:
         self.owner = 0
@@ -182,7 +189,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         after that many seconds instead, having published nothing (a message larger than the
         whole ring that times out midway is dropped by every reader). Raises like
         ``Writer.put``, and ``ClosedResourceError`` if ``close()`` is called meanwhile."""
-        self._put(obj, _deadline(timeout), nowait=False)
+        self._put(obj, None if timeout is None else _deadline(timeout), nowait=False)
 
     def statistics(self) -> WriterStatistics:
         """A snapshot, as ``Writer.statistics()``; ``waiting_for`` names the readers a blocked
@@ -196,7 +203,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
 
     def close(self) -> None:
         """Close the channel: readers receive what was published, then ``EndOfStream``."""
-        if self._lock.owner == threading.get_ident():
+        if self._lock.owner == get_ident():
             raise WouldBlock("close() called from inside this writer's own put() on this thread")
         with self._close_lock:
             if self._closed:
@@ -222,8 +229,10 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             raise ClosedResourceError("this writer is closed")
 
     def _put(self, obj: object, deadline: float | None, *, nowait: bool) -> None:
-        self._check_open()
-        self._lock.acquire(deadline, wait=not nowait)
+        if self._closing:
+            raise ClosedResourceError("this writer is closed")
+        lock = self._lock
+        lock.acquire(deadline, wait=not nowait)
         try:
             self._check_open()
             w = self._w
@@ -233,28 +242,29 @@ class BlockingWriter(_Closable, Generic[T_contra]):
                 w._put_encoded_nowait(parts, total, oob)
                 return
             entries = 1 if total <= w._payload else -(-total // w._payload)
-            sleep = self._sleeper(deadline)
-            if not w._block:
-                w._publish(parts, total, oob, entries)
-            elif entries <= w._cap:
-                self._wait_room(entries, sleep)
+            if not w._block or w._head + entries - w._min_cursor <= w._cap:  # room, as last seen
                 w._publish(parts, total, oob, entries)
             else:
-                chunks = _Chunks(parts)
-                while not chunks.done:
-                    self._wait_room(1, sleep)
-                    w._stream_some(chunks, total, oob)
-                w._msg += 1
+                self._put_when_room(parts, total, oob, entries, deadline)
         finally:
-            self._lock.release()
+            lock.release()
 
-    def _wait_room(self, entries: int, sleep: Callable[[float], bool]) -> None:
+    def _put_when_room(
+        self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, deadline: float | None
+    ) -> None:
         w = self._w
-        if w._room(entries):
-            return
+        sleep = self._sleeper(deadline)
         self._lock.count(1)
         try:
-            w._wait_room_blocking(entries, sleep)
+            if entries <= w._cap:
+                w._wait_room_blocking(entries, sleep)
+                w._publish(parts, total, oob, entries)
+                return
+            chunks = _Chunks(parts)
+            while not chunks.done:
+                w._wait_room_blocking(1, sleep)
+                w._stream_some(chunks, total, oob)
+            w._msg += 1
         finally:
             self._lock.count(-1)
 
@@ -342,7 +352,17 @@ class BlockingReader(_Closable, Generic[T_co]):
         while it waits). ``timeout``: raise ``WaitTimeout`` after that many seconds instead,
         having taken nothing. Raises like ``Reader.get``, and ``ClosedResourceError`` if
         ``close()`` is called meanwhile."""
-        return self._get(_deadline(timeout))  # type: ignore[no-any-return]
+        lock = self._lock
+        if lock.try_acquire():  # the common case first: a message is there, nobody else takes
+            try:
+                if self._closed:
+                    raise ClosedResourceError("this reader is closed")
+                return self._src.get_nowait()  # type: ignore[no-any-return]
+            except WouldBlock:
+                pass
+            finally:
+                lock.release()
+        return self._get(None if timeout is None else _deadline(timeout))  # type: ignore[no-any-return]
 
     def statistics(self) -> ReaderStatistics:
         lock = self._lock
@@ -357,7 +377,7 @@ class BlockingReader(_Closable, Generic[T_co]):
     def close(self) -> None:
         """Detach: the writer stops waiting for this reader at once; parked ``get`` calls raise
         ``ClosedResourceError``."""
-        if threading.get_ident() in (self._lock.owner, self._sleep_lock.owner):
+        if get_ident() in (self._lock.owner, self._sleep_lock.owner):
             raise WouldBlock("close() called from inside this reader's own get() on this thread")
         self._closing = True
         self._src.interrupt()  # the sleeping thread wakes up, and the others after it
@@ -398,7 +418,7 @@ class BlockingReader(_Closable, Generic[T_co]):
         and while polling, and returns an exception to end the wait with (or None); a sleep lasts
         at most ``stop_every_s`` (for a condition nothing signals; ``_interrupt`` wakes it
         otherwise); ``poll_ns`` overrides how long to poll before sleeping."""
-        if self._lock.owner == threading.get_ident():
+        if self._lock.owner == get_ident():
             raise WouldBlock("get() called from inside this reader's own get() on this thread")
         while True:
             try:

@@ -371,6 +371,16 @@ def test_over_tcp_a_blocking_reader_waits_on_its_transports_socket(insecure: boo
                 reader.get(timeout=WITHIN_S)
 
 
+def test_over_tcp_close_wakes_a_parked_get() -> None:
+    with blocking.open_writer(capacity=8, slot_bytes=256, tcp="tcp://127.0.0.1:0", insecure=True) as writer:
+        reader = blocking.open_reader(writer.handle, transport="tcp")
+        parked = Call(reader.get)
+        wait_until(lambda: reader.statistics().tasks_waiting == 1)
+        reader.close()
+        with pytest.raises(ab.ClosedResourceError):
+            parked.result()
+
+
 @pytest.mark.anyio
 async def test_an_async_tcp_writer_and_a_blocking_tcp_reader(anyio_backend: Backend) -> None:
     async with ab.open_writer(capacity=8, slot_bytes=256, tcp="tcp://127.0.0.1:0") as writer:

@@ -1,7 +1,8 @@
 """aiobroadcast: broadcast Python objects from one async writer to many async readers.
 
 Readers on the same host read a shared-memory ring; every reader sees every message, in order,
-or gets an error that says what it missed.
+or gets an error that says what it missed. ``aiobroadcast.blocking`` has the same roles for code
+without an event loop, and ``aiobroadcast.vllm`` a drop-in for vLLM's ``MessageQueue``.
 """
 
 from ._exceptions import BroadcastError as BroadcastError
@@ -16,6 +17,7 @@ from ._exceptions import ReaderLagged as ReaderLagged
 from ._exceptions import SerializationError as SerializationError
 from ._exceptions import TooManyReaders as TooManyReaders
 from ._exceptions import TransportError as TransportError
+from ._exceptions import WaitTimeout as WaitTimeout
 from ._exceptions import WouldBlock as WouldBlock
 from ._exceptions import WriterGone as WriterGone
 from ._handle import CurveKeys as CurveKeys
@@ -48,6 +50,7 @@ __all__ = [
     "SerializationError",
     "TooManyReaders",
     "TransportError",
+    "WaitTimeout",
     "WouldBlock",
     "Writer",
     "WriterGone",

@@ -122,6 +122,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--zero-copy", action="store_true",
                    help="aiobroadcast readers opened with open_reader(zero_copy=True): large payloads arrive "
                         "as views of the ring, not copies (default: one copy out per reader)")
+    p.add_argument("--blocking", action="store_true",
+                   help="aiobroadcast's writer and readers use the blocking API (aiobroadcast.blocking: no event "
+                        "loop, a waiting reader blocks in poll()); --loop is then ignored")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is killed (default: 300)")
     p.add_argument("--gap-s", type=float, default=0.5, help="pause between runs in seconds (default: 0.5)")
     p.set_defaults(func=run)
@@ -171,6 +174,8 @@ def _command(system: str, cell: Cell, args: argparse.Namespace) -> tuple[list[st
             cmd += ["--spin-us", repr(args.spin_us)]
         if args.zero_copy:
             cmd.append("--zero-copy")
+        if args.blocking:
+            cmd.append("--blocking")
         if args.insecure and args.transport == "tcp":
             cmd.append("--insecure")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, old_path) if p)
@@ -242,7 +247,7 @@ def aggregate(cell: Cell, system: str, runs: list[dict[str, Any]]) -> dict[str, 
     out: dict[str, Any] = {"system": system, "mode": cell.mode, "readers": cell.readers, "size": cell.size,
                            "count": cell.count}
     for key in ("peer", "transport", "security", "loop", "capacity", "slot_bytes", "max_chunk_bytes", "max_chunks",
-                "hwm", "lossless", "spin_us", "zero_copy", "payload_type"):
+                "hwm", "lossless", "spin_us", "zero_copy", "payload_type", "api"):
         if key in first:
             out[key] = first[key]
     out["runs"] = len(runs)
@@ -380,7 +385,8 @@ def run(args: argparse.Namespace) -> int:
     progress.say(
         f"aiobroadcast bench: {len(cells)} cell(s) x {args.repeat} run(s) of {', '.join(systems)}; "
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, aiobroadcast over {args.transport}"
-        f"{(' (insecure: HMAC)' if args.insecure else ' (CurveZMQ)') if args.transport == 'tcp' else ''} on {args.loop}"
+        f"{(' (insecure: HMAC)' if args.insecure else ' (CurveZMQ)') if args.transport == 'tcp' else ''} on "
+        f"{'the blocking API' if args.blocking else args.loop}"
     )
     for size in dict.fromkeys(c.size for c in cells):
         cap, slot = ring_for(size)

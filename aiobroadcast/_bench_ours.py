@@ -2,13 +2,15 @@
 
     python -m aiobroadcast._bench_ours MODE READERS SIZE COUNT [--capacity N] [--slot-bytes N]
                                        [--transport shm|tcp] [--insecure] [--loop uvloop|asyncio|trio]
-                                       [--spin-us US] [--zero-copy]
+                                       [--spin-us US] [--zero-copy] [--blocking]
 
 Same protocol and figures as the peer drivers in ``_bench_peers`` (see docs/performance.md);
 prints one JSON object on its last line. ``IDLE_S`` (environment, default 5) is the pause of
 mode ``idle``. Writer and readers use the public async API (``await writer.put``,
-``await reader.get``) on their own event loops. Over TCP the channel uses CurveZMQ unless
-``--insecure`` (plain TCP, every frame group signed with HMAC-SHA256).
+``await reader.get``) on their own event loops, or with ``--blocking`` the blocking API
+(``aiobroadcast.blocking``: ``writer.put``, ``reader.get``, no event loop anywhere). Over TCP
+the channel uses CurveZMQ unless ``--insecure`` (plain TCP, every frame group signed with
+HMAC-SHA256).
 """
 
 from __future__ import annotations
@@ -64,7 +66,13 @@ def tcp_available() -> bool:
     return "tcp" in inspect.signature(open_writer).parameters
 
 
+#: The ``loop`` of a driver that uses the blocking API: no event loop at all.
+BLOCKING = "blocking"
+
+
 def _run_loop(loop: str, func: Any, *args: Any) -> Any:
+    if loop == BLOCKING:
+        return func(*args)
     if loop == "trio":
         return anyio.run(func, *args, backend="trio")
     return anyio.run(func, *args, backend="asyncio", backend_options={"use_uvloop": loop == "uvloop"})
@@ -76,7 +84,8 @@ def _reader_process(
     ready: Any,
 ) -> None:
     try:
-        res = _run_loop(loop, _reader_main, handle, rank, mode, count, transport, opts, ready)
+        main = _reader_blocking if loop == BLOCKING else _reader_main
+        res = _run_loop(loop, main, handle, rank, mode, count, transport, opts, ready)
     except BaseException as exc:
         results.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
         raise
@@ -105,17 +114,52 @@ async def _reader_main(
                 in_order = False
             last = ts
         t_end = time.perf_counter_ns()
-        received = count
-        idle_cpu = wake = None
+        idle = None
         if mode == "idle":
             c0 = time.process_time()
             ts, _payload = await get()
-            wake = time.perf_counter_ns() - ts
-            idle_cpu = time.process_time() - c0
-            received += 1
-    res = reader_result(rank, t_end, lats, received, in_order, idle_cpu, wake)
-    res["payload_type"] = type(_payload).__name__  # memoryview with zero_copy (64 KiB and up)
+            idle = (time.process_time() - c0, time.perf_counter_ns() - ts)
+    return _reader_result(rank, t_end, lats, count, in_order, idle, _payload)
+
+
+def _reader_result(
+    rank: int, t_end: int, lats: list[int], count: int, in_order: bool, idle: tuple[float, int] | None, payload: object
+) -> dict[str, Any]:
+    """``idle``: the CPU seconds the reader used while it waited through the pause, and the
+    latency of the message after it."""
+    res = reader_result(rank, t_end, lats, count + (idle is not None), in_order, *(idle or (None, None)))
+    res["payload_type"] = type(payload).__name__  # memoryview with zero_copy (64 KiB and up)
     return res
+
+
+def _reader_blocking(
+    handle: str, rank: int, mode: str, count: int, transport: str, opts: dict[str, Any], ready: Any
+) -> dict[str, Any]:
+    """``_reader_main`` with the blocking API: ``reader.get()`` blocks this thread."""
+    from .blocking import open_reader
+
+    extra: dict[str, Any] = {"transport": "tcp"} if transport == "tcp" else {}
+    with open_reader(handle, name=f"bench-reader-{rank}", **opts, **extra) as reader:
+        ready.set()
+        lats: list[int] = []
+        last = 0
+        in_order = True
+        lat = mode == "lat"
+        get = reader.get
+        payload: object = None
+        for _ in range(count):
+            ts, payload = get()
+            if lat:
+                lats.append(time.perf_counter_ns() - ts)
+            in_order = in_order and ts >= last
+            last = ts
+        t_end = time.perf_counter_ns()
+        idle = None
+        if mode == "idle":
+            c0 = time.process_time()
+            ts, payload = get()
+            idle = (time.process_time() - c0, time.perf_counter_ns() - ts)
+    return _reader_result(rank, t_end, lats, count, in_order, idle, payload)
 
 
 # --- the writer -----------------------------------------------------------------------------------
@@ -125,32 +169,10 @@ async def _writer_main(
 ) -> dict[str, Any]:
     from . import open_writer
 
-    ctx = mp.get_context("spawn")
-    results_q = ctx.Queue()
-    readies = [ctx.Event() for _ in range(readers)]
     extra: dict[str, Any] = {"tcp": "tcp://127.0.0.1:0", "insecure": insecure} if transport == "tcp" else {}
-    procs: list[Any] = []
-    opts: dict[str, Any] = {"spin_us": spin_us}
-    if zero_copy:
-        opts["zero_copy"] = True  # payloads arrive as views of the ring (the reader never touches them)
     async with open_writer(capacity=capacity, slot_bytes=slot_bytes, max_readers=readers, **extra) as writer:
-        handle = writer.handle.to_json()
-        procs = [
-            ctx.Process(
-                target=_reader_process,
-                args=(handle, r, mode, count, transport, loop, opts, results_q, readies[r]),
-                daemon=True,
-            )
-            for r in range(readers)
-        ]
-        for p in procs:
-            p.start()
+        run = _Readers(writer.handle.to_json(), readers, mode, count, transport, loop, spin_us, zero_copy)
         try:
-            deadline = time.monotonic() + STEP_TIMEOUT_S
-            while not all(e.is_set() for e in readies):
-                if time.monotonic() > deadline or any(p.exitcode is not None for p in procs):
-                    raise RuntimeError("reader processes did not attach")
-                await anyio.sleep(0.005)
             payload = b"x" * size
             put = writer.put
             t0 = time.perf_counter_ns()
@@ -166,16 +188,86 @@ async def _writer_main(
                 await put((time.perf_counter_ns(), payload))
             # Collected in this thread, blocking the loop, as the peer drivers do: starting a worker
             # thread here would compete for the CPU with readers that are still waking up.
-            results = _collect(results_q, procs)
+            results = run.collect()
         finally:
-            for p in procs:
-                p.join(timeout=10)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-    out = figures(mode, count, size, t0, results, idle_s)
-    out["payload_type"] = sorted({r["payload_type"] for r in results})
-    return out
+            run.join()
+    return run.figures(size, t0, results, idle_s)
+
+
+def _writer_blocking(
+    mode: str, readers: int, size: int, count: int, capacity: int, slot_bytes: int, transport: str, loop: str,
+    idle_s: float, spin_us: float | None = None, insecure: bool = False, zero_copy: bool = False,
+) -> dict[str, Any]:
+    """``_writer_main`` with the blocking API: ``writer.put()`` blocks this thread."""
+    from .blocking import open_writer
+
+    extra: dict[str, Any] = {"tcp": "tcp://127.0.0.1:0", "insecure": insecure} if transport == "tcp" else {}
+    with open_writer(capacity=capacity, slot_bytes=slot_bytes, max_readers=readers, **extra) as writer:
+        run = _Readers(writer.handle.to_json(), readers, mode, count, transport, loop, spin_us, zero_copy)
+        try:
+            payload = b"x" * size
+            put = writer.put
+            pace = PACE_S if mode == "lat" else 0.0
+            t0 = time.perf_counter_ns()
+            for _ in range(count):
+                if pace:
+                    time.sleep(pace)
+                put((time.perf_counter_ns(), payload))
+            if mode == "idle":
+                time.sleep(idle_s)
+                put((time.perf_counter_ns(), payload))
+            results = run.collect()
+        finally:
+            run.join()
+    return run.figures(size, t0, results, idle_s)
+
+
+class _Readers:
+    """The reader processes of one run: started, attached (``__init__`` waits), collected."""
+
+    def __init__(
+        self, handle: str, readers: int, mode: str, count: int, transport: str, loop: str, spin_us: float | None,
+        zero_copy: bool,
+    ) -> None:
+        self.mode = mode
+        self.count = count
+        ctx = mp.get_context("spawn")
+        self.results_q = ctx.Queue()
+        readies = [ctx.Event() for _ in range(readers)]
+        opts: dict[str, Any] = {"spin_us": spin_us}
+        if zero_copy:
+            opts["zero_copy"] = True  # payloads arrive as views of the ring (the reader never touches them)
+        self.procs = [
+            ctx.Process(
+                target=_reader_process,
+                args=(handle, r, mode, count, transport, loop, opts, self.results_q, readies[r]),
+                daemon=True,
+            )
+            for r in range(readers)
+        ]
+        for p in self.procs:
+            p.start()
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while not all(e.is_set() for e in readies):
+            if time.monotonic() > deadline or any(p.exitcode is not None for p in self.procs):
+                self.join()
+                raise RuntimeError("reader processes did not attach")
+            time.sleep(0.005)  # before the run: blocking the writer's event loop costs nothing
+
+    def collect(self) -> list[dict[str, Any]]:
+        return _collect(self.results_q, self.procs)
+
+    def join(self) -> None:
+        for p in self.procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def figures(self, size: int, t0: int, results: list[dict[str, Any]], idle_s: float) -> dict[str, Any]:
+        out = figures(self.mode, self.count, size, t0, results, idle_s)
+        out["payload_type"] = sorted({r["payload_type"] for r in results})
+        return out
 
 
 def _collect(q: Any, procs: list[Any]) -> list[dict[str, Any]]:
@@ -209,7 +301,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loop", choices=("uvloop", "asyncio", "trio"), default=default_loop())
     p.add_argument("--spin-us", type=float, default=None)
     p.add_argument("--zero-copy", action="store_true", help="readers opened with open_reader(zero_copy=True)")
+    p.add_argument("--blocking", action="store_true",
+                   help="writer and readers use aiobroadcast.blocking (no event loop; --loop is ignored)")
     args = p.parse_args(argv)
+    if args.blocking:
+        args.loop = BLOCKING
     if args.transport == "tcp" and not tcp_available():
         print("tcp transport not available yet", file=sys.stderr)
         return 2
@@ -220,14 +316,15 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {
         "system": "aiobroadcast", "mode": args.mode, "readers": args.readers, "size": args.size, "count": args.count,
         "transport": args.transport, "loop": args.loop, "capacity": capacity, "slot_bytes": slot_bytes,
-        "spin_us": args.spin_us, "zero_copy": args.zero_copy,
+        "spin_us": args.spin_us, "zero_copy": args.zero_copy, "api": "blocking" if args.blocking else "async",
     }
     if args.transport == "tcp":
         out["security"] = "hmac" if args.insecure else "curve"
     out.update(
         _run_loop(
-            args.loop, _writer_main, args.mode, args.readers, args.size, args.count, capacity, slot_bytes,
-            args.transport, args.loop, idle_s, args.spin_us, args.insecure, args.zero_copy,
+            args.loop, _writer_blocking if args.blocking else _writer_main, args.mode, args.readers, args.size,
+            args.count, capacity, slot_bytes, args.transport, args.loop, idle_s, args.spin_us, args.insecure,
+            args.zero_copy,
         )
     )
     print(json.dumps(out), flush=True)

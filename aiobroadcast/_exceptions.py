@@ -18,6 +18,12 @@ class WouldBlock(BroadcastError):
     and by ``get_nowait`` when no message is ready yet."""
 
 
+class WaitTimeout(WouldBlock, TimeoutError):
+    """Raised by the blocking API's ``put(obj, timeout=...)`` and ``get(timeout=...)`` when the
+    time passed first: nothing was published or taken. It is a ``WouldBlock`` and a built-in
+    ``TimeoutError``, so either ``except`` catches it."""
+
+
 class EndOfStream(BroadcastError):
     """Raised by ``Reader.get`` once the writer has closed the channel and the reader has
     received every message published before the close."""

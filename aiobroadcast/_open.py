@@ -9,8 +9,9 @@ import secrets
 import subprocess
 import sys
 from collections.abc import Awaitable, Callable, Generator
+from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Generic, Literal, Protocol, TypeVar, overload
+from typing import Any, Generic, Literal, Protocol, TypedDict, TypeVar, overload
 
 import anyio
 import anyio.to_thread
@@ -151,69 +152,128 @@ def open_writer(
     Raises ``InvalidArgument`` (a ``ValueError``) for bad arguments, ``InsufficientSharedMemory`` when the ring does not
     fit, ``BroadcastError`` when the endpoint cannot be bound or the platform is not supported.
     """
-    if capacity < 2:
-        raise InvalidArgument("capacity must be at least 2")
-    if max_readers < 1:
-        raise InvalidArgument("max_readers must be at least 1")
-    if slot_bytes < 64:
-        raise InvalidArgument("slot_bytes must be at least 64")
-    if policy not in _ring.POLICIES:
-        raise InvalidArgument(f"policy must be one of {_ring.POLICIES}, not {policy!r}")
-    if codec not in ("pickle", "json"):
-        raise InvalidArgument(f"codec must be 'pickle' or 'json', not {codec!r}")
-    if tcp is not None:
-        require(check_endpoint(tcp, bind=True))
-    slot_bytes = (slot_bytes + 63) // 64 * 64
-    ring_readers = max_readers + (1 if tcp else 0)  # a place for the TCP server
-    require(check_directory(directory, ring_readers))
+    spec = _WriterSpec(
+        capacity=capacity, slot_bytes=slot_bytes, max_readers=max_readers, policy=policy, schema=schema,
+        codec=codec, max_message_bytes=max_message_bytes, directory=directory, tcp=tcp, insecure=insecure,
+        advertise=advertise, keys=keys, heartbeat_s=heartbeat_s, tcp_window=tcp_window,
+    )
 
     async def make() -> Writer[Any]:
-        _ring.sweep_stale(directory)
-        token = secrets.token_hex(16)
-        encoder: PickleEncoder | SchemaCodec | JsonCodec
-        if schema is not None:
-            encoder, channel_codec = SchemaCodec(schema), "pydantic-json"
-        elif codec == "json":
-            encoder, channel_codec = JsonCodec(), "json"
-        else:
-            encoder, channel_codec = PickleEncoder(), "pickle"
-        seg = _ring.create_segment(
-            directory,
-            token,
-            capacity,
-            slot_bytes,
-            ring_readers,
-            _ring.POLICIES.index(policy),
-            _ring.CODECS.index(channel_codec),
-        )
-        try:
-            handle = Handle(
-                directory=directory,
-                name=f"aiobroadcast-{token}",
-                capacity=capacity,
-                slot_bytes=slot_bytes,
-                max_readers=ring_readers,
-                policy=policy,
-                codec=channel_codec,  # type: ignore[arg-type]
-                schema_path=schema_path(schema) if schema is not None else None,
-                writer_pid=os.getpid(),
-            )
-            writer: Writer[Any] = Writer(_writer_token, seg, handle, encoder, max_message_bytes)
-        except BaseException:
-            seg.close()
-            _ring._unlink_quiet(seg.path)
-            raise
+        writer = spec.create()
         if tcp is not None:
             try:
-                await _start_server(
-                    writer, seg, handle, tcp, insecure, advertise, keys, heartbeat_s, tcp_window, max_readers
-                )
+                start = _ServerStart(writer, spec)
+                line = b""
+                try:
+                    with anyio.move_on_after(SERVER_START_S):
+                        line = await anyio.to_thread.run_sync(start.readline, abandon_on_cancel=True)
+                except BaseException:
+                    start.kill()
+                    raise
+                start.finish(line)
             except BaseException:
                 await writer.aclose()
                 raise
         return writer
 
     return _Opening(make)
+
+
+class WriterOptions(TypedDict, total=False):
+    """``open_writer``'s keyword arguments but ``schema`` (the blocking factory takes them so)."""
+
+    capacity: int
+    slot_bytes: int
+    max_readers: int
+    policy: Policy
+    codec: Literal["pickle", "json"]
+    max_message_bytes: int | None
+    directory: str
+    tcp: str | None
+    insecure: bool
+    advertise: str | None
+    keys: CurveKeys | None
+    heartbeat_s: float
+    tcp_window: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class _WriterSpec:
+    """``open_writer``'s arguments (defaults as documented there), checked, and the channel's
+    creation: shared by the async and the blocking factories (``aiobroadcast.blocking``)."""
+
+    capacity: int = 64
+    slot_bytes: int = 1 << 16
+    max_readers: int = 16
+    policy: Policy = "block"
+    schema: type[BaseModel] | None = None
+    codec: Literal["pickle", "json"] = "pickle"
+    max_message_bytes: int | None = None
+    directory: str = DEFAULT_DIRECTORY
+    tcp: str | None = None
+    insecure: bool = False
+    advertise: str | None = None
+    keys: CurveKeys | None = None
+    heartbeat_s: float = 0.5
+    tcp_window: int = 256
+
+    def __post_init__(self) -> None:
+        if self.capacity < 2:
+            raise InvalidArgument("capacity must be at least 2")
+        if self.max_readers < 1:
+            raise InvalidArgument("max_readers must be at least 1")
+        if self.slot_bytes < 64:
+            raise InvalidArgument("slot_bytes must be at least 64")
+        if self.policy not in _ring.POLICIES:
+            raise InvalidArgument(f"policy must be one of {_ring.POLICIES}, not {self.policy!r}")
+        if self.codec not in ("pickle", "json"):
+            raise InvalidArgument(f"codec must be 'pickle' or 'json', not {self.codec!r}")
+        if self.tcp is not None:
+            require(check_endpoint(self.tcp, bind=True))
+        require(check_directory(self.directory, self.ring_readers))
+        object.__setattr__(self, "slot_bytes", (self.slot_bytes + 63) // 64 * 64)
+
+    @property
+    def ring_readers(self) -> int:
+        return self.max_readers + (1 if self.tcp else 0)  # a place for the TCP server
+
+    def create(self) -> Writer[Any]:
+        """Create the segment and its writer (without the TCP server)."""
+        _ring.sweep_stale(self.directory)
+        token = secrets.token_hex(16)
+        encoder: PickleEncoder | SchemaCodec | JsonCodec
+        if self.schema is not None:
+            encoder, channel_codec = SchemaCodec(self.schema), "pydantic-json"
+        elif self.codec == "json":
+            encoder, channel_codec = JsonCodec(), "json"
+        else:
+            encoder, channel_codec = PickleEncoder(), "pickle"
+        seg = _ring.create_segment(
+            self.directory,
+            token,
+            self.capacity,
+            self.slot_bytes,
+            self.ring_readers,
+            _ring.POLICIES.index(self.policy),
+            _ring.CODECS.index(channel_codec),
+        )
+        try:
+            handle = Handle(
+                directory=self.directory,
+                name=f"aiobroadcast-{token}",
+                capacity=self.capacity,
+                slot_bytes=self.slot_bytes,
+                max_readers=self.ring_readers,
+                policy=self.policy,
+                codec=channel_codec,  # type: ignore[arg-type]
+                schema_path=schema_path(self.schema) if self.schema is not None else None,
+                writer_pid=os.getpid(),
+            )
+            return Writer(_writer_token, seg, handle, encoder, self.max_message_bytes)
+        except BaseException:
+            seg.close()
+            _ring._unlink_quiet(seg.path)
+            raise
 
 
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -232,70 +292,85 @@ def _spawn_server() -> subprocess.Popen[bytes]:
     )
 
 
-async def _start_server(
-    writer: Writer[Any],
-    seg: _ring.Segment,
-    handle: Handle,
-    endpoint: str,
-    insecure: bool,
-    advertise: str | None,
-    keys: CurveKeys | None,
-    heartbeat_s: float,
-    window: int,
-    max_remote: int,
-) -> None:
-    """Start the TCP server process for ``writer`` and give the writer the full handle."""
-    if insecure:
-        log.warning(
-            "aiobroadcast: serving %s WITHOUT encryption (insecure=True); use only on a closed network", endpoint
-        )
-        k = None
-        hmac_key: str | None = secrets.token_hex(32)
-    else:
-        k = keys or CurveKeys.generate()
-        hmac_key = None
-    stats_path = seg.sock_path("tcp").removesuffix(".sock") + ".json"
-    cfg = {
-        "handle": handle.model_dump(),
-        "endpoint": endpoint,
-        "insecure": insecure,
-        "server_secret": k.server_secret if k else None,
-        "client_public": k.client_public if k else None,
-        "hmac_key": hmac_key,
-        "window": window,
-        "buffer_max": max(window, handle.capacity) * 2,
-        "hb_interval": heartbeat_s,
-        "hb_timeout": 6 * heartbeat_s,
-        "max_remote": max_remote,
-        "stats_path": stats_path,
-    }
-    proc = _spawn_server()
-    assert proc.stdin is not None and proc.stdout is not None
-    try:
-        proc.stdin.write(json.dumps(cfg).encode() + b"\n")
-        proc.stdin.flush()
-        with anyio.move_on_after(SERVER_START_S):
-            line = await anyio.to_thread.run_sync(proc.stdout.readline, abandon_on_cancel=True)
-        answer = json.loads(line) if line else {"error": "the TCP server process did not start"}
-        if "error" in answer:
-            raise BroadcastError(f"cannot serve {endpoint}: {answer['error']}")
-    except BaseException:
+class _ServerStart:
+    """Starting the TCP server process for a writer: the parts before and after waiting for its
+    answer (``readline``, within ``SERVER_START_S``), shared by the async and blocking factories."""
+
+    def __init__(self, writer: Writer[Any], spec: _WriterSpec) -> None:
+        assert spec.tcp is not None
+        self._writer = writer
+        self._spec = spec
+        handle = writer.handle
+        if spec.insecure:
+            log.warning(
+                "aiobroadcast: serving %s WITHOUT encryption (insecure=True); use only on a closed network", spec.tcp
+            )
+            self._keys = None
+            self._hmac_key: str | None = secrets.token_hex(32)
+        else:
+            self._keys = spec.keys or CurveKeys.generate()
+            self._hmac_key = None
+        k = self._keys
+        self._stats_path = writer._seg.sock_path("tcp").removesuffix(".sock") + ".json"
+        cfg = {
+            "handle": handle.model_dump(),
+            "endpoint": spec.tcp,
+            "insecure": spec.insecure,
+            "server_secret": k.server_secret if k else None,
+            "client_public": k.client_public if k else None,
+            "hmac_key": self._hmac_key,
+            "window": spec.tcp_window,
+            "buffer_max": max(spec.tcp_window, handle.capacity) * 2,
+            "hb_interval": spec.heartbeat_s,
+            "hb_timeout": 6 * spec.heartbeat_s,
+            "max_remote": spec.max_readers,
+            "stats_path": self._stats_path,
+        }
+        self.proc = proc = _spawn_server()
+        assert proc.stdin is not None and proc.stdout is not None
+        self.stdout = proc.stdout
+        try:
+            proc.stdin.write(json.dumps(cfg).encode() + b"\n")
+            proc.stdin.flush()
+        except BaseException:
+            self.kill()
+            raise
+
+    def readline(self) -> bytes:
+        return self.stdout.readline()
+
+    def kill(self) -> None:
+        proc = self.proc
+        assert proc.stdin is not None
         proc.kill()
         proc.wait()
         proc.stdin.close()
-        proc.stdout.close()
-        raise
-    full = handle.model_copy(
-        update={
-            "tcp": _advertised(answer["endpoint"], advertise),
-            "insecure": insecure,
-            "server_key": k.server_public if k else None,
-            "client_public_key": k.client_public if k else None,
-            "client_secret_key": k.client_secret if k else None,
-            "hmac_key": hmac_key,
-        }
-    )
-    writer._serve_tcp(proc, Handle.model_validate(full.model_dump()), stats_path, 12 * heartbeat_s)
+        self.stdout.close()
+
+    def finish(self, line: bytes) -> None:
+        """Read the server's answer and give the writer the full handle (kills it on error)."""
+        spec = self._spec
+        try:
+            answer = json.loads(line) if line else {"error": "the TCP server process did not start"}
+            if "error" in answer:
+                raise BroadcastError(f"cannot serve {spec.tcp}: {answer['error']}")
+        except BaseException:
+            self.kill()
+            raise
+        k = self._keys
+        full = self._writer.handle.model_copy(
+            update={
+                "tcp": _advertised(answer["endpoint"], spec.advertise),
+                "insecure": spec.insecure,
+                "server_key": k.server_public if k else None,
+                "client_public_key": k.client_public if k else None,
+                "client_secret_key": k.client_secret if k else None,
+                "hmac_key": self._hmac_key,
+            }
+        )
+        self._writer._serve_tcp(
+            self.proc, Handle.model_validate(full.model_dump()), self._stats_path, 12 * spec.heartbeat_s
+        )
 
 
 def _advertised(endpoint: str, host: str | None) -> str:
@@ -368,24 +443,60 @@ def open_reader(
     ``connect_timeout`` seconds; a handshake refused for wrong keys fails at once instead).
     """
     h = Handle.parse(handle)
-    if transport not in ("auto", "shm", "tcp"):
-        raise InvalidArgument(f"transport must be 'auto', 'shm' or 'tcp', not {transport!r}")
-    if spin_us is not None and not 0 <= spin_us <= 1_000_000:
-        raise InvalidArgument(f"spin_us must be None or between 0 and 1,000,000, not {spin_us!r}")
+
+    spec = _ReaderSpec(
+        name=name, schema=schema, transport=transport, trust_pickle=trust_pickle,
+        connect_timeout=connect_timeout, spin_us=spin_us, zero_copy=zero_copy,
+    )
 
     async def make() -> Reader[Any]:
-        if h.codec == "pickle" and not trust_pickle:
-            raise InvalidHandle("this channel sends pickle, and trust_pickle=False refuses it")
-        decode = _decoder(h, schema)
-        if zero_copy and decode is decode_pickle:
-            decode = decode_pickle_view
-        reader_name = name or f"reader-{os.getpid()}"
+        reader_name, decode = spec.decoder(h)
         source = await _open_source(
             h, reader_name, decode, transport, connect_timeout, hold=decode is decode_pickle_view
         )
         return Reader(_reader_token, source, h, reader_name, spin_us)
 
     return _Opening(make)
+
+
+class ReaderOptions(TypedDict, total=False):
+    """``open_reader``'s keyword arguments but ``schema`` (the blocking factory takes them so)."""
+
+    name: str | None
+    transport: Transport
+    trust_pickle: bool
+    connect_timeout: float
+    spin_us: float | None
+    zero_copy: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class _ReaderSpec:
+    """``open_reader``'s arguments (defaults as documented there), checked: shared by the async
+    and the blocking factories."""
+
+    name: str | None = None
+    schema: type[BaseModel] | None = None
+    transport: Transport = "auto"
+    trust_pickle: bool = True
+    connect_timeout: float = 10.0
+    spin_us: float | None = None
+    zero_copy: bool = False
+
+    def __post_init__(self) -> None:
+        if self.transport not in ("auto", "shm", "tcp"):
+            raise InvalidArgument(f"transport must be 'auto', 'shm' or 'tcp', not {self.transport!r}")
+        if self.spin_us is not None and not 0 <= self.spin_us <= 1_000_000:
+            raise InvalidArgument(f"spin_us must be None or between 0 and 1,000,000, not {self.spin_us!r}")
+
+    def decoder(self, h: Handle) -> tuple[str, Callable[[Any, bool], Any]]:
+        """The reader's name and decoder for the channel of ``h``."""
+        if h.codec == "pickle" and not self.trust_pickle:
+            raise InvalidHandle("this channel sends pickle, and trust_pickle=False refuses it")
+        decode = _decoder(h, self.schema)
+        if self.zero_copy and decode is decode_pickle:
+            decode = decode_pickle_view
+        return self.name or f"reader-{os.getpid()}", decode
 
 
 async def _open_source(
@@ -398,14 +509,25 @@ async def _open_source(
     hold: bool = False,
 ) -> Source:
     """The transport's side of a reader: the ring when asked for or reachable, else TCP."""
-    if transport == "tcp" or (transport == "auto" and h.tcp is not None and not _ring_reachable(h)):
-        if h.tcp is None:
-            raise InvalidHandle("this channel has no TCP endpoint (open_writer(tcp=...) serves one)")
+    if _over_tcp(h, transport):
         from ._tcp_client import TcpSource
 
         tcp_source = TcpSource(h, name, decode)
         await tcp_source.wait_welcome(connect_timeout)
         return tcp_source
+    return _shm_source(h, name, decode, hold)
+
+
+def _over_tcp(h: Handle, transport: Transport) -> bool:
+    """Whether a reader goes over TCP: when asked to, or (``auto``) when the ring is not reachable."""
+    if transport == "tcp" or (transport == "auto" and h.tcp is not None and not _ring_reachable(h)):
+        if h.tcp is None:
+            raise InvalidHandle("this channel has no TCP endpoint (open_writer(tcp=...) serves one)")
+        return True
+    return False
+
+
+def _shm_source(h: Handle, name: str, decode: Callable[[Any, bool], Any], hold: bool) -> ShmSource:
     seg = _ring.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
     try:
         return ShmSource(seg, h, name, decode, hold=hold)

@@ -28,6 +28,16 @@ _private = object()
 IDLE_NS = 100_000_000
 
 
+def poll_budget(spin_ns: int | None, slept_ns: int) -> int:
+    """How long a waiting reader polls before it sleeps, given its ``spin_us`` (None: adaptive)
+    and how long its previous sleep lasted."""
+    if spin_ns is None:
+        return POLL_NS if slept_ns < DENSE_NS else 0
+    if slept_ns >= IDLE_NS:
+        return 0  # the stream went idle (the last sleep lasted): sleep again at once
+    return spin_ns
+
+
 class Source(Protocol):
     """What a transport provides to ``Reader`` (shared memory today)."""
 
@@ -217,11 +227,7 @@ class Reader(Generic[T_co]):
     async def _poll(self) -> bool:
         """Poll the source for a while before sleeping (see ``POLL_NS``). True if it became
         ready (or the reader was closed meanwhile)."""
-        spin = self._spin_ns
-        if spin is None:
-            spin = POLL_NS if self._slept_ns < DENSE_NS else 0
-        elif self._slept_ns >= IDLE_NS:
-            spin = 0  # the stream went idle (the last sleep lasted): sleep again at once
+        spin = poll_budget(self._spin_ns, self._slept_ns)
         if not spin:
             return False
         ready = self._src.ready

@@ -414,8 +414,7 @@ class ShmSource:
         try:
             assert self._inbox is not None
             try:
-                limit = LIVENESS_S if self._inbox.watch is None else WATCHED_LIVENESS_S
-                woken = await self._inbox.wait(limit)
+                woken = await self._inbox.wait(self.sleep_limit_s)
             except anyio.ClosedResourceError:
                 return  # closed by aclose() meanwhile: Reader raises ClosedResourceError
         finally:
@@ -441,6 +440,17 @@ class ShmSource:
         self._words[self._wait_word] = 0
         if not self.ready() and not _ring.is_locked(self._seg.fd, _ring.WRITER_LOCK_BYTE):
             self._writer_gone = True
+
+    @property
+    def sleep_limit_s(self) -> float:
+        """How long one sleep lasts at most before the writer's liveness is checked."""
+        assert self._inbox is not None
+        return LIVENESS_S if self._inbox.watch is None else WATCHED_LIVENESS_S
+
+    def interrupt(self) -> None:
+        """Wake this reader's sleeper (from another thread): it looks at the ring again."""
+        if self._inbox is not None:
+            self._outbox.wake(self._inbox.path)
 
     @property
     def inbox_fd(self) -> int:

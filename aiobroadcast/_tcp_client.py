@@ -129,6 +129,18 @@ class TcpSource:
         except BaseException:  # cancelled while connecting: nobody will use this source
             self.close()
             raise
+        self._check_welcome(got, limit_s)
+
+    def wait_welcome_blocking(self, limit_s: float) -> None:
+        """``wait_welcome`` for a thread without an event loop."""
+        try:
+            got = self._welcome.wait(limit_s)
+        except BaseException:  # interrupted while connecting: nobody will use this source
+            self.close()
+            raise
+        self._check_welcome(got, limit_s)
+
+    def _check_welcome(self, got: bool, limit_s: float) -> None:
         if self._welcome_error is not None or not got:
             reason = self._welcome_error or (
                 f"no answer from the writer at {self._handle.tcp} within {limit_s:g} s "
@@ -181,21 +193,48 @@ class TcpSource:
             return bool(self._items)
 
     async def sleep(self) -> None:
+        if self.begin_sleep():
+            return
+        try:
+            with anyio.move_on_after(self.sleep_limit_s):
+                await anyio.wait_readable(self._wake_r)
+            self.drain_inbox()
+        finally:
+            self.end_sleep(False)
+
+    # The sleep protocol of ShmSource, for a caller outside an event loop (the blocking reader).
+    def begin_sleep(self) -> bool:
+        """Announce a sleep; True if there is no need (something is queued)."""
         with self._lock:
             if self._items:
-                return
+                return True
             self._sleeping = True
+        return False
+
+    def end_sleep(self, woken: bool) -> None:
+        with self._lock:
+            self._sleeping = False
+
+    @property
+    def sleep_limit_s(self) -> float:
+        return self._hb_interval * 2
+
+    @property
+    def inbox_fd(self) -> int:
+        return self._wake_r.fileno()
+
+    def drain_inbox(self) -> bool:
+        got = False
         try:
-            with anyio.move_on_after(self._hb_interval * 2):
-                await anyio.wait_readable(self._wake_r)
-            try:
-                while self._wake_r.recv(64):
-                    pass
-            except BlockingIOError:
-                pass
-        finally:
-            with self._lock:
-                self._sleeping = False
+            while self._wake_r.recv(64):
+                got = True
+        except BlockingIOError:
+            pass
+        return got
+
+    def interrupt(self) -> None:
+        """Wake the sleeper (from another thread): it looks at the queue again."""
+        self._wake_sleeper()
 
     def statistics(self, tasks_waiting: int) -> ReaderStatistics:
         return ReaderStatistics(

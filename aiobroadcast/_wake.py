@@ -8,10 +8,11 @@ writer's IPC namespace) reach each other even from another network namespace.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import select
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from time import perf_counter_ns
 
 import anyio
@@ -68,6 +69,12 @@ class Inbox:
             await anyio.wait_readable(self._waitable)
         if self.sock.fileno() < 0:  # closed while the wait was ending
             raise anyio.ClosedResourceError
+        return self.drain()
+
+    def wait_blocking(self, limit_s: float) -> bool:
+        """``wait`` for a thread without an event loop: block in ``poll()`` on the same file
+        descriptor. Nobody may ``close`` the inbox meanwhile (the blocking roles make sure)."""
+        wait_readable((self.fileno(),), limit_s)
         return self.drain()
 
     def drain(self) -> bool:
@@ -162,3 +169,24 @@ async def poll(ready: Callable[[], bool], limit_ns: int) -> bool:
         if perf_counter_ns() >= deadline:
             return False
         os.sched_yield()
+
+
+def poll_blocking(ready: Callable[[], bool], limit_ns: int) -> bool:
+    """``poll`` for a thread without an event loop: re-check ``ready`` for up to ``limit_ns``,
+    yielding the CPU between rounds."""
+    deadline = perf_counter_ns() + limit_ns
+    while True:
+        if ready():
+            return True
+        if perf_counter_ns() >= deadline:
+            return False
+        os.sched_yield()
+
+
+def wait_readable(fds: Sequence[int], limit_s: float) -> bool:
+    """Block this thread until one of ``fds`` is readable or ``limit_s`` seconds pass (rounded
+    up to a millisecond, so a short wait sleeps rather than spins). True if one is readable."""
+    waiter = select.poll()
+    for fd in fds:
+        waiter.register(fd, select.POLLIN)
+    return bool(waiter.poll(max(0, math.ceil(limit_s * 1000))))

@@ -12,7 +12,7 @@ import subprocess
 import threading
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
 from time import perf_counter_ns
 from types import TracebackType
 from typing import Generic, NoReturn, TypeVar, final
@@ -44,7 +44,7 @@ from ._ring import (
     fence,
 )
 from ._stats import ReaderInfo, WriterStatistics
-from ._wake import Inbox, Outbox, poll
+from ._wake import Inbox, Outbox, poll, poll_blocking
 
 T_contra = TypeVar("T_contra", contravariant=True)
 
@@ -137,6 +137,11 @@ class Writer(Generic[T_contra]):
         self._handle = handle
 
     async def _stop_server(self) -> None:
+        if self._server is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._stop_server_blocking)
+
+    def _stop_server_blocking(self) -> None:
         """Ask the TCP server to stop once remote readers have drained, and wait for it."""
         proc = self._server
         if proc is None:
@@ -145,8 +150,7 @@ class Writer(Generic[T_contra]):
         assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.close()
         try:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(proc.wait, self._server_stop_s)
+            proc.wait(self._server_stop_s)
         except subprocess.TimeoutExpired:
             log.warning("aiobroadcast: the TCP server did not stop in %.0f s; killed it", self._server_stop_s)
             proc.kill()
@@ -235,6 +239,7 @@ class Writer(Generic[T_contra]):
         if not self._mutex.acquire(blocking=False):
             return False
         try:
+            self._check_open()  # closed by another thread, or inherited by a fork child
             if self._block and not self._room(entries):
                 return False
             self._publish(parts, total, oob, entries, gap)
@@ -282,11 +287,7 @@ class Writer(Generic[T_contra]):
         _fork.untrack(self)
         self._wake_all_readers()  # sleepers find the lock free on waking
         await self._stop_server()  # it sees the writer gone and tells remote readers
-        self._inbox.close()
-        self._outbox.close()
-        self._finalizer()
-        atexit.unregister(self._finalizer)
-        self._seg.close()
+        self._release()
 
     def statistics(self) -> WriterStatistics:
         self._check_open()
@@ -312,19 +313,10 @@ class Writer(Generic[T_contra]):
         if self._closed:
             return
         self._check_thread()
-        with self._mutex:  # no other thread is writing into the ring from here on
-            self._closed = True
-        _fork.untrack(self)
-        w = self._words
-        w[W_CLOSED] = 1
-        self._wake_all_readers()
+        self._mark_closed()
         # Remote readers drain what the TCP server holds, within its drain timeout.
         await self._stop_server()
-        self._inbox.close()
-        self._outbox.close()
-        self._finalizer()
-        atexit.unregister(self._finalizer)
-        self._seg.close()
+        self._release()
 
     async def __aenter__(self) -> Writer[T_contra]:
         return self
@@ -364,6 +356,22 @@ class Writer(Generic[T_contra]):
                         pipe.close()
 
     # --- internals -----------------------------------------------------------------------
+    def _mark_closed(self) -> None:
+        """The first step of a close: readers drain what was published, then ``EndOfStream``."""
+        with self._mutex:  # no other thread is writing into the ring from here on
+            self._closed = True
+        _fork.untrack(self)
+        self._words[W_CLOSED] = 1
+        self._wake_all_readers()
+
+    def _release(self) -> None:
+        """The last step of a close: unlink the files, close the sockets, unmap the ring."""
+        self._inbox.close()
+        self._outbox.close()
+        self._finalizer()
+        atexit.unregister(self._finalizer)
+        self._seg.close()
+
     def _check_open(self) -> None:
         if self._closed:
             raise ClosedResourceError(self._refusal or "this writer is closed")
@@ -403,6 +411,39 @@ class Writer(Generic[T_contra]):
             return
         if self._slept_ns < DENSE_NS and await self._poll_room(entries):
             return
+        steps = self._room_steps(entries)
+        try:
+            limit = next(steps, None)
+            while limit is not None:
+                try:
+                    woken = await self._inbox.wait(limit)
+                except anyio.ClosedResourceError:
+                    woken = False  # aclose() meanwhile: _check_open raises
+                limit = _resume(steps, woken)
+        finally:
+            steps.close()
+
+    def _wait_room_blocking(self, entries: int, sleep: Callable[[float], bool]) -> None:
+        """``_wait_room`` for a thread without an event loop (the blocking writer).
+        ``sleep(limit)`` blocks on the inbox for up to ``limit`` seconds and says whether a
+        wake-up came; it may raise instead (a deadline passed, the writer is closing)."""
+        if self._room(entries):
+            return
+        if self._slept_ns < DENSE_NS and poll_blocking(lambda: self._room(entries), POLL_NS):
+            self._slept_ns = 0
+            return
+        steps = self._room_steps(entries)
+        try:
+            limit = next(steps, None)
+            while limit is not None:
+                limit = _resume(steps, sleep(limit))
+        finally:
+            steps.close()
+
+    def _room_steps(self, entries: int) -> Generator[float, bool, None]:
+        """The wait for room once polling is over, written once for both drivers (async and
+        blocking): yields how long to sleep on the inbox, and is sent whether a wake-up came.
+        Returns once the slowest live reader made room. The driver must close it."""
         w = self._words
         # Hysteresis: a full ring makes the writer wait for a quarter of it to be free, not for
         # one slot, so a writer faster than its slowest reader sleeps and is woken once per
@@ -417,10 +458,7 @@ class Writer(Generic[T_contra]):
                 if self._min_cursor >= target:
                     return
                 start = perf_counter_ns()
-                try:
-                    woken = await self._inbox.wait(LIVENESS_S)
-                except anyio.ClosedResourceError:
-                    woken = False  # aclose() meanwhile: _check_open raises
+                woken = yield LIVENESS_S
                 self._slept_ns = perf_counter_ns() - start
                 self._check_open()
                 if not woken:
@@ -567,44 +605,49 @@ class Writer(Generic[T_contra]):
     async def _stream(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int) -> None:
         """Publish a message larger than the ring, a few slots at a time."""
         chunks = _Chunks(parts)
-        w = self._words
         msg = self._msg
-        base_flags = F_OOB if oob else 0
-        started = False
         try:
             while not chunks.done:
                 await self._wait_room(1)
-                # We hold the task lock, so no other thread starts a put_nowait now; one may still
-                # be finishing: wait for it, then count the room again.
-                if not self._mutex.acquire(blocking=False):
-                    await anyio.lowlevel.checkpoint()
+                if not self._stream_some(chunks, total, oob, msg):
+                    await anyio.lowlevel.checkpoint()  # another thread is finishing a put_nowait
                     self._check_open()
-                    continue
-                try:
-                    free = self._cap - (self._head - self._min_cursor)
-                    remaining = -(-(total - chunks.pos) // self._payload)
-                    n = min(free, remaining)
-                    if n <= 0:
-                        continue
-                    first = not started
-                    started = True
-                    self._head = self._write_fragments(chunks, total, base_flags, self._head, n, first=first)
-                    if first:
-                        w[W_NEXT_MSG] = msg + 1
-                    w[W_HEAD] = self._head
-                    self._wake_readers()
-                except BaseException:
-                    self._recover()
-                    raise
-                finally:
-                    self._mutex.release()
         finally:
-            # Whole, or cut short (cancelled, interrupted) after its FIRST fragment: the message
-            # number is used either way (readers drop a message whose LAST never comes).
-            if started and self._msg == msg:
-                self._msg = msg + 1
-                if not chunks.done:
-                    self._aborted += 1
+            self._end_stream(chunks, msg)
+
+    def _stream_some(self, chunks: _Chunks, total: int, oob: bool, msg: int) -> bool:
+        """Publish the next fragments of streamed message ``msg`` into the room there is now.
+        False if another thread holds the mutex (the caller holds the writer's turn, so no other
+        put starts now; one may still be finishing): wait a moment and call again."""
+        if not self._mutex.acquire(blocking=False):
+            return False
+        try:
+            self._check_open()
+            free = self._cap - (self._head - self._min_cursor)  # that other put may have taken some
+            n = min(free, -(-(total - chunks.pos) // self._payload))
+            if n <= 0:
+                return True
+            first = chunks.pos == 0
+            self._head = self._write_fragments(chunks, total, F_OOB if oob else 0, self._head, n, first=first)
+            if first:
+                self._words[W_NEXT_MSG] = msg + 1
+            self._words[W_HEAD] = self._head
+            self._wake_readers()
+            return True
+        except BaseException:
+            self._recover()
+            raise
+        finally:
+            self._mutex.release()
+
+    def _end_stream(self, chunks: _Chunks, msg: int) -> None:
+        """After a streamed message, whole or cut short (cancelled, interrupted, timed out) once
+        its FIRST fragment went out: its number is used either way (readers drop a message whose
+        LAST never comes, and it does not count as sent)."""
+        if chunks.pos and self._msg == msg:
+            self._msg = msg + 1
+            if not chunks.done:
+                self._aborted += 1
 
     def _wake_all_readers(self) -> None:
         """Wake every attached reader, asleep or not, after a change they must see (closed, gone)."""
@@ -714,6 +757,14 @@ class _Chunks:
         self.pos += written
         self.done = self._i >= len(parts)
         return written
+
+
+def _resume(steps: Generator[float, bool, None], woken: bool) -> float | None:
+    """Send a wake-up result into ``_room_steps``: the next sleep, or None once there is room."""
+    try:
+        return steps.send(woken)
+    except StopIteration:
+        return None
 
 
 def _cleanup_files(owner: int, *paths: str) -> None:

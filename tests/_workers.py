@@ -124,10 +124,19 @@ def _child(
 ) -> None:
     """Run ``main(conn, *args)`` on ``backend``; report any failure to the parent over ``conn``.
     ``setup`` runs first, inside the same error reporting (e.g. entering a network namespace)."""
-    try:
+
+    def run() -> None:
         if setup is not None:
             setup()
         anyio.run(main, conn, *args, backend=backend[0], backend_options=backend[1])
+
+    reporting(conn, run)
+
+
+def reporting(conn: Conn, run: Callable[[], None]) -> None:
+    """Run ``run()`` in a child; send ``("error", traceback)`` if it fails; close ``conn``."""
+    try:
+        run()
     except BaseException:
         try:
             conn.send(("error", traceback.format_exc()))

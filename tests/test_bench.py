@@ -153,3 +153,20 @@ def test_zero_copy_readers_cell_json() -> None:
     assert obj["payload_type"] == ["memoryview"]  # what the readers got: views, not copies
     (copying,) = objects(bench("--mode", "tput", "--readers", "1", "--size", "65536", "--count", "300", "--json"))
     assert copying["zero_copy"] is False and copying["payload_type"] == ["bytes"]
+
+
+@pytest.mark.parametrize("mode", ["tput", "lat", "idle"])
+def test_blocking_api_cells(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--blocking``: writer and readers use aiobroadcast.blocking, with the same figures."""
+    monkeypatch.setenv("IDLE_S", "0.3")
+    (obj,) = objects(bench("--mode", mode, "--readers", "2", "--size", "64", "--count", "100", "--blocking", "--json"))
+    check_common(obj, "aiobroadcast", mode, 2, 100)
+    assert (obj["api"], obj["loop"]) == ("blocking", "blocking")
+    if mode == "idle":
+        assert len(obj["reader_cpu_s_while_idle"]) == 2 and obj["idle_s"] == 0.3
+    (tcp,) = objects(
+        bench("--mode", mode, "--readers", "1", "--size", "64", "--count", "50", "--blocking", "--transport", "tcp",
+              "--json")
+    )
+    check_common(tcp, "aiobroadcast", mode, 1, 50)
+    assert (tcp["api"], tcp["transport"]) == ("blocking", "tcp")

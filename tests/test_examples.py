@@ -129,6 +129,23 @@ def test_worker_pool_goes_on_when_a_worker_is_killed(programs: list[Program]) ->
     assert p.lines[-1] == "done: 2 of 3 workers completed 300 jobs"
 
 
+def test_vllm_drop_in_worker_loop(programs: list[Program]) -> None:
+    p = Program("vllm_drop_in.py", "--workers", "3", "--steps", "300")
+    programs.append(p)
+    assert p.finish() == 0, "\n".join(p.lines)
+    assert sorted(line.split(" (pid")[0] for line in p.lines if line.startswith("worker ")) == [
+        "worker 0",
+        "worker 1",
+        "worker 2",
+    ]
+    assert any(
+        line.startswith("the scheduler cannot dequeue from its own queue: this is the writer's MessageQueue")
+        and "create_from_handle" in line
+        for line in p.lines
+    )
+    assert p.lines[-1].startswith("300 steps: each of 3 workers answered every step, in order"), p.lines
+
+
 # --- the HTTP server ----------------------------------------------------------------------------
 async def sse_events(response: httpx.Response) -> AsyncGenerator[tuple[str, str], None]:
     """(event, data) pairs of a server-sent event stream."""

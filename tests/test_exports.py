@@ -2,14 +2,31 @@
 
 from __future__ import annotations
 
+from types import FunctionType, ModuleType
+
 import aiobroadcast as ab
+import aiobroadcast.blocking
+import aiobroadcast.vllm
 
 
 def test_all_names_exist_and_nothing_public_is_missing() -> None:
     for name in ab.__all__:
         assert hasattr(ab, name), name
-    public = {n for n in vars(ab) if not n.startswith("_")} - {"annotations"}
-    assert public == set(ab.__all__)
+    # Submodules (``aiobroadcast.blocking``) are attributes once imported, not names of __all__.
+    public = {n for n, v in vars(ab).items() if not n.startswith("_") and not isinstance(v, ModuleType)}
+    assert public - {"annotations"} == set(ab.__all__)
+
+
+def test_public_submodules_export_what_they_define() -> None:
+    for module in (aiobroadcast.blocking, aiobroadcast.vllm):
+        for name in module.__all__:
+            assert hasattr(module, name), name
+        defined = {
+            n
+            for n, v in vars(module).items()
+            if not n.startswith("_") and isinstance(v, type | FunctionType) and v.__module__ == module.__name__
+        }
+        assert defined == set(module.__all__)
 
 
 def test_every_error_derives_from_broadcast_error() -> None:

@@ -23,8 +23,9 @@ def _expected(path: Path) -> set[tuple[int, str]]:
     return out
 
 
-def test_role_misuse_fails_to_type_check_exactly_where_marked() -> None:
-    path = TYPE_TESTS / "roles.py"
+@pytest.mark.parametrize(("name", "errors"), [("roles.py", 9), ("blocking_roles.py", 9), ("vllm_roles.py", 3)])
+def test_role_misuse_fails_to_type_check_exactly_where_marked(name: str, errors: int) -> None:
+    path = TYPE_TESTS / name
     proc = subprocess.run(
         [
             sys.executable,
@@ -43,10 +44,10 @@ def test_role_misuse_fails_to_type_check_exactly_where_marked() -> None:
     )
     got = {
         (int(m.group(1)), m.group(2))
-        for m in re.finditer(r"roles\.py:(\d+): error: .*\[([\w-]+)\]$", proc.stdout, re.M)
+        for m in re.finditer(rf"{re.escape(name)}:(\d+): error: .*\[([\w-]+)\]$", proc.stdout, re.M)
     }
     expected = _expected(path)
-    assert len(expected) == 9
+    assert len(expected) == errors
     assert got == expected, proc.stdout
 
 

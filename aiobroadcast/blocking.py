@@ -1,0 +1,534 @@
+"""The blocking API: the same channels for code without an event loop (threads, worker processes,
+``torch.distributed`` ranks).
+
+``open_writer`` and ``open_reader`` take the arguments of ``aiobroadcast.open_writer`` and
+``aiobroadcast.open_reader`` and return a ``BlockingWriter`` / ``BlockingReader`` (also context
+managers: ``with open_writer(...) as writer:``). They are thin facades over the private state
+the async roles use, on the same ring and the same TCP transport, with the same guarantees:
+every reader gets every message in order, a dead reader is dropped within about a second, a
+reader of a dead writer gets ``WriterGone``.
+
+No event loop and no helper thread: a waiting ``get`` blocks its thread in ``poll()`` on the very
+file descriptor an async reader sleeps on (its wake-up socket, with the writer's pidfd), and a
+``put`` waiting for room blocks on the writer's socket. So blocking and async readers, and a
+blocking or an async writer, mix freely on one channel, in any processes. Over TCP a reader
+waits on the socket its I/O thread (the transport's own) signals.
+
+Threads. Every method of both classes may be called from any thread at any time:
+
+- ``BlockingWriter``: ``put``/``put_nowait`` from several threads publish one message at a
+  time (a lock; encoding happens under it), each message whole; ``put_nowait`` raises
+  ``WouldBlock`` while another thread's ``put`` is in progress. ``statistics()`` never waits
+  for a ``put``. ``close()`` wakes a ``put`` waiting for room (it raises
+  ``ClosedResourceError``), lets a ``put`` that is publishing finish, then closes.
+- ``BlockingReader``: ``get``/``get_nowait`` from several threads each take a distinct message
+  (none lost, none twice). One thread at a time sleeps on the socket; the others wait for it
+  and then look again, so threads parked on one reader all get messages. ``close()`` wakes
+  every parked ``get`` (they raise ``ClosedResourceError``).
+- A call made from inside one of the same object's own calls on the same thread (a
+  ``__getstate__`` that calls ``put_nowait`` while its object is being pickled by ``put``, a
+  ``__setstate__`` that calls ``get``) raises ``WouldBlock`` instead of deadlocking.
+- With ``zero_copy=True`` a message's views stay valid until the next ``get``/``get_nowait`` on
+  that reader by any thread.
+
+Timeouts: ``put(obj, timeout=s)`` and ``get(timeout=s)`` raise ``WaitTimeout`` (a ``WouldBlock``
+and a built-in ``TimeoutError``) when ``s`` seconds pass first; nothing is published or taken. A
+negative timeout counts as 0 (never as "forever").
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
+from threading import get_ident
+from time import monotonic, perf_counter_ns
+from types import TracebackType
+from typing import Any, Generic, Protocol, Self, TypeVar, Unpack, final, overload
+
+from pydantic import BaseModel
+
+from ._codec import Buffer, decode_pickle_view
+from ._exceptions import ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
+from ._handle import Handle
+from ._open import (
+    SERVER_START_S,
+    ReaderOptions,
+    WriterOptions,
+    _over_tcp,
+    _ReaderSpec,
+    _ServerStart,
+    _shm_source,
+    _WriterSpec,
+)
+from ._reader import poll_budget
+from ._stats import ReaderStatistics, WriterStatistics
+from ._wake import poll_blocking, wait_readable
+from ._writer import DENSE_NS, Writer, _Chunks
+
+__all__ = ["BlockingReader", "BlockingWriter", "open_reader", "open_writer"]
+
+T_contra = TypeVar("T_contra", contravariant=True)
+T_co = TypeVar("T_co", covariant=True)
+M = TypeVar("M", bound=BaseModel)
+
+_private = object()
+
+
+def _deadline(timeout: float | None) -> float | None:
+    # A negative timeout is "now", never "forever" (a deadline computed as a difference can go
+    # negative; vLLM once passed one to poll() as -1).
+    return None if timeout is None else monotonic() + max(0.0, timeout)
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds left before ``deadline`` (None: no deadline); raises ``WaitTimeout`` at 0."""
+    if deadline is None:
+        return None
+    left = deadline - monotonic()
+    if left <= 0:
+        raise WaitTimeout("the timeout passed")
+    return left
+
+
+class _Owned:
+    """A lock that knows which thread holds it, so that a re-entrant call fails instead of
+    deadlocking, and counts the threads that had to wait for it (for ``statistics``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._count_lock = threading.Lock()
+        self.owner = 0
+        self.waiting = 0
+
+    def count(self, delta: int) -> None:
+        with self._count_lock:
+            self.waiting += delta
+
+    def acquire(self, deadline: float | None, *, wait: bool = True) -> None:
+        """Take the lock (raises ``WouldBlock`` on re-entry or with ``wait=False`` if taken,
+        ``WaitTimeout`` when ``deadline`` passes)."""
+        me = get_ident()
+        if not self._lock.acquire(False):
+            if self.owner == me:
+                raise WouldBlock("called again from inside this object's own call on this thread")
+            if not wait:
+                raise WouldBlock
+            self.count(1)
+            try:
+                left = _left(deadline)
+                if not self._lock.acquire(timeout=-1 if left is None else left):
+                    raise WaitTimeout("the timeout passed")
+            finally:
+                self.count(-1)
+        self.owner = me
+
+    def try_acquire(self) -> bool:
+        if self._lock.acquire(False):
+            self.owner = get_ident()
+            return True
+        return False
+
+    def release(self) -> None:
+        self.owner = 0
+        self._lock.release()
+
+
+class _Closable(ABC):
+    """``with`` closes; an object dropped unclosed warns (``ResourceWarning``), as the async roles."""
+
+    _closed = True
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not self._closed:
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
+
+
+# --- the writer --------------------------------------------------------------------------------
+@final
+class BlockingWriter(_Closable, Generic[T_contra]):
+    """The sending end of a channel, for code without an event loop. Built by
+    ``aiobroadcast.blocking.open_writer``; has no ``get``. Thread-safe (see the module)."""
+
+    def __init__(self, token: object, writer: Writer[Any]) -> None:
+        if token is not _private:
+            raise TypeError("BlockingWriter cannot be built directly; use aiobroadcast.blocking.open_writer()")
+        self._w = writer
+        self._lock = _Owned()
+        # close() holds this while it releases the ring; statistics() holds it to read the ring.
+        self._close_lock = threading.Lock()
+        self._closing = False
+        self._closed = False
+
+    @property
+    def handle(self) -> Handle:
+        """What a reader needs to attach (``open_reader``, blocking or async)."""
+        return self._w.handle
+
+    def put_nowait(self, obj: T_contra) -> None:
+        """Publish ``obj`` now, or raise ``WouldBlock`` if a live reader would be overrun or
+        another thread's ``put`` is in progress. Raises like ``Writer.put_nowait``."""
+        self._put(obj, None, nowait=True)
+
+    def put(self, obj: T_contra, timeout: float | None = None) -> None:
+        """Publish ``obj``, blocking this thread while a live reader would be overrun (policy
+        "block") or another thread's ``put`` is in progress. ``timeout``: raise ``WaitTimeout``
+        after that many seconds instead, having published nothing (a message larger than the
+        whole ring that times out midway is dropped by every reader). Raises like
+        ``Writer.put``, and ``ClosedResourceError`` if ``close()`` is called meanwhile."""
+        self._put(obj, None if timeout is None else _deadline(timeout), nowait=False)
+
+    def statistics(self) -> WriterStatistics:
+        """A snapshot, as ``Writer.statistics()``; ``waiting_for`` names the readers a blocked
+        ``put`` waits for."""
+        with self._close_lock:
+            self._check_open()
+            stats = self._w.statistics()
+        return stats._replace(tasks_waiting=self._lock.waiting)
+
+    def close(self) -> None:
+        """Close the channel: readers receive what was published, then ``EndOfStream``."""
+        if self._lock.owner == get_ident():
+            raise WouldBlock("close() called from inside this writer's own put() on this thread")
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closing = True
+            w = self._w
+            w._outbox.wake(w._inbox.path)  # a put waiting for room looks up and sees _closing
+            self._lock.acquire(None)
+            try:
+                _close_writer(w)
+                self._closed = True
+            finally:
+                self._lock.release()
+
+    def __repr__(self) -> str:
+        h = self._w.handle
+        state = "closed" if self._closed else f"sent={self._w._msg}"
+        return f"<aiobroadcast.blocking.BlockingWriter {h.name} {h.policy} {state}>"
+
+    # --- internals ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closing:
+            raise ClosedResourceError("this writer is closed")
+
+    def _put(self, obj: object, deadline: float | None, *, nowait: bool) -> None:
+        if self._closing:
+            raise ClosedResourceError("this writer is closed")
+        lock = self._lock
+        lock.acquire(deadline, wait=not nowait)
+        try:
+            self._check_open()
+            w = self._w
+            # Under the lock, so that a put from inside pickling (a __reduce__ that publishes)
+            # raises WouldBlock here rather than waiting on itself.
+            parts, total, oob = w._encode_checked(obj)
+            entries = 1 if total <= w._payload else -(-total // w._payload)
+            if w._try_publish(parts, total, oob, entries):
+                return
+            if nowait:
+                raise WouldBlock
+            self._put_when_room(parts, total, oob, entries, deadline)
+        finally:
+            lock.release()
+
+    def _put_when_room(
+        self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, deadline: float | None
+    ) -> None:
+        w = self._w
+        sleep = self._sleeper(deadline)
+        self._lock.count(1)
+        try:
+            if entries <= w._cap or not w._block:
+                while True:
+                    w._wait_room_blocking(entries, sleep)
+                    if w._try_publish(parts, total, oob, entries):
+                        return
+            chunks = _Chunks(parts)
+            msg = w._msg
+            try:
+                while not chunks.done:
+                    w._wait_room_blocking(1, sleep)
+                    w._stream_some(chunks, total, oob, msg)  # this writer's threads hold self._lock
+            finally:
+                w._end_stream(chunks, msg)
+        finally:
+            self._lock.count(-1)
+
+    def _sleeper(self, deadline: float | None) -> Callable[[float], bool]:
+        inbox = self._w._inbox
+
+        def sleep(limit: float) -> bool:
+            left = _left(deadline)
+            woken = inbox.wait_blocking(limit if left is None else min(limit, left))
+            if self._closing:
+                raise ClosedResourceError("this writer was closed while put() waited for room")
+            return woken
+
+        return sleep
+
+
+def _close_writer(w: Writer[Any]) -> None:
+    """``Writer.aclose`` for a thread: the same steps, waiting for the TCP server in this thread."""
+    w._mark_closed()
+    w._stop_server_blocking()
+    w._release()
+
+
+# --- the reader --------------------------------------------------------------------------------
+class _Source(Protocol):
+    """What ``ShmSource`` and ``TcpSource`` offer a caller outside an event loop."""
+
+    def get_nowait(self) -> Any: ...
+    def ready(self) -> bool: ...
+    def begin_sleep(self) -> bool: ...
+    def end_sleep(self, woken: bool) -> None: ...
+    @property
+    def sleep_limit_s(self) -> float: ...
+    @property
+    def inbox_fd(self) -> int: ...
+    def drain_inbox(self) -> bool: ...
+    def interrupt(self) -> None: ...
+    def statistics(self, tasks_waiting: int) -> ReaderStatistics: ...
+    def describe(self) -> str: ...
+    def close(self) -> None: ...
+
+
+@final
+class BlockingReader(_Closable, Generic[T_co]):
+    """The receiving end of a channel, for code without an event loop. Built by
+    ``aiobroadcast.blocking.open_reader``; has no ``put``. Thread-safe (see the module)."""
+
+    def __init__(
+        self, token: object, source: _Source, handle: Handle, name: str, spin_us: float | None = None
+    ) -> None:
+        if token is not _private:
+            raise TypeError("BlockingReader cannot be built directly; use aiobroadcast.blocking.open_reader()")
+        self._src = source
+        self._handle = handle
+        self._name = name
+        self._spin_ns = None if spin_us is None else int(spin_us * 1000)
+        self._slept_ns = DENSE_NS  # no polling before the first sleep
+        self._lock = _Owned()  # one taker at a time
+        self._sleep_lock = _Owned()  # one sleeper at a time
+        self._closing = False
+        self._closed = False
+
+    @property
+    def handle(self) -> Handle:
+        return self._handle
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def get_nowait(self) -> T_co:
+        """Take the next message, or raise ``WouldBlock`` if none is ready. Raises like
+        ``Reader.get_nowait``."""
+        lock = self._lock
+        lock.acquire(None)
+        try:
+            if self._closed:
+                raise ClosedResourceError("this reader is closed")
+            return self._src.get_nowait()  # type: ignore[no-any-return]
+        finally:
+            lock.release()
+
+    def get(self, timeout: float | None = None) -> T_co:
+        """Wait for the next message and return it, blocking this thread in ``poll()`` (no CPU
+        while it waits). ``timeout``: raise ``WaitTimeout`` after that many seconds instead,
+        having taken nothing. Raises like ``Reader.get``, and ``ClosedResourceError`` if
+        ``close()`` is called meanwhile."""
+        lock = self._lock
+        if lock.try_acquire():  # the common case first: a message is there, nobody else takes
+            try:
+                if self._closed:
+                    raise ClosedResourceError("this reader is closed")
+                return self._src.get_nowait()  # type: ignore[no-any-return]
+            except WouldBlock:
+                pass
+            finally:
+                lock.release()
+        return self._get(None if timeout is None else _deadline(timeout))  # type: ignore[no-any-return]
+
+    def statistics(self) -> ReaderStatistics:
+        lock = self._lock
+        lock.acquire(None)
+        try:
+            if self._closed:
+                raise ClosedResourceError("this reader is closed")
+            return self._src.statistics(self._sleep_lock.waiting + (self._sleep_lock.owner != 0))
+        finally:
+            lock.release()
+
+    def close(self) -> None:
+        """Detach: the writer stops waiting for this reader at once; parked ``get`` calls raise
+        ``ClosedResourceError``."""
+        if get_ident() in (self._lock.owner, self._sleep_lock.owner):
+            raise WouldBlock("close() called from inside this reader's own get() on this thread")
+        self._closing = True
+        self._src.interrupt()  # the sleeping thread wakes up, and the others after it
+        self._sleep_lock.acquire(None)
+        try:
+            self._lock.acquire(None)
+            try:
+                if not self._closed:
+                    self._closed = True
+                    self._src.close()
+            finally:
+                self._lock.release()
+        finally:
+            self._sleep_lock.release()
+
+    def __iter__(self) -> Iterator[T_co]:
+        return self
+
+    def __next__(self) -> T_co:
+        try:
+            return self.get()
+        except EndOfStream:
+            raise StopIteration from None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else self._src.describe()
+        return f"<aiobroadcast.blocking.BlockingReader {self._name!r} {state}>"
+
+    # --- internals ---------------------------------------------------------------------------
+    def _get(
+        self,
+        deadline: float | None,
+        stop: Callable[[], BaseException | None] | None = None,
+        stop_every_s: float | None = None,
+        poll_ns: int | None = None,
+    ) -> Any:
+        """``get`` with the knobs of ``aiobroadcast.vllm``: ``stop()`` is asked before each wait
+        and while polling, and returns an exception to end the wait with (or None); a sleep lasts
+        at most ``stop_every_s`` (for a condition nothing signals; ``_interrupt`` wakes it
+        otherwise); ``poll_ns`` overrides how long to poll before sleeping."""
+        if self._lock.owner == get_ident():
+            raise WouldBlock("get() called from inside this reader's own get() on this thread")
+        while True:
+            try:
+                return self.get_nowait()
+            except WouldBlock:
+                pass
+            if self._closing:
+                raise ClosedResourceError("this reader was closed while get() waited")
+            if stop is not None and (exc := stop()) is not None:
+                raise exc
+            self._wait(deadline, stop, stop_every_s, poll_ns)
+
+    def _interrupt(self) -> None:
+        """Wake the thread sleeping in ``get`` (from another thread): it looks again, and asks
+        its ``stop``."""
+        self._src.interrupt()
+
+    def _wait(
+        self,
+        deadline: float | None,
+        stop: Callable[[], BaseException | None] | None,
+        stop_every_s: float | None,
+        poll_ns: int | None,
+    ) -> None:
+        """Wait until the source may have something: one thread sleeps on the socket, the
+        others queue for its place, and each looks at the source again before sleeping."""
+        self._sleep_lock.acquire(deadline)
+        try:
+            if self._closing:
+                return
+            src = self._src
+            left = _left(deadline)
+            spin = poll_budget(self._spin_ns, self._slept_ns) if poll_ns is None else poll_ns
+            if left is not None:
+                spin = min(spin, int(left * 1e9))
+
+            def ready() -> bool:
+                return self._closing or src.ready() or (stop is not None and stop() is not None)
+
+            if spin and poll_blocking(ready, spin):
+                self._slept_ns = 0
+                return
+            limit = src.sleep_limit_s
+            left = _left(deadline)  # again: the poll took some of it
+            if left is not None:
+                limit = min(limit, left)
+            if stop_every_s is not None:
+                limit = min(limit, stop_every_s)
+            start = perf_counter_ns()
+            if src.begin_sleep():
+                return
+            woken = False
+            try:
+                wait_readable((src.inbox_fd,), limit)
+                woken = src.drain_inbox()
+            finally:
+                src.end_sleep(woken)
+            self._slept_ns = perf_counter_ns() - start
+        finally:
+            self._sleep_lock.release()
+
+
+# --- the factories -----------------------------------------------------------------------------
+@overload
+def open_writer(*, schema: None = ..., **options: Unpack[WriterOptions]) -> BlockingWriter[Any]: ...
+@overload
+def open_writer(*, schema: type[M], **options: Unpack[WriterOptions]) -> BlockingWriter[M]: ...
+def open_writer(*, schema: type[BaseModel] | None = None, **options: Unpack[WriterOptions]) -> BlockingWriter[Any]:
+    """Create a channel and return its blocking writer. The keyword arguments, their defaults
+    and the errors are those of ``aiobroadcast.open_writer``. Use ``with`` (closes at the end)
+    or call ``close()``."""
+    spec = _WriterSpec(schema=schema, **options)
+    writer = spec.create()
+    if spec.tcp is not None:
+        try:
+            start = _ServerStart(writer, spec)
+            try:
+                line = start.readline() if wait_readable((start.stdout.fileno(),), SERVER_START_S) else b""
+            except BaseException:
+                start.kill()
+                raise
+            start.finish(line)
+        except BaseException:
+            _close_writer(writer)
+            raise
+    return BlockingWriter(_private, writer)
+
+
+@overload
+def open_reader(
+    handle: Handle | str, *, schema: None = ..., **options: Unpack[ReaderOptions]
+) -> BlockingReader[Any]: ...
+@overload
+def open_reader(handle: Handle | str, *, schema: type[M], **options: Unpack[ReaderOptions]) -> BlockingReader[M]: ...
+def open_reader(
+    handle: Handle | str, *, schema: type[BaseModel] | None = None, **options: Unpack[ReaderOptions]
+) -> BlockingReader[Any]:
+    """Attach to a channel (made by either API) and return a blocking reader. The keyword
+    arguments, their defaults and the errors are those of ``aiobroadcast.open_reader``;
+    ``spin_us`` polls in this thread. Use ``with`` (closes at the end) or call ``close()``."""
+    h = Handle.parse(handle)
+    spec = _ReaderSpec(schema=schema, **options)
+    reader_name, decode = spec.decoder(h)
+    source: _Source
+    if _over_tcp(h, spec.transport):
+        from ._tcp_client import TcpSource
+
+        tcp_source = TcpSource(h, reader_name, decode)
+        tcp_source.wait_welcome_blocking(spec.connect_timeout)
+        source = tcp_source
+    else:
+        source = _shm_source(h, reader_name, decode, decode is decode_pickle_view)
+    return BlockingReader(_private, source, h, reader_name, spec.spin_us)

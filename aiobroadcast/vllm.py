@@ -1,0 +1,399 @@
+"""A drop-in for vLLM's ``MessageQueue`` (``vllm.distributed.device_communicators.shm_broadcast``).
+
+Change the import and keep the code::
+
+    from aiobroadcast.vllm import MessageQueue
+
+The constructor (the writer), ``create_from_handle`` (a reader), ``create_from_process_group``,
+``export_handle``, ``wait_until_ready``, ``enqueue``, ``dequeue``, ``broadcast_object``,
+``shutdown`` and ``shutting_down`` behave as vLLM's, over ``aiobroadcast.blocking``: readers on
+the writer's node read its shared-memory ring and sleep on a socket instead of spinning; readers
+on other nodes come over TCP with CurveZMQ (authenticated and encrypted; nothing is unpickled
+before it is authenticated), not over a plain PUB socket.
+
+What differs, on purpose:
+
+- The roles are two classes, ``MessageQueueWriter`` and ``MessageQueueReader``, both
+  ``MessageQueue``\\ s. The writer has no ``dequeue``: calling it raises an ``AttributeError``
+  saying what to do, and mypy flags it, where vLLM raises ``RuntimeError("Only readers can
+  dequeue")`` at run time. The readers have no ``enqueue``.
+- A dead reader is dropped within about a second (the writer logs which rank it was) instead
+  of hanging the writer; a reader of a dead writer gets ``aiobroadcast.WriterGone``.
+- ``close()`` ends the queue for its readers (``aiobroadcast.EndOfStream`` after the last
+  message); it also happens when the writer is garbage-collected or its process exits.
+- ``enqueue`` before every reader attached waits for them (vLLM would lose the message for
+  a late reader): ``wait_until_ready`` is then optional.
+- ``dequeue(indefinite=...)`` is accepted and changes nothing: a waiting reader logs nothing
+  (``aiobroadcast stats`` shows who waits for whom).
+- Timeouts raise ``aiobroadcast.WaitTimeout``, a ``TimeoutError``; a cancelled ``dequeue``
+  raises ``QueueCancelled``, a ``RuntimeError`` whose message starts with "cancelled", as
+  vLLM's; negative timeouts never mean "forever".
+
+torch is imported only when ``create_from_process_group`` is given a torch ``ProcessGroup``; any
+other group object with ``rank``, ``world_size`` and ``broadcast_obj(obj, src)`` (as vLLM's
+``StatelessProcessGroup``) works without it.
+
+Thread safety is the blocking API's: every method may be called from any thread (``shutdown``
+from a monitor thread wakes a parked ``dequeue``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+from . import blocking
+from ._exceptions import BroadcastError, WaitTimeout, WouldBlock
+from ._handle import Handle as ChannelHandle
+from ._open import _ring_reachable
+
+__all__ = ["Handle", "MessageQueue", "MessageQueueReader", "MessageQueueWriter", "QueueCancelled"]
+
+log = logging.getLogger("aiobroadcast")
+
+#: vLLM's defaults: 10 chunks of 24 MiB (240 MiB of /dev/shm, reserved at creation).
+DEFAULT_MAX_CHUNK_BYTES = 24 * 1024 * 1024
+DEFAULT_MAX_CHUNKS = 10
+#: How often a ``dequeue`` given a ``cancel`` event looks at it (nothing signals an Event).
+CANCEL_CHECK_S = 0.1
+#: How often a writer still waiting for its readers says so.
+READY_LOG_S = 60.0
+
+
+class QueueCancelled(BroadcastError, RuntimeError):
+    """Raised by ``dequeue`` when ``shutdown()`` was called or its ``cancel`` event was set while
+    it waited. A ``RuntimeError`` whose message starts with "cancelled", as vLLM's."""
+
+
+@dataclass(frozen=True)
+class Handle:
+    """What ``export_handle`` returns and ``create_from_handle`` takes: picklable, so it goes
+    through ``torch.distributed.broadcast_object_list`` or any object channel. It carries the
+    channel's CurveZMQ reader keys: it admits a remote reader, so send it only to the ranks."""
+
+    local_reader_ranks: list[int] = field(default_factory=list)
+    channel: str = ""  #: the aiobroadcast channel's handle (JSON)
+    n_reader: int = 0
+    n_local_reader: int = 0
+
+
+class _SpinCondition:
+    """vLLM's knobs for a reader's spinning, kept for code (vLLM's own tests among it) that sets
+    them. ``busy_loop_s`` (default 0: aiobroadcast's adaptive poll of at most 50 us): a waiting
+    ``dequeue`` polls the ring, without sleeping, until ``busy_loop_s`` after ``last_read`` (the
+    time of the last message taken)."""
+
+    def __init__(self) -> None:
+        self.busy_loop_s = 0.0
+        self.last_read = time.monotonic()
+
+
+class MessageQueue:
+    """vLLM's ``MessageQueue``: ``MessageQueue(n_reader, n_local_reader, ...)`` makes the writer
+    (a ``MessageQueueWriter``), ``create_from_handle`` a reader (a ``MessageQueueReader``)."""
+
+    _is_writer: bool
+    handle: Handle
+    shutting_down: bool
+
+    def __new__(
+        cls,
+        n_reader: int,
+        n_local_reader: int,
+        local_reader_ranks: list[int] | None = None,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        max_chunks: int = DEFAULT_MAX_CHUNKS,
+        connect_ip: str | None = None,
+    ) -> MessageQueueWriter:
+        return object.__new__(MessageQueueWriter)
+
+    def export_handle(self) -> Handle:
+        return self.handle
+
+    @staticmethod
+    def create_from_handle(handle: Handle, rank: int) -> MessageQueueReader:
+        """Attach the reader of group rank ``rank``: over shared memory if ``rank`` is one of the
+        handle's local reader ranks, else over TCP."""
+        return MessageQueueReader(handle, rank)
+
+    @staticmethod
+    def create_from_process_group(
+        pg: Any, max_chunk_bytes: int, max_chunks: int, writer_rank: int = 0, blocking: bool = True
+    ) -> MessageQueueWriter | MessageQueueReader:
+        """Collective: every rank of ``pg`` calls it. Rank ``writer_rank`` gets the writer, the
+        others a reader each: local ones (on the writer's node: those that can map its ring)
+        over shared memory, the others over TCP. ``blocking``: also ``wait_until_ready()``."""
+        group = _Group(pg)
+        same_node = _same_node(group, writer_rank)
+        mq: MessageQueueWriter | MessageQueueReader
+        if group.rank == writer_rank:
+            local = [r for r in range(group.world_size) if same_node[r] and r != writer_rank]
+            try:
+                mq = MessageQueueWriter(group.world_size - 1, len(local), local, max_chunk_bytes, max_chunks)
+            except BaseException as exc:
+                group.broadcast(f"{type(exc).__name__}: {exc}", writer_rank)  # the readers fail too
+                raise
+            group.broadcast(mq.export_handle(), writer_rank)
+        else:
+            handle = group.broadcast(None, writer_rank)
+            if not isinstance(handle, Handle):
+                raise BroadcastError(f"rank {writer_rank} could not make the message queue: {handle}")
+            mq = MessageQueueReader(handle, group.rank)
+        if blocking:
+            mq.wait_until_ready()
+        return mq
+
+    def wait_until_ready(self) -> None:
+        """Collective, as vLLM's: the writer returns once every reader is attached; a reader is
+        ready as soon as it exists (it attached in ``create_from_handle``)."""
+
+    def shutdown(self) -> None:
+        """Set ``shutting_down``; a reader's parked ``dequeue`` wakes and raises ``QueueCancelled``."""
+        self.shutting_down = True
+
+
+class MessageQueueWriter(MessageQueue):
+    """The writer's ``MessageQueue``: ``enqueue`` and ``broadcast_object``; no ``dequeue``."""
+
+    _is_writer = True
+
+    def __init__(
+        self,
+        n_reader: int,
+        n_local_reader: int,
+        local_reader_ranks: list[int] | None = None,
+        max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
+        max_chunks: int = DEFAULT_MAX_CHUNKS,
+        connect_ip: str | None = None,
+    ) -> None:
+        """As vLLM's: ``n_reader`` readers, ``n_local_reader`` of them on this node (group ranks
+        ``local_reader_ranks``, default ``0 .. n_local_reader-1``), a ring of ``max_chunks``
+        slots of ``max_chunk_bytes`` (larger messages take several slots, or stream), and for
+        the remote readers a TCP endpoint on ``connect_ip`` (default: ``$VLLM_HOST_IP``, else
+        this host name's address)."""
+        if local_reader_ranks is None:
+            local_reader_ranks = list(range(n_local_reader))
+        if len(local_reader_ranks) != n_local_reader:
+            raise ValueError(f"local_reader_ranks {local_reader_ranks} must name n_local_reader={n_local_reader} ranks")
+        if not 0 <= n_local_reader <= n_reader:
+            raise ValueError(f"n_local_reader={n_local_reader} must be between 0 and n_reader={n_reader}")
+        self.n_local_reader = n_local_reader
+        self.n_remote_reader = n_reader - n_local_reader
+        tcp = None
+        if self.n_remote_reader:
+            ip = connect_ip or _host_ip()
+            tcp = f"tcp://[{ip}]:0" if ":" in ip else f"tcp://{ip}:0"
+        self._writer: blocking.BlockingWriter[Any] = blocking.open_writer(
+            capacity=max_chunks,
+            slot_bytes=max_chunk_bytes,
+            max_readers=max(1, n_local_reader, self.n_remote_reader),
+            tcp=tcp,
+        )
+        self._finalizer = weakref.finalize(self, _close_here, os.getpid(), self._writer.close)
+        self.handle = Handle(list(local_reader_ranks), self._writer.handle.to_json(), n_reader, n_local_reader)
+        self.shutting_down = False
+        self._ready = n_reader == 0
+
+    def enqueue(self, obj: Any, timeout: float | None = None) -> None:
+        """Publish ``obj`` to every reader, waiting while the slowest live reader is a whole
+        ring behind (and, the first time, for every reader to attach). ``timeout``: raise
+        ``WaitTimeout`` (a ``TimeoutError``) after that many seconds instead."""
+        if not self._ready:
+            self._wait_ready(None if timeout is None else time.monotonic() + max(0.0, timeout))
+        self._writer.put(obj, timeout)
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        self.enqueue(obj)
+        return obj
+
+    def wait_until_ready(self) -> None:
+        """Wait until every reader is attached (they start with the next message published)."""
+        self._wait_ready(None)
+
+    def close(self) -> None:
+        """End the queue: readers get what was enqueued, then ``EndOfStream``."""
+        self._finalizer()
+
+    def statistics(self) -> Any:
+        """The channel's ``WriterStatistics``: readers by rank name, their lag, who a blocked
+        ``enqueue`` waits for."""
+        return self._writer.statistics()
+
+    if not TYPE_CHECKING:
+
+        @property
+        def dequeue(self) -> None:
+            raise AttributeError(
+                "this is the writer's MessageQueue: it has no dequeue(). Read in the reader processes, "
+                "with MessageQueue.create_from_handle(writer.export_handle(), rank).dequeue() (or "
+                "broadcast_object(), which enqueues here and dequeues there)"
+            )
+
+    def _wait_ready(self, deadline: float | None) -> None:
+        start = time.monotonic()
+        said = start
+        while True:
+            readers = self._writer.statistics().readers
+            local = sum(r.transport == "shm" for r in readers)
+            remote = sum(r.transport == "tcp" for r in readers)
+            if local >= self.n_local_reader and remote >= self.n_remote_reader:
+                self._ready = True
+                return
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise WaitTimeout("the timeout passed before every reader attached")
+            if now - said >= READY_LOG_S:
+                said = now
+                log.warning(
+                    "aiobroadcast: the message queue has waited %.0f s for its readers: %d of %d local and "
+                    "%d of %d remote attached",
+                    now - start, local, self.n_local_reader, remote, self.n_remote_reader,
+                )
+            time.sleep(0.005)
+
+
+class MessageQueueReader(MessageQueue):
+    """A reader's ``MessageQueue``: ``dequeue`` and ``broadcast_object``; no ``enqueue``."""
+
+    _is_writer = False
+
+    def __new__(cls, handle: Handle, rank: int) -> MessageQueueReader:
+        return object.__new__(cls)
+
+    def __init__(self, handle: Handle, rank: int) -> None:
+        self.handle = handle
+        self.shutting_down = False
+        self._spin_condition = _SpinCondition()
+        name = f"rank-{rank}"
+        if rank in handle.local_reader_ranks:
+            reader = blocking.open_reader(handle.channel, name=name, transport="shm")
+        else:
+            if handle.n_reader == handle.n_local_reader:
+                raise BroadcastError(
+                    f"rank {rank} is not one of the local reader ranks {handle.local_reader_ranks}, and the "
+                    "queue was made for local readers only (n_reader == n_local_reader)"
+                )
+            reader = blocking.open_reader(handle.channel, name=name, transport="tcp")
+        self._reader: blocking.BlockingReader[Any] = reader
+        self._finalizer = weakref.finalize(self, _close_here, os.getpid(), reader.close)
+
+    def dequeue(
+        self, timeout: float | None = None, cancel: threading.Event | None = None, indefinite: bool = False
+    ) -> Any:
+        """The next object, waiting for it (asleep, no CPU). ``timeout``: raise ``WaitTimeout`` (a
+        ``TimeoutError``) after that many seconds; ``cancel`` set, or ``shutdown()`` called,
+        while it waits: raise ``QueueCancelled``. ``indefinite`` changes nothing (see the module).
+        Raises ``EndOfStream`` once the writer closed and everything was taken, ``WriterGone``
+        if its process died."""
+        try:
+            obj = self._reader.get_nowait()
+        except WouldBlock:
+            obj = self._wait(timeout, cancel)
+        self._spin_condition.last_read = time.monotonic()
+        return obj
+
+    def broadcast_object(self, obj: Any = None) -> Any:
+        return self.dequeue()
+
+    def shutdown(self) -> None:
+        self.shutting_down = True
+        self._reader._interrupt()
+
+    def close(self) -> None:
+        """Detach this reader (the writer stops waiting for it at once)."""
+        self._finalizer()
+
+    def statistics(self) -> Any:
+        """The reader's ``ReaderStatistics``."""
+        return self._reader.statistics()
+
+    if not TYPE_CHECKING:
+
+        @property
+        def enqueue(self) -> None:
+            raise AttributeError(
+                "this is a reader's MessageQueue: it has no enqueue(). Only the writer (the MessageQueue "
+                "made by MessageQueue(n_reader, n_local_reader, ...)) enqueues"
+            )
+
+    def _wait(self, timeout: float | None, cancel: threading.Event | None) -> Any:
+        def stop() -> BaseException | None:
+            if self.shutting_down or (cancel is not None and cancel.is_set()):
+                why = "shutdown() was called" if self.shutting_down else "its cancel event was set"
+                return QueueCancelled(f"cancelled: {why}")
+            return None
+
+        spin = self._spin_condition
+        busy_ns = None
+        if spin.busy_loop_s > 0:
+            busy_ns = max(0, int((spin.last_read + spin.busy_loop_s - time.monotonic()) * 1e9))
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        return self._reader._get(deadline, stop, CANCEL_CHECK_S if cancel is not None else None, busy_ns)
+
+
+def _close_here(pid: int, close: Callable[[], None]) -> None:
+    """Close a queue when it is collected or at exit, in the process that made it only: a fork
+    child inherits the finalizer (and drops the object, or exits through ``sys.exit``), and must
+    not end its parent's channel."""
+    if os.getpid() == pid:
+        close()
+
+
+# --- process groups ----------------------------------------------------------------------------
+class _GroupLike(Protocol):
+    rank: int
+    world_size: int
+
+    def broadcast_obj(self, obj: Any, src: int) -> Any: ...
+
+
+class _Group:
+    """A torch ``ProcessGroup`` (torch imported only then) or a vLLM ``StatelessProcessGroup``-like
+    object, seen as ``rank``, ``world_size`` and ``broadcast(obj, src)`` over group ranks."""
+
+    def __init__(self, pg: Any) -> None:
+        self.broadcast: Callable[[Any, int], Any]
+        if type(pg).__module__.split(".")[0] == "torch":
+            import torch.distributed as dist
+
+            self.rank = dist.get_rank(pg)
+            self.world_size = dist.get_world_size(pg)
+            ranks = dist.get_process_group_ranks(pg)
+
+            def broadcast(obj: Any, src: int) -> Any:
+                box = [obj]
+                dist.broadcast_object_list(box, src=ranks[src], group=pg)
+                return box[0]
+
+            self.broadcast = broadcast
+        else:
+            group: _GroupLike = pg
+            self.rank = group.rank
+            self.world_size = group.world_size
+            self.broadcast = group.broadcast_obj
+
+
+def _same_node(group: _Group, writer_rank: int) -> list[bool]:
+    """Which ranks share the writer's node: those that can map a probe ring it makes (the test
+    ``open_reader(transport="auto")`` uses). Collective."""
+    probe = blocking.open_writer(capacity=2, slot_bytes=64, max_readers=1) if group.rank == writer_rank else None
+    try:
+        channel = group.broadcast(probe.handle.to_json() if probe is not None else None, writer_rank)
+        mine = probe is not None or _ring_reachable(ChannelHandle.parse(channel))
+        # Every rank's answer to every rank; the writer's probe lives until all have looked.
+        return [bool(group.broadcast(mine if r == group.rank else None, r)) for r in range(group.world_size)]
+    finally:
+        if probe is not None:
+            probe.close()
+
+
+def _host_ip() -> str:
+    """The address remote readers connect to when ``connect_ip`` is not given."""
+    return os.environ.get("VLLM_HOST_IP") or socket.gethostbyname(socket.gethostname())

@@ -201,7 +201,7 @@ class ShmSource:
                     if not self._block and w[off >> 3] != c:  # the header may be torn
                         continue
                     self._advance(c, 0)
-                    self._next_msg = msg + 1
+                    self._next_msg = msg + total  # the lost messages have their numbers
                     self._lagged_total += total
                     raise ReaderLagged(total)
                 if self._block:

@@ -536,8 +536,10 @@ class Writer(Generic[T_contra]):
             seq += 1
         else:
             seq = self._write_fragments(_Chunks(parts), total, base_flags, seq, entries, first=True)
-        self._msg = msg + 1
-        w[W_NEXT_MSG] = msg + 1
+        # A gap marker takes the numbers of the messages it stands for, so a message's number is
+        # the same for every reader, local or remote, relayed or not (docs/design.md).
+        self._msg = msg + (gap or 1)
+        w[W_NEXT_MSG] = self._msg
         self._head = seq
         w[W_HEAD] = seq
         self._wake_readers()

@@ -217,3 +217,23 @@ async def test_spin_us_out_of_range_raises_value_error(spin_us: float) -> None:
         with pytest.raises(ValueError, match="spin_us"):
             async with ab.open_reader(writer.handle, spin_us=spin_us):
                 pass
+
+
+async def test_a_relayed_gap_counts_the_same_for_a_reader_that_reads_it_and_one_that_lags_over_it() -> None:
+    """A gap marker (a relay's upstream loss of 10 messages) takes their numbers: a reader that
+    reads it is told 10, and one that lags over it counts them in its ReaderLagged."""
+    async with ab.open_writer(capacity=4, slot_bytes=256, policy="lag") as writer:
+        async with ab.open_reader(writer.handle, name="keeps-up") as keeps_up, ab.open_reader(writer.handle) as lags:
+            await writer.put(0)
+            assert keeps_up.get_nowait() == 0
+            await writer._put_gap(10)  # messages 1..10 lost upstream
+            with pytest.raises(ab.ReaderLagged) as told:
+                keeps_up.get_nowait()
+            assert told.value.missed == 10
+            for k in range(11, 19):
+                await writer.put(k)
+                assert keeps_up.get_nowait() == k
+            with pytest.raises(ab.ReaderLagged) as lagged:
+                lags.get_nowait()
+            assert lagged.value.missed == 15  # 0, the 10 behind the marker, 11..14
+            assert [lags.get_nowait() for _ in range(4)] == [15, 16, 17, 18]

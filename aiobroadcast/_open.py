@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
-import subprocess
-import sys
 from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
 from typing import Any, Generic, Literal, Protocol, TypeVar, overload
@@ -32,6 +29,7 @@ from ._handle import CurveKeys, Handle, Policy, check_directory, check_endpoint,
 from ._reader import Reader, Source
 from ._reader import _private as _reader_token
 from ._shm_reader import ShmSource
+from ._tcp_supervisor import SERVER_START_S, ServerProcess, read_answer
 from ._writer import Writer
 from ._writer import _private as _writer_token
 
@@ -40,8 +38,6 @@ M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger("aiobroadcast")
 
 DEFAULT_DIRECTORY = "/dev/shm"
-#: how long open_writer(tcp=...) waits for its TCP server process to bind
-SERVER_START_S = 30.0
 Transport = Literal["auto", "shm", "tcp"]
 
 
@@ -216,22 +212,6 @@ def open_writer(
     return _Opening(make)
 
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _spawn_server() -> subprocess.Popen[bytes]:
-    # The child imports this very package, from wherever it was imported here.
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
-    return subprocess.Popen(
-        [sys.executable, "-m", "aiobroadcast._tcp_server"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        close_fds=True,
-        env=env,
-    )
-
-
 async def _start_server(
     writer: Writer[Any],
     seg: _ring.Segment,
@@ -269,22 +249,20 @@ async def _start_server(
         "max_remote": max_remote,
         "stats_path": stats_path,
     }
-    proc = _spawn_server()
-    assert proc.stdin is not None and proc.stdout is not None
+    server = ServerProcess(cfg, 12 * heartbeat_s)
+    proc = server.spawn()
     try:
-        proc.stdin.write(json.dumps(cfg).encode() + b"\n")
-        proc.stdin.flush()
-        with anyio.move_on_after(SERVER_START_S):
-            line = await anyio.to_thread.run_sync(proc.stdout.readline, abandon_on_cancel=True)
-        answer = json.loads(line) if line else {"error": "the TCP server process did not start"}
+        answer = await anyio.to_thread.run_sync(read_answer, proc, SERVER_START_S, abandon_on_cancel=True)
         if "error" in answer:
             raise BroadcastError(f"cannot serve {endpoint}: {answer['error']}")
     except BaseException:
         proc.kill()
         proc.wait()
+        assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.close()
         proc.stdout.close()
         raise
+    server.serve(proc, answer["endpoint"])
     full = handle.model_copy(
         update={
             "tcp": _advertised(answer["endpoint"], advertise),
@@ -295,7 +273,7 @@ async def _start_server(
             "hmac_key": hmac_key,
         }
     )
-    writer._serve_tcp(proc, Handle.model_validate(full.model_dump()), stats_path, 12 * heartbeat_s)
+    writer._serve_tcp(server, Handle.model_validate(full.model_dump()))
 
 
 def _advertised(endpoint: str, host: str | None) -> str:

@@ -7,6 +7,11 @@ go on while the writer is busy, and it notices the writer's death like any reade
 ring as one more local reader (its place is reserved), so under policy "block" a slow remote
 reader holds the writer back exactly like a local one. Closing its stdin asks it to stop once
 remote readers have drained; it publishes who is connected in a small JSON file beside the ring.
+
+Clients hold the keys but are not trusted: every frame is checked before it is acted on, a bad
+one costs only its sender, and what one client can make the server hold is bounded (docs/design.md,
+"Clients that hold the keys"). If the process dies anyway, the writer starts another
+(``_tcp_supervisor.py``), which takes this one's ring place over.
 """
 
 from __future__ import annotations
@@ -37,7 +42,6 @@ from ._tcp_supervisor import remove_quietly, stats_tmp_path
 log = logging.getLogger("aiobroadcast")
 
 BRIDGE_NAME = "tcp-server"
-
 
 #: ZeroMQ's queue of frame groups for one remote reader (ZMQ_SNDHWM). The server never queues
 #: more for a reader: a batch ZeroMQ refuses stays in the server's buffer and goes later. With
@@ -221,6 +225,8 @@ class TcpServer:
         finally:
             self._src.close()
             self._close_sockets()
+            # Nobody is served from here on (a writer dropped without aclose leaves it to us).
+            remove_quietly(self._stats_path)
             remove_quietly(stats_tmp_path(self._stats_path))
         return True
 

@@ -3,7 +3,8 @@
 The server (``_tcp_server.py``) is a process of its own. If it dies while the writer lives (a
 bug, the OOM killer, a stray SIGKILL), a thread of the writer's process that waits for it notices
 at once: it logs the death, removes the dead server's report (so ``statistics()`` stops listing
-readers nobody serves) and starts a new server on the same endpoint with the same keys. Remote
+readers nobody serves) and starts a new server on the same endpoint with the same keys, which
+takes the dead one's ring place over (docs/design.md, "When the server process dies"). Remote
 readers reconnect by themselves, say HELLO with the next message they need, and resume; what the
 dead server held and they had not received is reported to them exactly (``ReaderLagged``). If the
 new server cannot start (the endpoint was taken meanwhile, say), it tries ``START_ATTEMPTS``
@@ -229,6 +230,8 @@ class ServerProcess:
             ran = time.monotonic() - started
             with self._lock:
                 if self._stopped.is_set():
+                    if proc.stdout is not None:
+                        proc.stdout.close()  # stop() does too; abandon() leaves it to us
                     return
                 self.state = "restarting"
                 self._proc = None

@@ -9,12 +9,14 @@ handle's keys (``_peers.KeyedPeer``). Time bounds are liveness bounds with gener
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
 import socket
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -35,6 +37,7 @@ from _peers import (
     keyed_peer,
     read_events,
     remote_names,
+    server_processes,
     tcp_writer,
     the_server,
     until,
@@ -312,6 +315,20 @@ async def test_a_server_that_cannot_be_restarted_fails_loudly(caplog: pytest.Log
             assert any(r.levelno >= logging.ERROR and "TCP server" in r.getMessage() for r in caplog.records)
             assert remote_names(writer) == []
             await round_trip(writer, local, 0)
+
+
+@ON_ASYNCIO
+async def test_a_writer_dropped_without_aclose_lets_its_server_drain_and_stop() -> None:
+    """Its server is not restarted, not left running, and leaves no file (the fixture checks)."""
+    writer = await tcp_writer(heartbeat_s=0.2)
+    server = the_server()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ResourceWarning)  # "unclosed": it is the point here
+        del writer
+        gc.collect()
+    gone, _alive = await anyio.to_thread.run_sync(psutil.wait_procs, [server], 20.0)
+    assert gone == [server]
+    assert server_processes(os.getpid()) == []
 
 
 @ON_ASYNCIO

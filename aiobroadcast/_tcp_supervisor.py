@@ -138,20 +138,23 @@ class ServerProcess:
         snap = self._read_report()
         if snap is None:
             return (), dropped, rejected
-        infos = tuple(
-            ReaderInfo(
-                place=-1,
-                name=str(r["name"]),
-                pid=int(r["pid"]),
-                received=int(r["received"]),
-                lag=int(r["lag"]),
-                sleeping=False,
-                transport="tcp",
-                host=str(r.get("host", "")),
+        try:
+            infos = tuple(
+                ReaderInfo(
+                    place=-1,
+                    name=str(r["name"]),
+                    pid=int(r["pid"]),
+                    received=int(r["received"]),
+                    lag=int(r["lag"]),
+                    sleeping=False,
+                    transport="tcp",
+                    host=str(r.get("host", "")),
+                )
+                for r in snap.get("readers", ())
             )
-            for r in snap.get("readers", ())
-        )
-        return infos, dropped + int(snap.get("dropped", 0)), rejected + int(snap.get("rejected_frames", 0))
+            return infos, dropped + int(snap.get("dropped", 0)), rejected + int(snap.get("rejected_frames", 0))
+        except (AttributeError, KeyError, TypeError, ValueError):  # not a report this version writes
+            return (), dropped, rejected
 
     def _read_report(self) -> dict[str, Any] | None:
         try:
@@ -266,9 +269,12 @@ class ServerProcess:
         snap = self._read_report()
         served = None
         if snap is not None:
-            self._dropped_before += int(snap.get("dropped", 0))
-            self._rejected_before += int(snap.get("rejected_frames", 0))
-            served = len(snap.get("readers", ()))
+            try:
+                self._dropped_before += int(snap.get("dropped", 0))
+                self._rejected_before += int(snap.get("rejected_frames", 0))
+                served = len(snap.get("readers", ()))
+            except (TypeError, ValueError):  # not a report this version writes
+                pass
         remove_quietly(self.stats_path)
         remove_quietly(stats_tmp_path(self.stats_path))
         for f in (proc.stdin, proc.stdout):

@@ -116,6 +116,7 @@ class Writer(Generic[T_contra]):
         self._slept_ns = DENSE_NS  # no polling before the first sleep
         self._dropped = 0
         self._aborted = 0  # message numbers used by messages cut short (their LAST never published)
+        self._lost_upstream = 0  # message numbers that gap markers took beyond one each
         self._closed = False
         self._refusal: str | None = None  # why a fork child may not use it
         self._server: ServerProcess | None = None
@@ -241,6 +242,7 @@ class Writer(Generic[T_contra]):
         self._check_open()
         async with self._lock:
             await self._publish_when_room((b"",), 0, False, 1, gap=missed)
+        self._lost_upstream += missed - 1  # the marker took their numbers; it is one message sent
 
     def _relay_codec(self, codec: str, schema_path: str | None) -> None:
         """A relay's channel carries the upstream's bodies: say how to decode them."""
@@ -272,7 +274,7 @@ class Writer(Generic[T_contra]):
         server = self._server
         remote, remote_dropped, rejected = server.report() if server is not None else ((), 0, 0)
         return WriterStatistics(
-            sent=self._msg - self._aborted,
+            sent=self._msg - self._aborted - self._lost_upstream,
             head=self._head,
             capacity=self._cap,
             readers=readers + remote,

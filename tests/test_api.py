@@ -255,3 +255,4 @@ async def test_a_relayed_gap_counts_the_same_for_a_reader_that_reads_it_and_one_
                 lags.get_nowait()
             assert lagged.value.missed == 15  # 0, the 10 behind the marker, 11..14
             assert [lags.get_nowait() for _ in range(4)] == [15, 16, 17, 18]
+            assert writer.statistics().sent == 10  # the marker is one message sent

@@ -92,6 +92,8 @@ class ServerProcess:
         self._thread: threading.Thread | None = None
         self.state: TcpServerState = "running"
         self.restarts = 0
+        #: the exit code of the server ``stop`` stopped (0: it drained and stopped by itself)
+        self.returncode: int | None = None
         #: every server process this writer started (their ring places are named after them)
         self.pids: set[int] = set()
         # What servers that died had counted, so the totals in statistics() do not go back.
@@ -181,6 +183,7 @@ class ServerProcess:
                 log.warning("aiobroadcast: the TCP server did not stop in %.0f s; killed it", self._stop_s)
                 proc.kill()
                 proc.wait()
+            self.returncode = proc.returncode
         if self._thread is not None:
             self._thread.join()
         if proc is not None and proc.stdout is not None:

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import secrets
-import subprocess
-import sys
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass
 from types import TracebackType
@@ -33,6 +30,7 @@ from ._handle import CurveKeys, Handle, Policy, check_directory, check_endpoint,
 from ._reader import Reader, Source
 from ._reader import _private as _reader_token
 from ._shm_reader import ShmSource
+from ._tcp_supervisor import SERVER_START_S, ServerProcess, read_answer
 from ._writer import Writer
 from ._writer import _private as _writer_token
 
@@ -41,8 +39,6 @@ M = TypeVar("M", bound=BaseModel)
 log = logging.getLogger("aiobroadcast")
 
 DEFAULT_DIRECTORY = "/dev/shm"
-#: how long open_writer(tcp=...) waits for its TCP server process to bind
-SERVER_START_S = 30.0
 Transport = Literal["auto", "shm", "tcp"]
 
 
@@ -163,14 +159,12 @@ def open_writer(
         if tcp is not None:
             try:
                 start = _ServerStart(writer, spec)
-                line = b""
                 try:
-                    with anyio.move_on_after(SERVER_START_S):
-                        line = await anyio.to_thread.run_sync(start.readline, abandon_on_cancel=True)
+                    answer = await anyio.to_thread.run_sync(start.answer, abandon_on_cancel=True)
                 except BaseException:
                     start.kill()
                     raise
-                start.finish(line)
+                start.finish(answer)
             except BaseException:
                 await writer.aclose()
                 raise
@@ -276,25 +270,9 @@ class _WriterSpec:
             raise
 
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _spawn_server() -> subprocess.Popen[bytes]:
-    # The child imports this very package, from wherever it was imported here.
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
-    return subprocess.Popen(
-        [sys.executable, "-m", "aiobroadcast._tcp_server"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        close_fds=True,
-        env=env,
-    )
-
-
 class _ServerStart:
     """Starting the TCP server process for a writer: the parts before and after waiting for its
-    answer (``readline``, within ``SERVER_START_S``), shared by the async and blocking factories."""
+    answer (``answer``, within ``SERVER_START_S``), shared by the async and blocking factories."""
 
     def __init__(self, writer: Writer[Any], spec: _WriterSpec) -> None:
         assert spec.tcp is not None
@@ -311,7 +289,6 @@ class _ServerStart:
             self._keys = spec.keys or CurveKeys.generate()
             self._hmac_key = None
         k = self._keys
-        self._stats_path = writer._seg.sock_path("tcp").removesuffix(".sock") + ".json"
         cfg = {
             "handle": handle.model_dump(),
             "endpoint": spec.tcp,
@@ -324,39 +301,31 @@ class _ServerStart:
             "hb_interval": spec.heartbeat_s,
             "hb_timeout": 6 * spec.heartbeat_s,
             "max_remote": spec.max_readers,
-            "stats_path": self._stats_path,
+            "stats_path": writer._seg.sock_path("tcp").removesuffix(".sock") + ".json",
         }
-        self.proc = proc = _spawn_server()
-        assert proc.stdin is not None and proc.stdout is not None
-        self.stdout = proc.stdout
-        try:
-            proc.stdin.write(json.dumps(cfg).encode() + b"\n")
-            proc.stdin.flush()
-        except BaseException:
-            self.kill()
-            raise
+        self._server = ServerProcess(cfg, 12 * spec.heartbeat_s)
+        self.proc = self._server.spawn()
 
-    def readline(self) -> bytes:
-        return self.stdout.readline()
+    def answer(self) -> dict[str, Any]:
+        """Wait (blocking) for the server's answer: its endpoint, or why it could not serve."""
+        return read_answer(self.proc, SERVER_START_S)
 
     def kill(self) -> None:
         proc = self.proc
-        assert proc.stdin is not None
         proc.kill()
         proc.wait()
+        assert proc.stdin is not None and proc.stdout is not None
         proc.stdin.close()
-        self.stdout.close()
+        proc.stdout.close()
 
-    def finish(self, line: bytes) -> None:
-        """Read the server's answer and give the writer the full handle (kills it on error)."""
+    def finish(self, answer: dict[str, Any]) -> None:
+        """Give the writer the full handle and its server; ``BroadcastError`` (and the process
+        killed) if the server could not serve."""
         spec = self._spec
-        try:
-            answer = json.loads(line) if line else {"error": "the TCP server process did not start"}
-            if "error" in answer:
-                raise BroadcastError(f"cannot serve {spec.tcp}: {answer['error']}")
-        except BaseException:
+        if "error" in answer:
             self.kill()
-            raise
+            raise BroadcastError(f"cannot serve {spec.tcp}: {answer['error']}")
+        self._server.serve(self.proc, answer["endpoint"])
         k = self._keys
         full = self._writer.handle.model_copy(
             update={
@@ -368,9 +337,7 @@ class _ServerStart:
                 "hmac_key": self._hmac_key,
             }
         )
-        self._writer._serve_tcp(
-            self.proc, Handle.model_validate(full.model_dump()), self._stats_path, 12 * spec.heartbeat_s
-        )
+        self._writer._serve_tcp(self._server, Handle.model_validate(full.model_dump()))
 
 
 def _advertised(endpoint: str, host: str | None) -> str:

@@ -441,7 +441,8 @@ def sweep_stale(directory: str) -> list[str]:
             young = time.time() - st.st_mtime < STALE_MIN_AGE_S
             if stat.S_ISREG(st.st_mode) and not young and try_lock(fd, 0, 0):
                 for extra in os.listdir(directory):
-                    if extra.startswith(name + "-") and extra.endswith((".sock", ".json")):
+                    m = _ORPHAN_RE.match(extra)
+                    if m is not None and m.group(1) == name:
                         _unlink_quiet(os.path.join(directory, extra))
                 _unlink_quiet(path)
                 removed.append(path)
@@ -450,7 +451,10 @@ def sweep_stale(directory: str) -> list[str]:
     return removed
 
 
-_ORPHAN_RE = re.compile(r"^(aiobroadcast-[0-9a-f]{32})-[\w.-]+\.(sock|json)$")
+#: Every other file a channel has beside its segment: wake-up sockets (``-w.sock``, ``-r3.sock``),
+#: the TCP server's report (``-tcp.json``) and the temporary file it is written to first
+#: (``-tcp.json.tmp``, left behind if the server is killed while writing it).
+_ORPHAN_RE = re.compile(r"^(aiobroadcast-[0-9a-f]{32})-[\w.-]+\.(sock|json|json\.tmp)$")
 
 
 def _sweep_orphan(directory: str, name: str) -> None:

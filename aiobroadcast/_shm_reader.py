@@ -60,7 +60,18 @@ class ShmSource:
     """Takes entries from the ring for one reader place. Used by one ``Reader``; only one task
     at a time calls ``sleep``."""
 
-    def __init__(self, seg: Segment, handle: Handle, name: str, decode: Decoder, *, hold: bool = False) -> None:
+    def __init__(
+        self,
+        seg: Segment,
+        handle: Handle,
+        name: str,
+        decode: Decoder,
+        *,
+        hold: bool = False,
+        take_over: int | None = None,
+    ) -> None:
+        """``take_over``: the pid of a dead reader whose place to take, cursor and all, if the
+        writer has not dropped it yet (policy "block" only; see ``_take_over``)."""
         self._seg = seg
         self._handle = handle
         self._name = name
@@ -96,22 +107,25 @@ class ShmSource:
         self._outbox = Outbox()
         self._writer_sock = seg.sock_path("w")
         try:
-            self._join()
+            self._join(take_over)
         except BaseException:
             self._outbox.close()  # else its socket leaks (ResourceWarning) on TooManyReaders etc.
             raise
         self._closed = False
 
     # --- joining and leaving -------------------------------------------------------------
-    def _join(self) -> None:
+    def _join(self, take_over: int | None) -> None:
         seg = self._seg
         lay = seg.layout
         w = self._words
-        for i in range(lay.max_readers):
-            if _ring.try_lock(seg.fd, _ring.reader_lock_byte(i)):
-                break
-        else:
-            raise TooManyReaders(lay.max_readers)
+        i = -1 if take_over is None else self._take_over(take_over)
+        resume = i >= 0
+        if not resume:
+            for i in range(lay.max_readers):
+                if _ring.try_lock(seg.fd, _ring.reader_lock_byte(i)):
+                    break
+            else:
+                raise TooManyReaders(lay.max_readers)
         self._index = i
         try:
             if _ring.is_locked(seg.fd, _ring.WRITER_LOCK_BYTE) is False or w[W_CLOSED]:
@@ -129,6 +143,12 @@ class ShmSource:
             seg.write_name(i, self._name)
             seg.write_host(i, _ring.host_name())
             w[self._wait_word] = 0
+            if resume:
+                # The place never stopped being active, so the entries from its cursor on are
+                # still in the ring: go on from there.
+                self._cursor = w[self._cur_word]
+                self._next_msg = self._number_at(self._cursor)
+                return
             # docs/design.md, "Joining without missing anything".
             w[self._cur_word] = w[W_HEAD]
             w[lay.record_word(i, R_ACTIVE)] = 1
@@ -144,6 +164,37 @@ class ShmSource:
         except BaseException:
             self._leave()
             raise
+
+    def _take_over(self, pid: int) -> int:
+        """The place of the dead reader ``pid``, locked, if it is still attached; else -1.
+
+        The writer's TCP server started again takes the dead server's place: under policy
+        "block" the writer has kept every entry from that place's cursor on, so nothing in the
+        ring is lost to remote readers (docs/design.md, "Remote readers"). The writer drops a
+        dead reader's place holding its lock, so a place still active once we hold the lock is
+        ours with its cursor. Under policy "lag" nothing is kept for a place: join as new."""
+        seg = self._seg
+        if not self._block:
+            return -1
+        for i in range(seg.layout.max_readers):
+            if not seg.rec_active[i] or self._words[seg.layout.record_word(i, R_PID)] != pid:
+                continue
+            if _ring.try_lock(seg.fd, _ring.reader_lock_byte(i)):
+                if seg.rec_active[i]:
+                    return i
+                _ring.unlock(seg.fd, _ring.reader_lock_byte(i))  # dropped meanwhile
+        return -1
+
+    def _number_at(self, c: int) -> int:
+        """The number of the first message whose start is at or after entry ``c`` (which no
+        writer overwrites while our place holds it)."""
+        off = self._data + (c % self._cap) * self._slot_bytes
+        if self._words[off >> 3] == c:
+            msg, _flen, flags, _total = SLOT_REST.unpack_from(self._buf, off + 8)
+            return int(msg) if flags & F_FIRST else int(msg) + 1  # the rest of a message is skipped
+        # Not published yet. The writer stores next_msg before head, so this may already count a
+        # message it is publishing at c: the TCP server renumbers from the first it reads.
+        return self._words[W_NEXT_MSG]
 
     def _writer_pidfd(self) -> int | None:
         """A pidfd of the writer's process, to wake when it exits (docs/design.md, "Liveness"):
@@ -201,7 +252,7 @@ class ShmSource:
                     if not self._block and w[off >> 3] != c:  # the header may be torn
                         continue
                     self._advance(c, 0)
-                    self._next_msg = msg + 1
+                    self._next_msg = msg + total  # the lost messages have their numbers
                     self._lagged_total += total
                     raise ReaderLagged(total)
                 if self._block:
@@ -451,6 +502,12 @@ class ShmSource:
         """Wake this reader's sleeper (from another thread): it looks at the ring again."""
         if self._inbox is not None:
             self._outbox.wake(self._inbox.path)
+
+    @property
+    def next_msg(self) -> int:
+        """The number of the next message this reader expects: one more than the message just
+        delivered, or the first kept after a ``ReaderLagged``."""
+        return self._next_msg
 
     @property
     def inbox_fd(self) -> int:

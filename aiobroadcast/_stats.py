@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Literal, NamedTuple
+
+#: the state of the process that serves remote readers (``open_writer(tcp=...)``)
+TcpServerState = Literal["none", "running", "restarting", "failed"]
 
 
 class ReaderInfo(NamedTuple):
@@ -30,6 +33,12 @@ class WriterStatistics(NamedTuple):
     waiting_for: tuple[ReaderInfo, ...]  #: the readers a blocked ``put`` is waiting on
     tasks_waiting: int  #: ``put`` calls waiting for room or for their turn
     dropped_readers: int  #: readers found dead and removed by this writer
+    #: the process that serves remote readers: "none" (no ``tcp=``), "running", "restarting"
+    #: (it died; the writer is starting a new one on the same endpoint), "failed" (it could not
+    #: be restarted: remote readers are not served; the log says why)
+    tcp_server: TcpServerState = "none"
+    tcp_server_restarts: int = 0  #: times the writer restarted it
+    rejected_frames: int = 0  #: frame groups from remote peers the TCP server refused
 
 
 class ReaderStatistics(NamedTuple):

@@ -306,9 +306,9 @@ class TcpSource:
     def _hello(self, resume: int | None) -> None:
         hello = {
             "version": wire.PROTOCOL_VERSION,
-            "name": self._name,
+            "name": self._name[: wire.NAME_CHARS],  # the server refuses longer ones (and shows 64)
             "pid": os.getpid(),
-            "host": host_name(),
+            "host": host_name()[: wire.HOST_CHARS],
             "window": self._window,
             "resume": resume,
         }

@@ -7,6 +7,11 @@ go on while the writer is busy, and it notices the writer's death like any reade
 ring as one more local reader (its place is reserved), so under policy "block" a slow remote
 reader holds the writer back exactly like a local one. Closing its stdin asks it to stop once
 remote readers have drained; it publishes who is connected in a small JSON file beside the ring.
+
+Clients hold the keys but are not trusted: every frame is checked before it is acted on, a bad
+one costs only its sender, and what one client can make the server hold is bounded (docs/design.md,
+"Clients that hold the keys"). If the process dies anyway, the writer starts another
+(``_tcp_supervisor.py``), which takes this one's ring place over.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import struct
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -30,12 +35,29 @@ import zmq.auth.thread
 from . import _wire as wire
 from ._exceptions import BroadcastError, EndOfStream, ReaderLagged, WouldBlock, WriterGone
 from ._handle import Handle
-from ._ring import Segment, attach_segment
+from ._ring import NAME_BYTES, W_NEXT_MSG, Segment, attach_segment
 from ._shm_reader import ShmSource
+from ._tcp_supervisor import remove_quietly, stats_tmp_path
 
 log = logging.getLogger("aiobroadcast")
 
 BRIDGE_NAME = "tcp-server"
+
+#: ZeroMQ's queue of frame groups for one remote reader (ZMQ_SNDHWM). The server never queues
+#: more for a reader: a batch ZeroMQ refuses stays in the server's buffer and goes later. With
+#: BATCH_BYTES this bounds what a reader that does not read (or asks for everything again and
+#: again) costs the server: docs/design.md, "Remote readers".
+SEND_HWM = 16
+#: a batch takes no more bodies once it holds this many bytes
+BATCH_BYTES = 128 * 1024
+#: frame groups ZeroMQ takes in from one reader before it stops reading that connection
+RECV_HWM = 64
+#: how soon the server tries again to send to a reader whose queue was full
+RETRY_S = 0.005
+#: a remote peer's refused frames are logged at most once in this many seconds
+COMPLAIN_EVERY_S = 60.0
+#: peers remembered for that (a flood of new peers is not logged one by one)
+COMPLAINTS_KEPT = 256
 
 
 def _raw(body: Any, oob: bool) -> tuple[bytes | zmq.Frame, int]:
@@ -56,10 +78,12 @@ class _Client:
     next_send: int
     acked: int
     last_heard: float
+    #: when it last had the server send again (HELLO, NACK): at most once a heartbeat
+    resent_at: float = 0.0
     ended: bool = False
-    received_total: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
     host: str = ""  #: where it lives, as it says in HELLO (optional)
+    #: ZeroMQ refused the last send (its queue is full, or it is not connected): try again soon
+    choked: bool = False
 
 
 class _Allow:
@@ -90,7 +114,11 @@ class TcpServer:
         max_remote: int,
         stop_fd: int,
         stats_path: str,
+        take_over: int | None = None,
+        returning: int = 0,
     ) -> None:
+        """``take_over`` and ``returning``: this server replaces one that died (pid
+        ``take_over``), which served ``returning`` remote readers; see ``_awaiting_return``."""
         self._handle = handle
         self._stats_path = stats_path
         self._window = window
@@ -101,16 +129,19 @@ class TcpServer:
         self._max_remote = max_remote
         self._block = handle.policy == "block"
         self._key = hmac_key if insecure else None
+        self._ring_words = seg.words
         self._ctx = zmq.Context()
         self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
         self._router = self._ctx.socket(zmq.ROUTER)
         try:
             r = self._router
             r.linger = 0
-            r.sndhwm = 0  # bounded by the credit windows instead
-            r.rcvhwm = 0
+            r.sndhwm = SEND_HWM
+            r.rcvhwm = RECV_HWM
             r.maxmsgsize = wire.MAX_CONTROL_FRAME
-            r.router_mandatory = False
+            # A full queue raises Again, an unknown peer EHOSTUNREACH: nothing is dropped silently,
+            # so the server knows what it has sent.
+            r.router_mandatory = True
             if not insecure:
                 assert server_secret is not None and client_public is not None
                 self._auth = zmq.auth.thread.ThreadAuthenticator(self._ctx, log=logging.getLogger("aiobroadcast.zap"))
@@ -124,7 +155,7 @@ class TcpServer:
             except zmq.ZMQError as exc:
                 raise BroadcastError(f"cannot bind {endpoint}: {exc}") from exc
             self.endpoint = r.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._src = ShmSource(seg, handle, BRIDGE_NAME, _raw)
+            self._src = ShmSource(seg, handle, BRIDGE_NAME, _raw, take_over=take_over)
         except BaseException:
             self._close_sockets()
             raise
@@ -133,19 +164,27 @@ class TcpServer:
         self._lock = threading.Lock()
         self._clients: dict[bytes, _Client] = {}
         self._buf: list[tuple[bytes | zmq.Frame, int]] = []
-        # seq of each entry of _buf, ascending. Consecutive but for gaps (policy "lag": the ring
-        # overwrote messages before we took them); a seq in [_base, _end) that is not here was lost.
+        # Message number of each entry of _buf, ascending: the ring's own numbers, so a server
+        # started again (by the writer, after this one died) numbers the stream the same way.
+        # Consecutive but for gaps (policy "lag": the ring overwrote messages before we took
+        # them); a number in [_base, _end) that is not here was lost.
         self._seqs: list[int] = []
-        self._base = 0  # nothing before it is held
-        self._end = 0  # next seq the server will have
+        self._base = self._src.next_msg  # nothing before it is held
+        self._end = self._base  # next number the server will have
         self._ring_done: str | None = None  # "closed" or "gone"
         self._stopping = False
         self._stop_deadline = 0.0
         self.dropped = 0
         self.rejected_frames = 0
+        self._complaints: dict[bytes, float] = {}
+        self._report_failing = False
+        self._returning = returning
+        self._grace_until = time.monotonic() + 2 * hb_timeout
 
     def _write_stats(self) -> None:
-        """Who is connected, for ``Writer.statistics()`` and ``aiobroadcast stats``."""
+        """Who is connected, for ``Writer.statistics()`` and ``aiobroadcast stats``. Only a
+        report: if it cannot be written (a full /dev/shm), the last one stays and readers are
+        served as before."""
         snapshot = {
             "pid": os.getpid(),
             "end": self._end,
@@ -156,19 +195,40 @@ class TcpServer:
                 for c in self._clients.values()
             ],
         }
-        tmp = f"{self._stats_path}.tmp"
-        with open(tmp, "w") as f:
-            json.dump(snapshot, f)
-        os.replace(tmp, self._stats_path)
+        tmp = stats_tmp_path(self._stats_path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(snapshot, f)
+            os.replace(tmp, self._stats_path)
+        except OSError as exc:
+            remove_quietly(tmp)
+            if not self._report_failing:
+                self._report_failing = True
+                log.warning(
+                    "aiobroadcast: the TCP server cannot write its report %s (%s); remote readers are "
+                    "served as before, statistics() shows the last report until there is room",
+                    self._stats_path,
+                    exc.strerror or exc,
+                )
+            return
+        if self._report_failing:
+            self._report_failing = False
+            log.warning("aiobroadcast: the TCP server writes its report %s again", self._stats_path)
 
-    def run(self) -> None:
+    def run(self) -> bool:
+        """Serve until stopped; False if the server failed (a bug: the writer starts another)."""
         try:
             self._loop()
-        except Exception:  # pragma: no cover - a bug; readers will see the writer as gone
+        except Exception:  # pragma: no cover - a bug
             log.exception("aiobroadcast: TCP server failed")
+            return False
         finally:
             self._src.close()
             self._close_sockets()
+            # Nobody is served from here on (a writer dropped without aclose leaves it to us).
+            remove_quietly(self._stats_path)
+            remove_quietly(stats_tmp_path(self._stats_path))
+        return True
 
     def _close_sockets(self) -> None:
         self._router.close(linger=0)
@@ -202,8 +262,11 @@ class TcpServer:
                 continue  # the ring changed while we announced the sleep
             if ring_sleep:
                 poller.register(inbox, zmq.POLLIN)
+            wait_s = next_hb - time.monotonic()
+            if any(c.choked for c in self._clients.values()):
+                wait_s = min(wait_s, RETRY_S)
             try:
-                poller.poll(int(max(0.0, next_hb - time.monotonic()) * 1000) + 1)
+                poller.poll(int(max(0.0, wait_s) * 1000) + 1)
             finally:
                 if ring_sleep:
                     poller.unregister(inbox)
@@ -217,24 +280,22 @@ class TcpServer:
                 except BlockingIOError:
                     pass
 
-    def _pull_ring(self, *, catch_up: bool = False) -> int:
-        """Take what the ring holds into the buffer (under "block", while the buffer has room).
-        ``catch_up``: take what the ring holds now even if the buffer is full (at most
-        ``capacity`` messages), so that a reader joining now starts after it."""
+    def _pull_ring(self) -> int:
+        """Take what the ring holds into the buffer (under "block", while the buffer has room)."""
         n = 0
         buf = self._buf
-        most = self._handle.capacity if catch_up else 4096
-        while self._ring_done is None and (catch_up or not self._block or len(buf) < self._buffer_max) and n < most:
+        src = self._src
+        while self._ring_done is None and (not self._block or len(buf) < self._buffer_max) and n < 4096:
             try:
-                item = self._src.get_nowait()
+                item = src.get_nowait()
             except WouldBlock:
                 break
-            except ReaderLagged as exc:
+            except ReaderLagged:
                 # The ring overwrote messages before we took them (policy "lag"): a gap in the
                 # buffer. Readers still get what we hold before it, then are told exactly what
                 # the gap cost them (_send_clients).
                 with self._lock:
-                    self._end += exc.missed
+                    self._end = src.next_msg
                 continue
             except EndOfStream:
                 self._ring_done = "closed"
@@ -242,21 +303,38 @@ class TcpServer:
             except WriterGone:
                 self._ring_done = "gone"
                 break
+            seq = src.next_msg - 1
+            if seq < self._base and not self._seqs:
+                # Only the first message after joining can be numbered below what the ring said
+                # then (the writer was between its two stores; docs/design.md, "Joining"). It is
+                # still ours to send: start there.
+                self._base = seq
             buf.append(item)
-            self._seqs.append(self._end)
+            self._seqs.append(seq)
             with self._lock:
-                self._end += 1
+                self._end = seq + 1
             n += 1
         return n
 
-    def _send(self, ident: bytes, frames: list[Any]) -> None:
-        self._send_signed(ident, wire.sign(self._key, frames))
+    def _horizon(self) -> int:
+        """The number of the next message the writer will publish (and this server will have)."""
+        return max(self._end, self._ring_words[W_NEXT_MSG])
 
-    def _send_signed(self, ident: bytes, frames: list[Any]) -> None:
+    def _send(self, ident: bytes, frames: list[Any]) -> bool:
+        return self._send_signed(ident, wire.sign(self._key, frames))
+
+    def _send_signed(self, ident: bytes, frames: list[Any]) -> bool:
+        """Hand ``frames`` to ZeroMQ for ``ident``; False if it refused: the reader's queue is full
+        (SEND_HWM: it is not reading) or it is not connected right now."""
         try:
             self._router.send_multipart([ident, *frames], flags=zmq.NOBLOCK)
-        except zmq.Again:  # pragma: no cover - sndhwm is unlimited
-            pass
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            return False
+        return True
 
     def _recv_clients(self) -> None:
         router = self._router
@@ -266,85 +344,138 @@ class TcpServer:
             except zmq.Again:
                 return
             ident, rest = frames[0], frames[1:]
+            if len(rest) > wire.MAX_CONTROL_FRAMES:
+                self._reject(ident, f"{len(rest)} frames in one message")
+                continue
             try:
-                self._handle_frames(ident, wire.verify(self._key, rest))
-            except (wire.FrameError, ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
+                rest = wire.verify(self._key, rest)
+            except wire.FrameError as exc:
+                # Not authentic (insecure mode): nothing says which reader it claims to be, so
+                # nobody is dropped for it.
                 self.rejected_frames += 1
-                log.warning("aiobroadcast: rejected a malformed frame from a remote reader: %s", exc)
+                self._complain(ident, None, str(exc))
+                continue
+            try:
+                self._handle_frames(ident, rest)
+            except (wire.FrameError, struct.error) as exc:
+                self._reject(ident, str(exc))
+            except Exception as exc:  # a bug: it must not take the other readers down with it
+                log.exception("aiobroadcast: the TCP server failed on a frame from a remote reader")
+                self._reject(ident, f"internal error {type(exc).__name__}")
+
+    def _reject(self, ident: bytes, reason: str) -> None:
+        """A frame from ``ident`` that the server refuses: count it, drop that reader (only it),
+        tell it why."""
+        self.rejected_frames += 1
+        with self._lock:
+            client = self._clients.pop(ident, None)
+        self._complain(ident, client, reason)
+        self._send(ident, [wire.REFUSED, f"malformed frame: {reason}".encode()[:256]])
+        if client is not None:
+            self._write_stats()
+
+    def _complain(self, ident: bytes, client: _Client | None, reason: str) -> None:
+        """Log a refused frame: once per peer per COMPLAIN_EVERY_S, so a flood is a few lines."""
+        now = time.monotonic()
+        last = self._complaints.get(ident)
+        if last is not None and now - last < COMPLAIN_EVERY_S:
+            return
+        if len(self._complaints) >= COMPLAINTS_KEPT:
+            self._complaints = {k: t for k, t in self._complaints.items() if now - t < COMPLAIN_EVERY_S}
+            if len(self._complaints) >= COMPLAINTS_KEPT:
+                return
+        self._complaints[ident] = now
+        who = f"remote reader {client.name!r} (pid {client.pid})" if client else "a remote peer"
+        log.warning(
+            "aiobroadcast: the TCP server refused a frame from %s: %s%s (%d refused so far)",
+            who,
+            reason[:200],
+            "; dropped it" if client else "",
+            self.rejected_frames,
+        )
 
     def _handle_frames(self, ident: bytes, frames: list[bytes]) -> None:
+        """Act on one reader's frame group, each field checked first (raises ``FrameError``)."""
         if not frames:
             raise wire.FrameError("empty message")
         kind = frames[0]
         now = time.monotonic()
         client = self._clients.get(ident)
         if kind == wire.HELLO:
-            hello = wire.decode_json(frames[1])
-            if hello.get("version") != wire.PROTOCOL_VERSION:
-                self._send(ident, [wire.REFUSED, b"protocol version mismatch"])
-                return
-            if client is None and len(self._clients) >= self._max_remote:
-                self._send(ident, [wire.REFUSED, f"all {self._max_remote} remote reader places are taken".encode()])
-                return
-            resume = hello.get("resume")
-            if resume is None:
-                # A new reader starts with the next message published, as on shared memory: not
-                # with what a full buffer (a slow reader, policy "block") left in the ring.
-                self._pull_ring(catch_up=True)
-            start = self._end if resume is None else int(resume)
-            client = _Client(
-                ident=ident,
-                name=str(hello.get("name", "?"))[:64],
-                pid=int(hello.get("pid", 0)),
-                host=str(hello.get("host", ""))[:64],
-                window=max(1, min(int(hello.get("window", self._window)), self._window)),
-                next_send=start,
-                acked=start,
-                last_heard=now,
-            )
-            with self._lock:
-                self._clients[ident] = client
-            self._write_stats()  # statistics() lists it as soon as open_reader returns
-            welcome = {
-                "start": start,
-                "policy": self._handle.policy,
-                "hb_interval": self._hb_interval,
-                "hb_timeout": self._hb_timeout,
-                "window": client.window,  # the credit granted: the reader acknowledges every half of it
-            }
-            self._send(ident, [wire.WELCOME, wire.encode_json(welcome)])
-            self._rewind(client, start)
+            _arity(frames, 1)
+            self._hello(ident, client, wire.decode_hello(frames[1]), now)
             return
+        if kind in (wire.ACK, wire.NACK):
+            _arity(frames, 1)
+            if len(frames[1]) != wire.U64.size:
+                raise wire.FrameError(f"{kind!r} needs a u64, got {len(frames[1])} bytes")
+            (n,) = wire.U64.unpack(frames[1])
+        elif kind == wire.BYE:
+            _arity(frames, 0)
+        else:
+            raise wire.FrameError(f"unknown frame kind {kind[:8]!r}")
         if client is None:
             if kind != wire.BYE:
                 self._send(ident, [wire.UNKNOWN])
             return
         client.last_heard = now
         if kind == wire.ACK:
-            (n,) = wire.U64.unpack(frames[1])
             if n > client.acked:
                 client.acked = min(n, client.next_send)
         elif kind == wire.NACK:
-            (n,) = wire.U64.unpack(frames[1])
-            self._rewind(client, n)
-        elif kind == wire.BYE:
+            if now - client.resent_at < self._hb_interval:
+                return  # what it asked for a moment ago is on its way; it asks again if not
+            client.resent_at = now
+            # Send again from n, within its window: what it acknowledged it has, and beyond its
+            # credit it may not ask.
+            client.next_send = max(client.acked, min(n, client.acked + client.window, self._horizon()))
+            client.ended = False
+        else:
             with self._lock:
                 del self._clients[ident]
             self._write_stats()
-        else:
-            raise wire.FrameError(f"unknown frame kind {kind[:8]!r}")
 
-    def _rewind(self, client: _Client, n: int) -> None:
-        """Send again from ``n``; if the server no longer has it, say exactly what is lost."""
-        n = min(n, self._end)
-        if n < self._base:
-            self._send(client.ident, [wire.LAGGED, wire.U64x2.pack(self._base, self._base - n)])
-            n = self._base
-        client.next_send = n
-        # Credit is not granted for the gap: the reader acknowledges it once it has taken the
-        # LAGGED report (it then holds at most `window` messages, however long it stalls).
-        client.acked = min(client.acked, n)
-        client.ended = False
+    def _hello(self, ident: bytes, client: _Client | None, hello: wire.Hello, now: float) -> None:
+        if hello.version != wire.PROTOCOL_VERSION:
+            self._send(ident, [wire.REFUSED, b"protocol version mismatch"])
+            return
+        if client is not None and now - client.resent_at < self._hb_interval:
+            return  # it said HELLO a moment ago; it says it again if the WELCOME is lost
+        if client is None and len(self._clients) >= self._max_remote:
+            self._send(ident, [wire.REFUSED, f"all {self._max_remote} remote reader places are taken".encode()])
+            return
+        horizon = self._horizon()
+        if hello.resume is not None and self._returning:
+            self._returning -= 1
+        if hello.resume is not None and hello.resume > horizon:
+            raise wire.FrameError(f"resume at {hello.resume}, beyond the stream's next message {horizon}")
+        # A new reader starts with the next message published, as on shared memory: not with
+        # what the server still holds, nor with what is in the ring and not yet taken (a slow
+        # reader, policy "block"). A returning one resumes where it says; if that is before
+        # what the server holds, _send_clients tells it exactly what it lost.
+        start = horizon if hello.resume is None else hello.resume
+        client = _Client(
+            ident=ident,
+            name=hello.name[:NAME_BYTES],
+            pid=hello.pid,
+            host=hello.host,
+            window=min(hello.window, self._window),
+            next_send=start,
+            acked=start,
+            last_heard=now,
+            resent_at=now,
+        )
+        with self._lock:
+            self._clients[ident] = client
+        self._write_stats()  # statistics() lists it as soon as open_reader returns
+        welcome = {
+            "start": start,
+            "policy": self._handle.policy,
+            "hb_interval": self._hb_interval,
+            "hb_timeout": self._hb_timeout,
+            "window": client.window,  # the credit granted: the reader acknowledges every half of it
+        }
+        self._send(ident, [wire.WELCOME, wire.encode_json(welcome)])
 
     def _send_clients(self) -> int:
         sent = 0
@@ -352,46 +483,79 @@ class TcpServer:
         # every byte), keyed by its first seq and count, which fix its content within this call.
         batches: dict[tuple[int, int], list[Any]] = {}
         for client in list(self._clients.values()):
-            if client.next_send < self._base:  # the server's own ring reader lagged: say so
-                self._rewind(client, client.next_send)
-            limit = min(self._end, client.acked + client.window)
-            if client.next_send < limit:
-                seqs = self._seqs
-                lo = bisect.bisect_left(seqs, client.next_send)
-                if lo == len(seqs) or seqs[lo] != client.next_send:
-                    # In a gap of the server's own: say what it holds next, and go on from there.
-                    after = seqs[lo] if lo < len(seqs) else self._end
-                    self._send(client.ident, [wire.LAGGED, wire.U64x2.pack(after, after - client.next_send)])
-                    client.next_send = after
-                    if after >= limit:
-                        continue  # no credit beyond the gap until the reader takes the report
-                first = client.next_send
-                hi = lo + min(limit - first, len(seqs) - lo)
-                hi = _run_end(seqs, lo, hi)  # stop before a gap
-                items = []
-                size = 0
-                for item in self._buf[lo:hi]:
-                    items.append(item)
-                    size += len(item[0])
-                    if size >= 1 << 20:
-                        break
-                key = (first, len(items))
-                frames = batches.get(key)
-                if frames is None:
-                    frames = batches[key] = wire.sign(self._key, wire.encode_batch(first, items))
-                self._send_signed(client.ident, frames)
-                client.next_send += len(items)
-                sent += len(items)
-            elif self._ring_done and not client.ended and client.next_send >= self._end:
-                self._send(client.ident, [wire.END, wire.U64.pack(self._end), self._ring_done.encode()])
-                client.ended = True
+            try:
+                sent += self._send_client(client, batches)
+            except Exception:  # a bug: it must not take the other readers down with it
+                log.exception("aiobroadcast: the TCP server failed to send to %r; dropped it", client.name)
+                with self._lock:
+                    self._clients.pop(client.ident, None)
         return sent
+
+    def _send_client(self, client: _Client, batches: dict[tuple[int, int], list[Any]]) -> int:
+        """Send ``client`` what its credit allows; the number of messages ZeroMQ took."""
+        if client.next_send < self._base:
+            # It needs what the server no longer holds (policy "lag", a resume after a restart):
+            # say exactly what is lost. Credit is not granted for the gap: the reader acknowledges
+            # it once it has taken the report (it then holds at most `window` messages).
+            if not self._send(client.ident, [wire.LAGGED, wire.U64x2.pack(self._base, self._base - client.next_send)]):
+                client.choked = True
+                return 0
+            client.next_send = self._base
+        limit = min(self._end, client.acked + client.window)
+        if client.next_send < limit:
+            seqs = self._seqs
+            lo = bisect.bisect_left(seqs, client.next_send)
+            if lo == len(seqs) or seqs[lo] != client.next_send:
+                # In a gap of the server's own: say what it holds next, and go on from there.
+                after = seqs[lo] if lo < len(seqs) else self._end
+                if not self._send(client.ident, [wire.LAGGED, wire.U64x2.pack(after, after - client.next_send)]):
+                    client.choked = True
+                    return 0
+                client.next_send = after
+                if after >= limit:
+                    return 0  # no credit beyond the gap until the reader takes the report
+            first = client.next_send
+            hi = lo + min(limit - first, len(seqs) - lo)
+            hi = _run_end(seqs, lo, hi)  # stop before a gap
+            count = 0
+            size = 0
+            for body, _flags in self._buf[lo:hi]:
+                count += 1
+                size += len(body)
+                if size >= BATCH_BYTES:
+                    break
+            key = (first, count)
+            frames = batches.get(key)
+            if frames is None:
+                frames = batches[key] = wire.sign(self._key, wire.encode_batch(first, self._buf[lo : lo + count]))
+            if not self._send_signed(client.ident, frames):
+                client.choked = True
+                return 0
+            client.choked = False
+            client.next_send += count
+            return count
+        if self._ring_done and not client.ended and client.next_send >= self._end:
+            if self._send(client.ident, [wire.END, wire.U64.pack(self._end), self._ring_done.encode()]):
+                client.ended = True
+            else:
+                client.choked = True
+        return 0
+
+    def _awaiting_return(self) -> bool:
+        """Whether readers of the server this one replaces may still come back (for at most
+        two silence timeouts): under "block" it keeps what it takes from the ring for them."""
+        if self._returning and time.monotonic() >= self._grace_until:
+            self._returning = 0
+        return self._returning > 0
 
     def _trim(self) -> None:
         buf = self._buf
         seqs = self._seqs
+        if self._block and self._awaiting_return():
+            return
         if self._block:
-            keep_from = min((c.acked for c in self._clients.values()), default=self._end)
+            # Held until every reader has it (a reader that joined later starts after it).
+            keep_from = min(min((c.acked for c in self._clients.values()), default=self._end), self._end)
             drop = bisect.bisect_left(seqs, keep_from)
         else:  # the newest buffer_max entries (gaps do not count)
             drop = max(0, len(seqs) - self._buffer_max)
@@ -401,9 +565,6 @@ class TcpServer:
             del seqs[:drop]
             with self._lock:
                 self._base = keep_from
-            for client in self._clients.values():
-                if client.next_send < self._base:  # policy "lag": it fell behind the buffer
-                    self._rewind(client, client.next_send)
 
     def _heartbeat(self, now: float) -> None:
         done = 1 if self._ring_done else 0
@@ -421,11 +582,16 @@ class TcpServer:
                     self._end,
                 )
                 continue
-            self._send(ident, [wire.HEARTBEAT, wire.U64x2.pack(self._end, done)])
+            self._send(ident, [wire.HEARTBEAT, wire.U64x2.pack(self._end, done)])  # lost if its queue is full
 
     def _all_done(self) -> bool:
         # Every remote reader has everything (it says BYE when it has the end) or was dropped.
         return self._ring_done is not None and all(c.ended and c.acked >= self._end for c in self._clients.values())
+
+
+def _arity(frames: list[bytes], args: int) -> None:
+    if len(frames) != 1 + args:
+        raise wire.FrameError(f"{frames[0][:8]!r} takes {args} argument frame(s), got {len(frames) - 1}")
 
 
 def _run_end(seqs: list[int], lo: int, hi: int) -> int:
@@ -502,6 +668,8 @@ def main() -> int:
                 max_remote=cfg["max_remote"],
                 stop_fd=sys.stdin.fileno(),
                 stats_path=cfg["stats_path"],
+                take_over=cfg.get("take_over"),
+                returning=cfg.get("returning", 0),
             )
         except BaseException:
             seg.close()
@@ -511,8 +679,7 @@ def main() -> int:
         return 1
     print(json.dumps({"endpoint": server.endpoint}), flush=True)
     server._write_stats()
-    server.run()
-    return 0
+    return 0 if server.run() else 1
 
 
 if __name__ == "__main__":

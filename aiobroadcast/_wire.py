@@ -12,7 +12,9 @@ import hmac
 import json
 import struct
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 #: 2: a batch carries its bodies in one or more frames (large bodies alone), not one blob.
 #: 3: the pickle body format of aiobroadcast/_codec.py (large bytes indexed, or out of band).
@@ -40,8 +42,17 @@ MAC_BYTES = 32
 
 #: largest frame a reader accepts (a body larger than this is refused by the socket)
 DEFAULT_MAX_FRAME = 1 << 31
-#: largest frame the server accepts from a reader (control frames are tiny)
-MAX_CONTROL_FRAME = 64 * 1024
+#: largest frame the server accepts from a reader (control frames are tiny: the largest, a HELLO
+#: with a name of NAME_CHARS characters each escaped as two UTF-16 units and a host name of
+#: HOST_CHARS, is under 3.5 KiB)
+MAX_CONTROL_FRAME = 4 * 1024
+#: frames of a reader's message, the signature included: the kind and at most one argument
+MAX_CONTROL_FRAMES = 3
+#: a reader's name and host name as they travel in HELLO (longer ones are cut by the reader)
+NAME_CHARS = 256
+HOST_CHARS = 64
+#: the largest sequence number either side uses (they count messages from 0)
+MAX_SEQ = 2**63 - 1
 #: a body at least this large travels in a frame of its own: it is never copied into a joined
 #: frame, and the server hands the frame it made from the ring to ZeroMQ as is (shared, not
 #: copied, when it goes to several readers or again after a loss). Smaller bodies are joined,
@@ -86,6 +97,32 @@ def verify(key: bytes | None, frames: list[Any]) -> list[Any]:
 
 def encode_json(obj: dict[str, Any]) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode()
+
+
+class Hello(BaseModel):
+    """A reader's HELLO, validated field by field before the server acts on any of it: strict
+    types (no float or bool where an integer belongs, no Infinity or NaN), bounded numbers and
+    strings, and the JSON parser's own nesting limit. ``resume``: the next message the reader
+    needs (None: a new reader, starting with the next message published)."""
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="ignore")
+
+    version: int
+    name: Annotated[str, Field(max_length=NAME_CHARS)] = "?"
+    pid: Annotated[int, Field(ge=0, le=2**32)] = 0
+    host: Annotated[str, Field(max_length=HOST_CHARS)] = ""
+    window: Annotated[int, Field(ge=1, le=2**31)]
+    resume: Annotated[int, Field(ge=0, le=MAX_SEQ)] | None = None
+
+
+def decode_hello(raw: bytes) -> Hello:
+    """Parse and validate a HELLO body, or raise ``FrameError`` saying what is wrong."""
+    try:
+        return Hello.model_validate_json(raw)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "body"
+        raise FrameError(f"bad HELLO ({where}: {first['msg']})") from None
 
 
 def decode_json(raw: bytes) -> dict[str, Any]:

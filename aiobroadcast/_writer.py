@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
-import json
 import logging
 import os
-import subprocess
 import threading
 import warnings
 import weakref
 from collections.abc import Callable, Generator, Sequence
 from time import perf_counter_ns
 from types import TracebackType
-from typing import Generic, NoReturn, TypeVar, final
+from typing import TYPE_CHECKING, Generic, NoReturn, TypeVar, final
 
 import anyio
 import anyio.lowlevel
@@ -45,6 +42,9 @@ from ._ring import (
 )
 from ._stats import ReaderInfo, WriterStatistics
 from ._wake import Inbox, Outbox, poll, poll_blocking
+
+if TYPE_CHECKING:
+    from ._tcp_supervisor import ServerProcess
 
 T_contra = TypeVar("T_contra", contravariant=True)
 
@@ -116,11 +116,10 @@ class Writer(Generic[T_contra]):
         self._slept_ns = DENSE_NS  # no polling before the first sleep
         self._dropped = 0
         self._aborted = 0  # message numbers used by messages cut short (their LAST never published)
+        self._lost_upstream = 0  # message numbers that gap markers took beyond one each
         self._closed = False
         self._refusal: str | None = None  # why a fork child may not use it
-        self._server: subprocess.Popen[bytes] | None = None
-        self._server_stats = ""
-        self._server_stop_s = 0.0
+        self._server: ServerProcess | None = None
         # The readers' sockets too: a reader that died unnoticed (never reaped) leaves its own.
         # Inherited by fork children (atexit hooks and finalizers are), so they carry our pid.
         self._owner = os.getpid()
@@ -130,11 +129,11 @@ class Writer(Generic[T_contra]):
         atexit.register(self._finalizer)
         _fork.track(self)
 
-    def _serve_tcp(self, proc: subprocess.Popen[bytes], handle: Handle, stats_path: str, stop_s: float) -> None:
-        self._server = proc
-        self._server_stats = stats_path
-        self._server_stop_s = stop_s
+    def _serve_tcp(self, server: ServerProcess, handle: Handle) -> None:
+        self._server = server
         self._handle = handle
+        # A writer dropped without aclose (or left open at exit): its server drains, then stops.
+        weakref.finalize(self, server.abandon)
 
     async def _stop_server(self) -> None:
         if self._server is not None:
@@ -143,33 +142,11 @@ class Writer(Generic[T_contra]):
 
     def _stop_server_blocking(self) -> None:
         """Ask the TCP server to stop once remote readers have drained, and wait for it."""
-        proc = self._server
-        if proc is None:
+        server = self._server
+        if server is None:
             return
         self._server = None
-        assert proc.stdin is not None and proc.stdout is not None
-        proc.stdin.close()
-        try:
-            proc.wait(self._server_stop_s)
-        except subprocess.TimeoutExpired:
-            log.warning("aiobroadcast: the TCP server did not stop in %.0f s; killed it", self._server_stop_s)
-            proc.kill()
-            proc.wait()
-        finally:
-            proc.stdout.close()
-            _ring._unlink_quiet(self._server_stats)
-
-    def _remote_readers(self) -> tuple[tuple[ReaderInfo, ...], int]:
-        try:
-            with open(self._server_stats) as f:
-                snap = json.load(f)
-        except (OSError, ValueError):
-            return (), 0
-        infos = tuple(
-            ReaderInfo(-1, r["name"], r["pid"], r["received"], r["lag"], False, "tcp", str(r.get("host", "")))
-            for r in snap["readers"]
-        )
-        return infos, int(snap["dropped"])
+        server.stop()
 
     # --- public API ----------------------------------------------------------------------
     @property
@@ -270,6 +247,7 @@ class Writer(Generic[T_contra]):
         self._check_open()
         async with self._lock:
             await self._publish_when_room((b"",), 0, False, 1, gap=missed)
+        self._lost_upstream += missed - 1  # the marker took their numbers; it is one message sent
 
     def _relay_codec(self, codec: str, schema_path: str | None) -> None:
         """A relay's channel carries the upstream's bodies: say how to decode them."""
@@ -294,16 +272,19 @@ class Writer(Generic[T_contra]):
         readers = self._readers()
         target = self._words[W_WAIT_TARGET]
         waiting_for = tuple(r for r in readers if _ring.holds_writer(self._head - r.lag, target))
-        remote, remote_dropped = self._remote_readers() if self._server is not None else ((), 0)
-        readers = readers + remote
+        server = self._server
+        remote, remote_dropped, rejected = server.report() if server is not None else ((), 0, 0)
         return WriterStatistics(
-            sent=self._msg - self._aborted,
+            sent=self._msg - self._aborted - self._lost_upstream,
             head=self._head,
             capacity=self._cap,
-            readers=readers,
+            readers=readers + remote,
             waiting_for=waiting_for,
             tasks_waiting=self._waiting_tasks,
             dropped_readers=self._dropped + remote_dropped,
+            tcp_server=server.state if server is not None else "none",
+            tcp_server_restarts=server.restarts if server is not None else 0,
+            rejected_frames=rejected,
         )
 
     async def aclose(self) -> None:
@@ -347,13 +328,10 @@ class Writer(Generic[T_contra]):
         woken: the parent goes on with its channel (docs/design.md, "Fork")."""
         self._closed = True
         self._refusal = _fork.refusal("writer", self._owner)
-        proc = self._server
+        server = self._server
         self._server = None
-        if proc is not None:
-            for pipe in (proc.stdin, proc.stdout):
-                if pipe is not None:
-                    with contextlib.suppress(OSError):
-                        pipe.close()
+        if server is not None:
+            server.forget_in_child()
 
     # --- internals -----------------------------------------------------------------------
     def _mark_closed(self) -> None:
@@ -487,6 +465,8 @@ class Writer(Generic[T_contra]):
         for i, (active, cursor) in enumerate(zip(seg.rec_active.tolist(), seg.rec_cursor.tolist(), strict=True)):
             if not active or cursor >= target:
                 continue
+            if self._server is not None and self._server.restarting_from(self._words[seg.layout.record_word(i, R_PID)]):
+                continue  # the TCP server died: the one starting now takes its place over
             byte = _ring.reader_lock_byte(i)
             if not _ring.try_lock(fd, byte):
                 continue  # alive: it holds its lock
@@ -574,8 +554,10 @@ class Writer(Generic[T_contra]):
             seq += 1
         else:
             seq = self._write_fragments(_Chunks(parts), total, base_flags, seq, entries, first=True)
-        self._msg = msg + 1
-        w[W_NEXT_MSG] = msg + 1
+        # A gap marker takes the numbers of the messages it stands for, so a message's number is
+        # the same for every reader, local or remote, relayed or not (docs/design.md).
+        self._msg = msg + (gap or 1)
+        w[W_NEXT_MSG] = self._msg
         self._head = seq
         w[W_HEAD] = seq
         self._wake_readers()
@@ -672,7 +654,7 @@ class Writer(Generic[T_contra]):
         lay = seg.layout
         w = self._words
         out = []
-        server_pid = self._server.pid if self._server is not None else -1
+        server_pids = self._server.pids if self._server is not None else set()
         for i, (active, cursor) in enumerate(zip(seg.rec_active.tolist(), seg.rec_cursor.tolist(), strict=True)):
             if not active or (not w[lay.record_word(i, R_NAME_LEN)] and not w[lay.record_word(i, R_PID)]):
                 continue
@@ -685,7 +667,7 @@ class Writer(Generic[T_contra]):
                     received=w[lay.record_word(i, R_RECEIVED)],
                     lag=max(0, self._head - cursor),
                     sleeping=bool(seg.waiting[i]),
-                    transport="tcp-server" if pid == server_pid else "shm",
+                    transport="tcp-server" if pid in server_pids else "shm",
                     host=seg.read_host(i),
                 )
             )

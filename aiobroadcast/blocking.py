@@ -53,7 +53,6 @@ from ._codec import Buffer, decode_pickle_view
 from ._exceptions import ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
 from ._handle import Handle
 from ._open import (
-    SERVER_START_S,
     ReaderOptions,
     WriterOptions,
     _over_tcp,
@@ -496,11 +495,11 @@ def open_writer(*, schema: type[BaseModel] | None = None, **options: Unpack[Writ
         try:
             start = _ServerStart(writer, spec)
             try:
-                line = start.readline() if wait_readable((start.stdout.fileno(),), SERVER_START_S) else b""
+                answer = start.answer()
             except BaseException:
                 start.kill()
                 raise
-            start.finish(line)
+            start.finish(answer)
         except BaseException:
             _close_writer(writer)
             raise

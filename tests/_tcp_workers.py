@@ -17,6 +17,8 @@ pad and report only the numbers.
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -182,6 +184,7 @@ class WriterSpec:
     """What ``writer_proc`` does."""
 
     tcp: str | None = "tcp://127.0.0.1:0"  #: None: shared memory only
+    insecure: bool = False  #: plain TCP, HMAC-signed, instead of CurveZMQ
     policy: Policy = "block"
     capacity: int = 8
     slot_bytes: int = 256
@@ -203,6 +206,7 @@ def writer_proc(conn: Conn, backend: Backend, netns: str | None, spec: WriterSpe
 async def _write(conn: Conn, spec: WriterSpec) -> None:
     writer = await ab.open_writer(
         tcp=spec.tcp,
+        insecure=spec.insecure,
         policy=spec.policy,
         capacity=spec.capacity,
         slot_bytes=spec.slot_bytes,
@@ -232,6 +236,7 @@ async def _write(conn: Conn, spec: WriterSpec) -> None:
                     "longest_put_s": longest,
                     "dropped": stats.dropped_readers,
                     "readers": [(r.name, r.transport) for r in stats.readers],
+                    "restarts": stats.tcp_server_restarts,
                 },
             )
         )
@@ -259,6 +264,112 @@ async def _relay(conn: Conn, upstream: str, name: str, capacity: int) -> None:
 
     await ab.relay(upstream, name=name, capacity=capacity, on_ready=ready)
     conn.send(("done", None))
+
+
+@dataclass(frozen=True)
+class FullShmSpec:
+    """What ``full_shm_writer_proc`` does."""
+
+    directory: str  #: where to mount the small tmpfs (created; removed by the parent)
+    count: int = 40  #: messages published while it is full
+    heartbeat_s: float = 0.2
+    size: str = "1m"  #: the tmpfs's size
+
+
+CLONE_NEWNS = 0x00020000
+MS_REC, MS_PRIVATE = 0x4000, 1 << 18
+
+
+def _private_tmpfs(directory: str, size: str) -> None:
+    """Mount a tmpfs of ``size`` on ``directory``, seen by this process and its children only.
+    Raises ``OSError`` where that is not allowed (not root)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+
+    def check(rc: int) -> None:
+        if rc != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    check(libc.unshare(CLONE_NEWNS))
+    check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None))
+    check(libc.mount(b"tmpfs", directory.encode(), b"tmpfs", 0, f"size={size},mode=0700".encode()))
+
+
+def _fill(directory: str) -> str:
+    """Write a file into ``directory`` until its file system is full; returns its path."""
+    path = os.path.join(directory, "filler")
+    with open(path, "wb", buffering=0) as f:
+        chunk = b"\0" * 4096
+        try:
+            while True:
+                f.write(chunk)
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+    return path
+
+
+def full_shm_writer_proc(conn: Conn, backend: Backend, netns: str | None, spec: FullShmSpec) -> None:
+    """A writer whose directory is a private tmpfs that it fills on "fill" (first it sends
+    ("unavailable", reason) if it cannot mount one, or ("handle", json)). Its TCP server's log
+    goes to a file, to count what it says. Sends ("full", {...}), publishes ``message(0 ..
+    count-1)``, frees the room again and sends ("report", {...}); closes on "close"."""
+    _child(conn, backend, netns, _full_shm_write, spec)
+
+
+async def _full_shm_write(conn: Conn, spec: FullShmSpec) -> None:
+    os.makedirs(spec.directory)
+    try:
+        _private_tmpfs(spec.directory, spec.size)
+    except OSError as exc:
+        conn.send(("unavailable", str(exc)))
+        return
+    log_path = spec.directory + ".log"  # outside the tmpfs
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 2)  # the server process inherits it as its stderr, where it logs
+    os.close(fd)
+    hb = spec.heartbeat_s
+    writer = await ab.open_writer(
+        directory=spec.directory, tcp="tcp://127.0.0.1:0", heartbeat_s=hb, capacity=8, slot_bytes=1024
+    )
+
+    def received() -> int:
+        return sum(r.received for r in writer.statistics().readers if r.transport == "tcp")
+
+    try:
+        conn.send(("handle", writer.handle.to_json()))
+        _expect(conn, "fill")
+        filler = _fill(spec.directory)
+        await anyio.sleep(4 * hb)  # reports fail meanwhile
+        listed = [r.name for r in writer.statistics().readers if r.transport == "tcp"]
+        conn.send(("full", {"listed": listed}))
+        for seq in range(spec.count):
+            await writer.put(message(seq))
+        await anyio.sleep(6 * hb)  # the reader has acknowledged them; no report says so
+        leftovers = [n for n in os.listdir(spec.directory) if "tmp" in n]
+        while_full = received()
+        os.unlink(filler)
+        with anyio.fail_after(30):
+            while True:
+                if received() == spec.count:
+                    break
+                await anyio.sleep(hb / 4)
+        stats = writer.statistics()
+        log_text = await anyio.Path(log_path).read_text()
+        complaints = sum("cannot write its report" in line for line in log_text.splitlines())
+        report = {
+            "tcp_server": stats.tcp_server,
+            "restarts": stats.tcp_server_restarts,
+            "leftovers": leftovers,
+            "received_while_full": while_full,
+            "received_again": received(),
+            "complaints": complaints,
+        }
+        conn.send(("report", report))
+        _expect(conn, "close")
+    finally:
+        await writer.aclose()
 
 
 # --- the parent side ----------------------------------------------------------------------------
@@ -385,6 +496,27 @@ def spawn(target: Callable[..., None], *args: Any) -> Iterator[Child]:
         yield child
     finally:
         child.cleanup()
+
+
+async def fill_until_blocked(writer: ab.Writer[Any], seq: int, still_s: float = 1.0) -> int:
+    """``put_nowait`` consecutive messages until ``WouldBlock`` has persisted for ``still_s``
+    (the writer is really held back, not just waiting for the server to take from the ring).
+    Returns the number of the first message not published."""
+    blocked_since: float | None = None
+    with anyio.fail_after(60):
+        while True:
+            try:
+                writer.put_nowait(message(seq))
+            except ab.WouldBlock:
+                now = time.monotonic()
+                if blocked_since is None:
+                    blocked_since = now
+                elif now - blocked_since >= still_s:
+                    return seq
+                await anyio.sleep(0.02)
+                continue
+            seq += 1
+            blocked_since = None
 
 
 def received(events: list[Event]) -> list[int]:

@@ -161,20 +161,38 @@ def test_sweep_removes_sockets_and_stats_files_whose_channel_file_is_gone(tmp_pa
     leaves files that no segment names any more: the next sweep removes them once they are old."""
     orphan_sock = tmp_path / f"aiobroadcast-{'a' * 32}-r3.sock"
     orphan_stats = tmp_path / f"aiobroadcast-{'a' * 32}-tcp.json"
+    orphan_tmp = tmp_path / f"aiobroadcast-{'a' * 32}-tcp.json.tmp"  # a server killed mid-write
     young = tmp_path / f"aiobroadcast-{'b' * 32}-w.sock"
     owned = tmp_path / f"aiobroadcast-{'c' * 32}-r0.sock"
     unrelated = tmp_path / "other-file.sock"
     (tmp_path / f"aiobroadcast-{'c' * 32}").write_bytes(b"")  # the channel file that owns it
-    for f in (orphan_sock, orphan_stats, young, owned, unrelated):
+    for f in (orphan_sock, orphan_stats, orphan_tmp, young, owned, unrelated):
         f.write_text("")
     old = os.stat(orphan_sock).st_mtime - 60
-    for f in (orphan_sock, orphan_stats, owned, unrelated):
+    for f in (orphan_sock, orphan_stats, orphan_tmp, owned, unrelated):
         os.utime(f, (old, old))
     ab.sweep_stale(str(tmp_path))
-    assert not orphan_sock.exists() and not orphan_stats.exists()
+    assert not orphan_sock.exists() and not orphan_stats.exists() and not orphan_tmp.exists()
     assert young.exists() and unrelated.exists()
     # Its channel file exists (and is too new to count as stale), so its socket stays.
     assert owned.exists()
+
+
+def test_sweep_removes_a_stale_channel_with_every_file_beside_it(tmp_path: Path) -> None:
+    """A channel file whose every lock is free (its writer and readers were killed) goes with
+    all its files, the TCP server's half-written report included; another channel's stay."""
+    stale = tmp_path / f"aiobroadcast-{'d' * 32}"
+    beside = [stale.with_name(f"{stale.name}-{suffix}") for suffix in ("w.sock", "r0.sock", "tcp.json", "tcp.json.tmp")]
+    other = tmp_path / f"aiobroadcast-{'e' * 32}-tcp.json.tmp"  # its channel file is gone: an orphan
+    neighbour = tmp_path / f"aiobroadcast-{'d' * 31}f-tcp.json"  # a young orphan: it stays
+    stale.write_bytes(b"")
+    for f in (*beside, other, neighbour):
+        f.write_text("")
+    old = os.stat(stale).st_mtime - 60
+    for f in (stale, *beside, other):
+        os.utime(f, (old, old))
+    assert ab.sweep_stale(str(tmp_path)) == [str(stale)]
+    assert sorted(os.listdir(tmp_path)) == [neighbour.name]
 
 
 async def _sleeps_while_waiting(writer: ab.Writer[object], reader: ab.Reader[object], wait_s: float) -> bool:
@@ -217,3 +235,24 @@ async def test_spin_us_out_of_range_raises_value_error(spin_us: float) -> None:
         with pytest.raises(ValueError, match="spin_us"):
             async with ab.open_reader(writer.handle, spin_us=spin_us):
                 pass
+
+
+async def test_a_relayed_gap_counts_the_same_for_a_reader_that_reads_it_and_one_that_lags_over_it() -> None:
+    """A gap marker (a relay's upstream loss of 10 messages) takes their numbers: a reader that
+    reads it is told 10, and one that lags over it counts them in its ReaderLagged."""
+    async with ab.open_writer(capacity=4, slot_bytes=256, policy="lag") as writer:
+        async with ab.open_reader(writer.handle, name="keeps-up") as keeps_up, ab.open_reader(writer.handle) as lags:
+            await writer.put(0)
+            assert keeps_up.get_nowait() == 0
+            await writer._put_gap(10)  # messages 1..10 lost upstream
+            with pytest.raises(ab.ReaderLagged) as told:
+                keeps_up.get_nowait()
+            assert told.value.missed == 10
+            for k in range(11, 19):
+                await writer.put(k)
+                assert keeps_up.get_nowait() == k
+            with pytest.raises(ab.ReaderLagged) as lagged:
+                lags.get_nowait()
+            assert lagged.value.missed == 15  # 0, the 10 behind the marker, 11..14
+            assert [lags.get_nowait() for _ in range(4)] == [15, 16, 17, 18]
+            assert writer.statistics().sent == 10  # the marker is one message sent

@@ -23,8 +23,8 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,19 @@ import anyio
 import psutil
 import pytest
 import zmq
+from _peers import (
+    ON_ASYNCIO,
+    ON_TRIO,
+    ON_UVLOOP,
+    ended,
+    hello,
+    raw_peer,
+    read_events,
+    remote_names,
+    server_processes,
+    tcp_writer,
+    until,
+)
 from _tcp_workers import (
     ASYNCIO,
     TRIO,
@@ -40,12 +53,12 @@ from _tcp_workers import (
     ReaderOpts,
     WriterSpec,
     account,
+    fill_until_blocked,
     message,
     reader_proc,
     relay_proc,
     spawn,
     summary,
-    terminal,
     writer_proc,
 )
 
@@ -55,13 +68,9 @@ from aiobroadcast import _wire as wire
 
 pytestmark = pytest.mark.anyio
 
-LOOPBACK = "tcp://127.0.0.1:0"
 HB = 0.2  #: heartbeat_s of the writers of the liveness tests
 DROP_S = 6 * HB  #: the documented bound: a silent remote reader is dropped after 6 heartbeats
 GONE_S = 18 * HB  #: a reader that hears nothing for 18 heartbeats raises WriterGone
-#: heartbeat_s elsewhere (the default): a test machine starved for a second must not get a
-#: reader dropped where the test expects every message
-SAFE_HB = 0.5
 MARGIN_S = 5.0  #: slack for a loaded CI machine in every liveness bound
 #: Ring capacity of the lag tests. RING_LAG: the TCP server is itself a reader of the ring; when
 #: it falls more than ``capacity`` behind (policy "lag") it is told what it missed and passes it
@@ -72,81 +81,12 @@ MARGIN_S = 5.0  #: slack for a loaded CI machine in every liveness bound
 RING = 64
 
 
-def _on(backend: tw.Backend) -> pytest.MarkDecorator:
-    name = "uvloop" if backend[1].get("use_uvloop") else backend[0]
-    return pytest.mark.parametrize("anyio_backend", [pytest.param(backend, id=name)])
-
-
-ON_ASYNCIO, ON_UVLOOP, ON_TRIO = _on(ASYNCIO), _on(UVLOOP), _on(TRIO)
-
-
-def tcp_writer(**kw: Any) -> Any:
-    kw.setdefault("tcp", LOOPBACK)
-    kw.setdefault("heartbeat_s", SAFE_HB)
-    kw.setdefault("capacity", 8)
-    kw.setdefault("slot_bytes", 256)
-    return ab.open_writer(**kw)
-
-
-def remote_names(writer: ab.Writer[Any]) -> list[str]:
-    return sorted(r.name for r in writer.statistics().readers if r.transport == "tcp")
-
-
-async def until(predicate: Callable[[], bool], within_s: float = 10.0) -> None:
-    """Poll ``predicate`` until it holds (a liveness bound, not a latency measurement)."""
-    with anyio.fail_after(within_s):
-        while True:
-            if predicate():
-                return
-            await anyio.sleep(0.02)
-
-
-async def fill_until_blocked(writer: ab.Writer[Any], seq: int, still_s: float = 1.0) -> int:
-    """``put_nowait`` consecutive messages until ``WouldBlock`` has persisted for ``still_s``
-    (the writer is really held back, not just waiting for the server to take from the ring).
-    Returns the number of the first message not published."""
-    blocked_since: float | None = None
-    with anyio.fail_after(30):
-        while True:
-            try:
-                writer.put_nowait(message(seq))
-            except ab.WouldBlock:
-                now = time.monotonic()
-                if blocked_since is None:
-                    blocked_since = now
-                elif now - blocked_since >= still_s:
-                    return seq
-                await anyio.sleep(0.02)
-                continue
-            seq += 1
-            blocked_since = None
-
-
-async def read_events(reader: ab.Reader[Any], stop: Callable[[list[tw.Event]], bool]) -> list[tw.Event]:
-    """Events of an in-process reader, as ``reader_proc`` reports them, until ``stop(events)``."""
-    events: list[tw.Event] = []
-    while not stop(events):
-        try:
-            events.append(("msg", tw.check_message(await reader.get())))
-        except ab.ReaderLagged as exc:
-            events.append(("lagged", exc.missed))
-        except ab.EndOfStream:
-            events.append(("end",))
-        except ab.WriterGone:
-            events.append(("gone",))
-    return events
-
-
 def publish_without_yielding(writer: ab.Writer[Any], seqs: range) -> None:
     """Publish under policy "lag" without letting the event loop run (its tasks starve), at a
     pace the writer's TCP server process keeps up with (RING_LAG)."""
     for i in seqs:
         writer.put_nowait(message(i))
         time.sleep(0.0005)
-
-
-def ended(events: list[tw.Event]) -> bool:
-    return terminal(events) is not None
 
 
 # --- binding and handles ----------------------------------------------------------------------
@@ -184,46 +124,6 @@ async def test_handle_hides_its_keys_in_repr_and_saves_with_mode_0600(tmp_path: 
 
 
 # --- who may read --------------------------------------------------------------------------------
-class RawPeer:
-    """A hand-driven ZeroMQ DEALER: a client that is not aiobroadcast's."""
-
-    def __init__(self, endpoint: str, *, curve: tuple[str, str, str] | None = None) -> None:
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.linger = 0
-        if curve is not None:
-            server_key, public, secret = curve
-            self.sock.curve_serverkey = server_key.encode()
-            self.sock.curve_publickey = public.encode()
-            self.sock.curve_secretkey = secret.encode()
-        self.sock.connect(endpoint)
-
-    def send(self, frames: list[bytes]) -> None:
-        self.sock.send_multipart(frames)
-
-    async def heard(self, within_s: float) -> bool:
-        """Whether anything at all arrives within ``within_s``."""
-        return bool(await anyio.to_thread.run_sync(self.sock.poll, int(within_s * 1000)))
-
-    def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
-
-
-@contextmanager
-def raw_peer(endpoint: str, *, curve: tuple[str, str, str] | None = None) -> Iterator[RawPeer]:
-    peer = RawPeer(endpoint, curve=curve)
-    try:
-        yield peer
-    finally:
-        peer.close()
-
-
-def hello(name: str) -> list[bytes]:
-    body = {"version": wire.PROTOCOL_VERSION, "name": name, "pid": 1, "window": 4, "resume": None}
-    return [wire.HELLO, wire.encode_json(body)]
-
-
 @ON_TRIO
 async def test_peers_without_the_right_keys_are_refused_and_never_counted() -> None:
     async with tcp_writer() as writer:
@@ -895,10 +795,6 @@ def _age(path: str) -> float:
         return float("inf")
 
 
-def _server_processes(pid: int) -> list[Any]:
-    return [p for p in psutil.Process(pid).children(recursive=True) if "aiobroadcast._tcp_server" in p.cmdline()]
-
-
 @pytest.mark.parametrize("whole_host", [False, True], ids=["writer-killed", "host-gone"])
 @ON_TRIO
 async def test_killed_writer_remote_reader_drains_then_writer_gone(whole_host: bool) -> None:
@@ -913,7 +809,7 @@ async def test_killed_writer_remote_reader_drains_then_writer_gone(whole_host: b
     try:
         with spawn(writer_proc, ASYNCIO, None, spec) as wproc:
             handle = ab.Handle.parse(await wproc.recv("handle"))
-            servers = _server_processes(wproc.pid)
+            servers = server_processes(wproc.pid)
             assert len(servers) == 1
             async with ab.open_reader(handle, transport="tcp", name="survivor") as reader:
                 wproc.send("go")
@@ -1090,13 +986,16 @@ class _FakeRing:
 
     def __init__(self) -> None:
         self.queue: list[Any] = []
+        self.next_msg = 0  #: as ShmSource: the number of the next message it expects
 
     def get_nowait(self) -> Any:
         if not self.queue:
             raise ab.WouldBlock
         item = self.queue.pop(0)
-        if isinstance(item, BaseException):
+        if isinstance(item, ab.ReaderLagged):
+            self.next_msg += item.missed
             raise item
+        self.next_msg += 1
         return item
 
 

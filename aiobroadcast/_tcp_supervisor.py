@@ -1,0 +1,334 @@
+"""The writer's side of its TCP server process: start it, notice when it dies, start it again.
+
+The server (``_tcp_server.py``) is a process of its own. If it dies while the writer lives (a
+bug, the OOM killer, a stray SIGKILL), a thread of the writer's process that waits for it notices
+at once: it logs the death, removes the dead server's report (so ``statistics()`` stops listing
+readers nobody serves) and starts a new server on the same endpoint with the same keys, which
+takes the dead one's ring place over (docs/design.md, "When the server process dies"). Remote
+readers reconnect by themselves, say HELLO with the next message they need, and resume; what the
+dead server held and they had not received is reported to them exactly (``ReaderLagged``). If the
+new server cannot start (the endpoint was taken meanwhile, say), it tries ``START_ATTEMPTS``
+times, then logs an error and reports ``"failed"``; shared-memory readers are not affected.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from ._stats import ReaderInfo, TcpServerState
+
+log = logging.getLogger("aiobroadcast")
+
+#: how long a server process may take to bind and answer (Python's start-up on a loaded host)
+SERVER_START_S = 30.0
+#: starts in a row that may fail before the writer gives up on serving remote readers
+START_ATTEMPTS = 3
+#: the wait before a restart after the server died soon after the previous start, doubling up
+#: to RESTART_MAX_S, so a server that keeps dying does not take a core; none after a long run
+RESTART_DELAY_S = 0.2
+RESTART_MAX_S = 5.0
+#: a server that ran this long before dying is restarted at once
+STABLE_S = 60.0
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def stats_tmp_path(stats_path: str) -> str:
+    """Where the server writes its report before it replaces the old one (``sweep_stale``
+    recognises it as the channel's)."""
+    return f"{stats_path}.tmp"
+
+
+def remove_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def read_answer(proc: subprocess.Popen[bytes], limit_s: float) -> dict[str, Any]:
+    """The server's one-line answer on its stdout: ``{"endpoint": ...}`` once it is bound, or
+    ``{"error": ...}``; an error too if it exits or says nothing within ``limit_s``."""
+    assert proc.stdout is not None
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], limit_s)
+        if not ready:
+            return {"error": f"the TCP server process did not answer within {limit_s:g} s"}
+        line = proc.stdout.readline()
+    except (OSError, ValueError):  # closed under us: the start was given up
+        line = b""
+    try:
+        answer = json.loads(line) if line else None
+    except ValueError:
+        answer = None
+    if isinstance(answer, dict) and isinstance(answer.get("endpoint", answer.get("error")), str):
+        return answer
+    if not line:
+        return {"error": "the TCP server process exited before it was serving"}
+    return {"error": f"the TCP server process said {line[:200]!r}"}
+
+
+class ServerProcess:
+    """The TCP server process of one writer, kept running while the writer is open."""
+
+    def __init__(self, cfg: dict[str, Any], stop_s: float) -> None:
+        """``cfg``: the server's configuration (keys included: it goes to the process on its
+        stdin, never on the command line). ``stop_s``: how long ``stop`` waits for remote
+        readers to drain."""
+        self._cfg = cfg
+        self._stop_s = stop_s
+        self.stats_path: str = cfg["stats_path"]
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._thread: threading.Thread | None = None
+        self.state: TcpServerState = "running"
+        self.restarts = 0
+        #: the exit code of the server ``stop`` stopped (0: it drained and stopped by itself)
+        self.returncode: int | None = None
+        #: every server process this writer started (their ring places are named after them)
+        self.pids: set[int] = set()
+        # What servers that died had counted, so the totals in statistics() do not go back.
+        self._dropped_before = 0
+        self._rejected_before = 0
+
+    # --- starting --------------------------------------------------------------------------
+    def spawn(self) -> subprocess.Popen[bytes]:
+        """Start a server process and hand it its configuration; it answers on its stdout."""
+        # The child imports this very package, from wherever it was imported here.
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "aiobroadcast._tcp_server"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            close_fds=True,
+            env=env,
+        )
+        assert proc.stdin is not None
+        try:
+            proc.stdin.write(json.dumps(self._cfg).encode() + b"\n")
+            proc.stdin.flush()
+        except OSError:
+            pass  # it died at once: read_answer says so
+        return proc
+
+    def serve(self, proc: subprocess.Popen[bytes], endpoint: str) -> None:
+        """``proc`` answered that it serves ``endpoint``: watch it from now on. A server started
+        again binds that same endpoint (the port that was read back, not port 0)."""
+        self._cfg = {**self._cfg, "endpoint": endpoint}
+        self._proc = proc
+        self.pids.add(proc.pid)
+        self._thread = threading.Thread(target=self._watch, args=(proc,), name="aiobroadcast-tcp-watch", daemon=True)
+        self._thread.start()
+
+    # --- what the writer reads ---------------------------------------------------------------
+    def report(self) -> tuple[tuple[ReaderInfo, ...], int, int]:
+        """The remote readers the running server serves, and the readers dropped and frames
+        refused so far, from the report it writes every heartbeat."""
+        dropped, rejected = self._dropped_before, self._rejected_before
+        if self.state != "running":
+            return (), dropped, rejected
+        snap = self._read_report()
+        if snap is None:
+            return (), dropped, rejected
+        try:
+            infos = tuple(
+                ReaderInfo(
+                    place=-1,
+                    name=str(r["name"]),
+                    pid=int(r["pid"]),
+                    received=int(r["received"]),
+                    lag=int(r["lag"]),
+                    sleeping=False,
+                    transport="tcp",
+                    host=str(r.get("host", "")),
+                )
+                for r in snap.get("readers", ())
+            )
+            return infos, dropped + int(snap.get("dropped", 0)), rejected + int(snap.get("rejected_frames", 0))
+        except (AttributeError, KeyError, TypeError, ValueError):  # not a report this version writes
+            return (), dropped, rejected
+
+    def _read_report(self) -> dict[str, Any] | None:
+        try:
+            with open(self.stats_path, encoding="utf-8") as f:
+                snap = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return snap if isinstance(snap, dict) else None
+
+    def restarting_from(self, pid: int) -> bool:
+        """Whether ``pid`` is a server that died and is being replaced: the writer keeps its
+        ring place (the new server takes it over) instead of dropping it as a dead reader."""
+        return self.state == "restarting" and pid in self.pids
+
+    # --- stopping --------------------------------------------------------------------------
+    def stop(self) -> None:
+        """Ask the server to stop once remote readers have drained (it sees its stdin close),
+        wait for it (killing it after ``stop_s``), and remove its report. Blocking."""
+        proc = self._detach()
+        if proc is not None:
+            try:
+                proc.wait(self._stop_s)
+            except subprocess.TimeoutExpired:
+                log.warning("aiobroadcast: the TCP server did not stop in %.0f s; killed it", self._stop_s)
+                proc.kill()
+                proc.wait()
+            self.returncode = proc.returncode
+        if self._thread is not None:
+            self._thread.join()
+        if proc is not None and proc.stdout is not None:
+            proc.stdout.close()
+        remove_quietly(self.stats_path)
+        remove_quietly(stats_tmp_path(self.stats_path))
+
+    def abandon(self) -> None:
+        """The writer is gone without closing (garbage collected, or the interpreter exits): let
+        the server drain and stop by itself. Never blocks."""
+        self._detach()
+
+    def forget_in_child(self) -> None:
+        """In a fork child of the writer's process: the server is the parent's. Close this
+        process's copies of its pipes (a copy left open would keep it serving after the parent
+        closed its stdin); never stop or restart it from here. The parent's watcher thread is not
+        in the child, and may have held the parent's locks at the fork: use fresh ones."""
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._stopped.set()
+        self._thread = None
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            for pipe in (proc.stdin, proc.stdout):
+                if pipe is not None:
+                    try:
+                        pipe.close()
+                    except OSError:
+                        pass
+
+    def _detach(self) -> subprocess.Popen[bytes] | None:
+        """Mark the server as stopping (the watcher restarts nothing from now on) and close its
+        stdin, which tells it to drain and stop."""
+        with self._lock:
+            self._stopped.set()
+            proc, self._proc = self._proc, None
+        if proc is not None and proc.stdin is not None:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+        return proc
+
+    # --- the watcher thread ------------------------------------------------------------------
+    def _watch(self, proc: subprocess.Popen[bytes]) -> None:
+        started = time.monotonic()
+        quick_deaths = 0
+        while True:
+            code = proc.wait()
+            ran = time.monotonic() - started
+            with self._lock:
+                if self._stopped.is_set():
+                    if proc.stdout is not None:
+                        proc.stdout.close()  # stop() does too; abandon() leaves it to us
+                    return
+                self.state = "restarting"
+                self._proc = None
+            served = self._forget(proc)
+            # The new server takes the dead one's ring place, where the writer keeps what it had
+            # not taken yet, and keeps what it takes for the readers coming back (if the report
+            # that counts them is gone, for as long as they may take).
+            self._cfg = {
+                **self._cfg,
+                "take_over": proc.pid,
+                "returning": self._cfg["max_remote"] if served is None else served,
+            }
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+            log.warning(
+                "aiobroadcast: the TCP server (pid %d) %s after %.1f s; starting a new one on %s",
+                proc.pid,
+                how,
+                ran,
+                self._cfg["endpoint"],
+            )
+            quick_deaths = 0 if ran >= STABLE_S else quick_deaths + 1
+            delay = 0.0 if quick_deaths <= 1 else min(RESTART_MAX_S, RESTART_DELAY_S * 2 ** (quick_deaths - 2))
+            new = self._restart(delay)
+            if new is None:
+                return
+            proc = new
+            started = time.monotonic()
+
+    def _forget(self, proc: subprocess.Popen[bytes]) -> int | None:
+        """A server died: keep its counts, drop its report (it names readers nobody serves).
+        Returns how many readers it served, if its report says."""
+        snap = self._read_report()
+        served = None
+        if snap is not None:
+            try:
+                self._dropped_before += int(snap.get("dropped", 0))
+                self._rejected_before += int(snap.get("rejected_frames", 0))
+                served = len(snap.get("readers", ()))
+            except (TypeError, ValueError):  # not a report this version writes
+                pass
+        remove_quietly(self.stats_path)
+        remove_quietly(stats_tmp_path(self.stats_path))
+        for f in (proc.stdin, proc.stdout):
+            if f is not None:
+                try:
+                    f.close()
+                except OSError:
+                    pass
+        return served
+
+    def _restart(self, delay: float) -> subprocess.Popen[bytes] | None:
+        """Start a new server; the process, or None if the writer is stopping or it failed."""
+        error = ""
+        for _attempt in range(START_ATTEMPTS):
+            if self._stopped.wait(delay):
+                return None
+            with self._lock:
+                if self._stopped.is_set():
+                    return None
+                proc = self._proc = self.spawn()
+            answer = read_answer(proc, SERVER_START_S)
+            with self._lock:
+                if self._stopped.is_set():
+                    return None  # stop() has it now
+                if "endpoint" in answer:
+                    self.state = "running"
+                    self.restarts += 1
+                    self.pids.add(proc.pid)
+                    log.warning(
+                        "aiobroadcast: a new TCP server (pid %d) serves %s; remote readers resume",
+                        proc.pid,
+                        answer["endpoint"],
+                    )
+                    return proc
+                self._proc = None
+            error = str(answer["error"])
+            proc.kill()
+            proc.wait()
+            self._forget(proc)
+            log.warning("aiobroadcast: the new TCP server did not start: %s", error)
+            delay = max(RESTART_DELAY_S, min(RESTART_MAX_S, 2 * delay))
+        with self._lock:
+            if self._stopped.is_set():
+                return None
+            self.state = "failed"
+        log.error(
+            "aiobroadcast: the TCP server on %s could not be started again (%d attempts; last: %s). "
+            "Remote readers are NOT served any more; shared-memory readers are. Close the writer "
+            "and open a new one to serve them again",
+            self._cfg["endpoint"],
+            START_ATTEMPTS,
+            error,
+        )
+        return None

@@ -26,7 +26,7 @@ from ._open import open_reader as open_reader
 from ._open import open_writer as open_writer
 from ._reader import Reader as Reader
 from ._relay import relay as relay
-from ._ring import sweep_stale as sweep_stale
+from ._shm.segment import sweep_stale as sweep_stale
 from ._stats import ReaderInfo as ReaderInfo
 from ._stats import ReaderStatistics as ReaderStatistics
 from ._stats import WriterStatistics as WriterStatistics

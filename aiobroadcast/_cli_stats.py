@@ -22,10 +22,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import _ring
 from ._cli_common import EXIT_FAILED, EXIT_OK, fail, load_handle, run_sync
 from ._handle import Handle
-from ._ring import (
+from ._shm import layout as _layout
+from ._shm import segment as _segment
+from ._shm.layout import (
     MAGIC,
     R_ACTIVE,
     R_CURSOR,
@@ -103,7 +104,7 @@ class Snapshot:
 
     def holding(self) -> list[ReaderRow]:
         """The readers a blocked writer waits for: their cursor is below ``wait_target``."""
-        return [r for r in self.readers if _ring.holds_writer(r.cursor, self.wait_target)]
+        return [r for r in self.readers if _layout.holds_writer(r.cursor, self.wait_target)]
 
 
 class SegmentView:
@@ -144,10 +145,10 @@ class SegmentView:
             readers.append(
                 ReaderRow(
                     place=i,
-                    name=_ring.record_name(self._buf, lay, i),
+                    name=_segment.record_name(self._buf, lay, i),
                     pid=w[lay.record_word(i, R_PID)],
-                    host=_ring.record_host(self._buf, lay, i),
-                    alive=_ring.is_locked(self._fd, _ring.reader_lock_byte(i)),
+                    host=_segment.record_host(self._buf, lay, i),
+                    alive=_segment.is_locked(self._fd, _segment.reader_lock_byte(i)),
                     cursor=w[lay.record_word(i, R_CURSOR)],
                     received=w[lay.record_word(i, R_RECEIVED)],
                     sleeping=bool(w[lay.waiting_word(i)]),
@@ -160,8 +161,8 @@ class SegmentView:
             messages=w[W_NEXT_MSG],
             closed=bool(w[W_CLOSED]),
             writer_pid=w[W_WRITER_PID],
-            writer_host=_ring.writer_host(self._buf),
-            writer_alive=_ring.is_locked(self._fd, _ring.WRITER_LOCK_BYTE),
+            writer_host=_segment.writer_host(self._buf),
+            writer_alive=_segment.is_locked(self._fd, _segment.WRITER_LOCK_BYTE),
             wait_target=w[W_WAIT_TARGET],
             readers=tuple(readers),
         )

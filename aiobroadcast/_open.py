@@ -14,7 +14,7 @@ import anyio
 import anyio.to_thread
 from pydantic import BaseModel
 
-from . import _ring
+from ._channel import WriterChannel
 from ._codec import (
     JsonCodec,
     PickleEncoder,
@@ -29,7 +29,9 @@ from ._exceptions import BroadcastError, InvalidArgument, InvalidHandle
 from ._handle import CurveKeys, Handle, Policy, check_directory, check_endpoint, require
 from ._reader import Reader, Source
 from ._reader import _private as _reader_token
-from ._shm_reader import ShmSource
+from ._shm import layout as _layout
+from ._shm import segment as _segment
+from ._shm.subscriber import ShmSource
 from ._tcp_supervisor import SERVER_START_S, ServerProcess, read_answer
 from ._writer import Writer
 from ._writer import _private as _writer_token
@@ -155,22 +157,27 @@ def open_writer(
     )
 
     async def make() -> Writer[Any]:
-        writer = spec.create()
-        if tcp is not None:
-            try:
-                start = _ServerStart(writer, spec)
-                try:
-                    answer = await anyio.to_thread.run_sync(start.answer, abandon_on_cancel=True)
-                except BaseException:
-                    start.kill()
-                    raise
-                start.finish(answer)
-            except BaseException:
-                await writer.aclose()
-                raise
-        return writer
+        return Writer(_writer_token, await _open_channel(spec))
 
     return _Opening(make)
+
+
+async def _open_channel(spec: _WriterSpec) -> WriterChannel:
+    """Create the channel, and start its TCP server if ``spec`` asks for one."""
+    channel = spec.create()
+    if spec.tcp is not None:
+        try:
+            start = _ServerStart(channel, spec)
+            try:
+                answer = await anyio.to_thread.run_sync(start.answer, abandon_on_cancel=True)
+            except BaseException:
+                start.kill()
+                raise
+            start.finish(answer)
+        except BaseException:
+            await channel.aclose()
+            raise
+    return channel
 
 
 class WriterOptions(TypedDict, total=False):
@@ -218,8 +225,8 @@ class _WriterSpec:
             raise InvalidArgument("max_readers must be at least 1")
         if self.slot_bytes < 64:
             raise InvalidArgument("slot_bytes must be at least 64")
-        if self.policy not in _ring.POLICIES:
-            raise InvalidArgument(f"policy must be one of {_ring.POLICIES}, not {self.policy!r}")
+        if self.policy not in _layout.POLICIES:
+            raise InvalidArgument(f"policy must be one of {_layout.POLICIES}, not {self.policy!r}")
         if self.codec not in ("pickle", "json"):
             raise InvalidArgument(f"codec must be 'pickle' or 'json', not {self.codec!r}")
         if self.tcp is not None:
@@ -231,9 +238,9 @@ class _WriterSpec:
     def ring_readers(self) -> int:
         return self.max_readers + (1 if self.tcp else 0)  # a place for the TCP server
 
-    def create(self) -> Writer[Any]:
-        """Create the segment and its writer (without the TCP server)."""
-        _ring.sweep_stale(self.directory)
+    def create(self) -> WriterChannel:
+        """Create the segment and the channel's writing side (without the TCP server)."""
+        _segment.sweep_stale(self.directory)
         token = secrets.token_hex(16)
         encoder: PickleEncoder | SchemaCodec | JsonCodec
         if self.schema is not None:
@@ -242,14 +249,14 @@ class _WriterSpec:
             encoder, channel_codec = JsonCodec(), "json"
         else:
             encoder, channel_codec = PickleEncoder(), "pickle"
-        seg = _ring.create_segment(
+        seg = _segment.create_segment(
             self.directory,
             token,
             self.capacity,
             self.slot_bytes,
             self.ring_readers,
-            _ring.POLICIES.index(self.policy),
-            _ring.CODECS.index(channel_codec),
+            _layout.POLICIES.index(self.policy),
+            _layout.CODECS.index(channel_codec),
         )
         try:
             handle = Handle(
@@ -263,10 +270,10 @@ class _WriterSpec:
                 schema_path=schema_path(self.schema) if self.schema is not None else None,
                 writer_pid=os.getpid(),
             )
-            return Writer(_writer_token, seg, handle, encoder, self.max_message_bytes)
+            return WriterChannel(seg, handle, encoder, self.max_message_bytes)
         except BaseException:
             seg.close()
-            _ring._unlink_quiet(seg.path)
+            _segment._unlink_quiet(seg.path)
             raise
 
 
@@ -274,11 +281,11 @@ class _ServerStart:
     """Starting the TCP server process for a writer: the parts before and after waiting for its
     answer (``answer``, within ``SERVER_START_S``), shared by the async and blocking factories."""
 
-    def __init__(self, writer: Writer[Any], spec: _WriterSpec) -> None:
+    def __init__(self, channel: WriterChannel, spec: _WriterSpec) -> None:
         assert spec.tcp is not None
-        self._writer = writer
+        self._channel = channel
         self._spec = spec
-        handle = writer.handle
+        handle = channel.handle
         if spec.insecure:
             log.warning(
                 "aiobroadcast: serving %s WITHOUT encryption (insecure=True); use only on a closed network", spec.tcp
@@ -301,7 +308,7 @@ class _ServerStart:
             "hb_interval": spec.heartbeat_s,
             "hb_timeout": 6 * spec.heartbeat_s,
             "max_remote": spec.max_readers,
-            "stats_path": writer._seg.sock_path("tcp").removesuffix(".sock") + ".json",
+            "stats_path": channel.seg.sock_path("tcp").removesuffix(".sock") + ".json",
         }
         self._server = ServerProcess(cfg, 12 * spec.heartbeat_s)
         self.proc = self._server.spawn()
@@ -327,7 +334,7 @@ class _ServerStart:
             raise BroadcastError(f"cannot serve {spec.tcp}: {answer['error']}")
         self._server.serve(self.proc, answer["endpoint"])
         k = self._keys
-        full = self._writer.handle.model_copy(
+        full = self._channel.handle.model_copy(
             update={
                 "tcp": _advertised(answer["endpoint"], spec.advertise),
                 "insecure": spec.insecure,
@@ -337,7 +344,7 @@ class _ServerStart:
                 "hmac_key": self._hmac_key,
             }
         )
-        self._writer._serve_tcp(self._server, Handle.model_validate(full.model_dump()))
+        self._channel.serve_tcp(self._server, Handle.model_validate(full.model_dump()))
 
 
 def _advertised(endpoint: str, host: str | None) -> str:
@@ -495,7 +502,7 @@ def _over_tcp(h: Handle, transport: Transport) -> bool:
 
 
 def _shm_source(h: Handle, name: str, decode: Callable[[Any, bool], Any], hold: bool) -> ShmSource:
-    seg = _ring.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
+    seg = _segment.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
     try:
         return ShmSource(seg, h, name, decode, hold=hold)
     except BaseException:
@@ -506,7 +513,7 @@ def _shm_source(h: Handle, name: str, decode: Callable[[Any, bool], Any], hold: 
 def _ring_reachable(h: Handle) -> bool:
     """The ring is reachable when its file exists here and carries the handle's token."""
     try:
-        seg = _ring.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
+        seg = _segment.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
     except (InvalidHandle, BroadcastError):
         return False
     seg.close()

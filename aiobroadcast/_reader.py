@@ -12,28 +12,24 @@ from typing import Any, Generic, NoReturn, Protocol, TypeVar, final
 import anyio
 import anyio.lowlevel
 
-from . import _fork
+from . import _fork, _tuning
 from ._exceptions import BroadcastError, ClosedResourceError, EndOfStream, WouldBlock
 from ._handle import Handle
+from ._shm.wake import poll
 from ._stats import ReaderStatistics
-from ._wake import poll
-from ._writer import DENSE_NS, POLL_NS, YIELD_EVERY
 
 T_co = TypeVar("T_co", covariant=True)
 
 _private = object()
 
-#: A fixed ``spin_us`` poll is skipped after a sleep this long: an idle reader, woken only by its
-#: periodic liveness check, goes back to sleep without polling.
-IDLE_NS = 100_000_000
 
 
 def poll_budget(spin_ns: int | None, slept_ns: int) -> int:
     """How long a waiting reader polls before it sleeps, given its ``spin_us`` (None: adaptive)
     and how long its previous sleep lasted."""
     if spin_ns is None:
-        return POLL_NS if slept_ns < DENSE_NS else 0
-    if slept_ns >= IDLE_NS:
+        return _tuning.POLL_NS if slept_ns < _tuning.DENSE_NS else 0
+    if slept_ns >= _tuning.IDLE_NS:
         return 0  # the stream went idle (the last sleep lasted): sleep again at once
     return spin_ns
 
@@ -64,7 +60,7 @@ class Reader(Generic[T_co]):
             raise TypeError("Reader cannot be built directly; use aiobroadcast.open_reader()")
         self._src = source
         self._spin_ns = None if spin_us is None else int(spin_us * 1000)
-        self._slept_ns = DENSE_NS  # no polling before the first sleep
+        self._slept_ns = _tuning.DENSE_NS  # no polling before the first sleep
         self._handle = handle
         self._name = name
         self._leader: anyio.Event | None = None
@@ -124,7 +120,7 @@ class Reader(Generic[T_co]):
                 await self._wait()
                 continue
             self._since_yield += 1
-            if self._since_yield >= YIELD_EVERY:
+            if self._since_yield >= _tuning.YIELD_EVERY:
                 # A reader that never has to wait still lets other tasks run now and then. Shielded:
                 # the message is taken, so a cancellation here would lose it.
                 self._since_yield = 0
@@ -225,7 +221,7 @@ class Reader(Generic[T_co]):
             raise ClosedResourceError(self._refusal or "this reader was closed while waiting")
 
     async def _poll(self) -> bool:
-        """Poll the source for a while before sleeping (see ``POLL_NS``). True if it became
+        """Poll the source for a while before sleeping (see ``_tuning.POLL_NS``). True if it became
         ready (or the reader was closed meanwhile)."""
         spin = poll_budget(self._spin_ns, self._slept_ns)
         if not spin:

@@ -9,10 +9,12 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 
+from . import _tuning
 from ._exceptions import EndOfStream, ReaderLagged, WriterGone
 from ._handle import Handle
-from ._open import DEFAULT_DIRECTORY, Transport, _open_raw_reader, open_writer
+from ._open import DEFAULT_DIRECTORY, Transport, _open_channel, _open_raw_reader, _WriterSpec
 
 
 async def relay(
@@ -37,7 +39,7 @@ async def relay(
     """
     up = Handle.parse(upstream)
     async with _open_raw_reader(up, name=name, transport=transport) as source:
-        down = await open_writer(
+        spec = _WriterSpec(
             capacity=capacity or up.capacity,
             slot_bytes=slot_bytes or up.slot_bytes,
             max_readers=max_readers,
@@ -46,22 +48,28 @@ async def relay(
             tcp=tcp,
             insecure=insecure,
         )
+        down = await _open_channel(spec)
         try:
-            down._relay_codec(up.codec, up.schema_path)
+            # The bodies go on as they are, encoded upstream: readers decode them as upstream's.
+            down.set_codec(up.codec, up.schema_path)
             if on_ready is not None:
                 on_ready(down.handle)
+            published = 0
             while True:
                 try:
                     body, oob = await source.get()
                 except ReaderLagged as exc:
-                    await down._put_gap(exc.missed)
+                    await down.put_gap(exc.missed)
                     continue
                 except EndOfStream:
                     break
                 except WriterGone:
-                    await down._abandon()
+                    await down.abandon()
                     return
-                await down._put_raw(body, oob)
+                if await down.put_encoded((body,), len(body), oob, down.entries_for(len(body))):
+                    published += 1  # at once: yield to the loop now and then, as Writer.put does
+                    if published % _tuning.YIELD_EVERY == 0:
+                        await anyio.lowlevel.cancel_shielded_checkpoint()
         finally:
             await down.aclose()
 

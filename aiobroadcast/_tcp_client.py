@@ -31,7 +31,7 @@ from ._exceptions import (
     WriterGone,
 )
 from ._handle import Handle
-from ._ring import host_name
+from ._shm.layout import host_name
 from ._stats import ReaderStatistics
 
 _MSG, _LAG, _END, _GONE, _ERROR = range(5)

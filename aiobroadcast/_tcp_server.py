@@ -35,8 +35,9 @@ import zmq.auth.thread
 from . import _wire as wire
 from ._exceptions import BroadcastError, EndOfStream, ReaderLagged, WouldBlock, WriterGone
 from ._handle import Handle
-from ._ring import NAME_BYTES, W_NEXT_MSG, Segment, attach_segment
-from ._shm_reader import ShmSource
+from ._shm.layout import NAME_BYTES, W_NEXT_MSG
+from ._shm.segment import Segment, attach_segment
+from ._shm.subscriber import ShmSource
 from ._tcp_supervisor import remove_quietly, stats_tmp_path
 
 log = logging.getLogger("aiobroadcast")

@@ -49,6 +49,8 @@ from typing import Any, Generic, Protocol, Self, TypeVar, Unpack, final, overloa
 
 from pydantic import BaseModel
 
+from . import _tuning
+from ._channel import WriterChannel
 from ._codec import Buffer, decode_pickle_view
 from ._exceptions import ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
 from ._handle import Handle
@@ -62,9 +64,9 @@ from ._open import (
     _WriterSpec,
 )
 from ._reader import poll_budget
+from ._shm.publisher import Chunks
+from ._shm.wake import poll_blocking, wait_readable
 from ._stats import ReaderStatistics, WriterStatistics
-from ._wake import poll_blocking, wait_readable
-from ._writer import DENSE_NS, Writer, _Chunks
 
 __all__ = ["BlockingReader", "BlockingWriter", "open_reader", "open_writer"]
 
@@ -161,10 +163,10 @@ class BlockingWriter(_Closable, Generic[T_contra]):
     """The sending end of a channel, for code without an event loop. Built by
     ``aiobroadcast.blocking.open_writer``; has no ``get``. Thread-safe (see the module)."""
 
-    def __init__(self, token: object, writer: Writer[Any]) -> None:
+    def __init__(self, token: object, channel: WriterChannel) -> None:
         if token is not _private:
             raise TypeError("BlockingWriter cannot be built directly; use aiobroadcast.blocking.open_writer()")
-        self._w = writer
+        self._w = channel
         self._lock = _Owned()
         # close() holds this while it releases the ring; statistics() holds it to read the ring.
         self._close_lock = threading.Lock()
@@ -194,8 +196,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         ``put`` waits for."""
         with self._close_lock:
             self._check_open()
-            stats = self._w.statistics()
-        return stats._replace(tasks_waiting=self._lock.waiting)
+            return self._w.statistics(self._lock.waiting)
 
     def close(self) -> None:
         """Close the channel: readers receive what was published, then ``EndOfStream``."""
@@ -206,7 +207,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
                 return
             self._closing = True
             w = self._w
-            w._outbox.wake(w._inbox.path)  # a put waiting for room looks up and sees _closing
+            w.pub.outbox.wake(w.inbox.path)  # a put waiting for room looks up and sees _closing
             self._lock.acquire(None)
             try:
                 _close_writer(w)
@@ -216,7 +217,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
 
     def __repr__(self) -> str:
         h = self._w.handle
-        state = "closed" if self._closed else f"sent={self._w._msg}"
+        state = "closed" if self._closed else f"sent={self._w.pub.msg}"
         return f"<aiobroadcast.blocking.BlockingWriter {h.name} {h.policy} {state}>"
 
     # --- internals ---------------------------------------------------------------------------
@@ -234,9 +235,9 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             w = self._w
             # Under the lock, so that a put from inside pickling (a __reduce__ that publishes)
             # raises WouldBlock here rather than waiting on itself.
-            parts, total, oob = w._encode_checked(obj)
-            entries = 1 if total <= w._payload else -(-total // w._payload)
-            if w._try_publish(parts, total, oob, entries):
+            parts, total, oob = w.encode(obj)
+            entries = w.entries_for(total)
+            if w.pub.try_publish(parts, total, oob, entries):
                 return
             if nowait:
                 raise WouldBlock
@@ -251,24 +252,25 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         sleep = self._sleeper(deadline)
         self._lock.count(1)
         try:
-            if entries <= w._cap or not w._block:
+            pub = w.pub
+            if entries <= pub.layout.capacity or not pub.block:
                 while True:
-                    w._wait_room_blocking(entries, sleep)
-                    if w._try_publish(parts, total, oob, entries):
+                    w.wait_room_blocking(entries, sleep)
+                    if pub.try_publish(parts, total, oob, entries):
                         return
-            chunks = _Chunks(parts)
-            msg = w._msg
+            chunks = Chunks(parts)
+            msg = pub.msg
             try:
                 while not chunks.done:
-                    w._wait_room_blocking(1, sleep)
-                    w._stream_some(chunks, total, oob, msg)  # this writer's threads hold self._lock
+                    w.wait_room_blocking(1, sleep)
+                    pub.stream_some(chunks, total, oob, msg)  # this writer's threads hold self._lock
             finally:
-                w._end_stream(chunks, msg)
+                pub.end_stream(chunks, msg)
         finally:
             self._lock.count(-1)
 
     def _sleeper(self, deadline: float | None) -> Callable[[float], bool]:
-        inbox = self._w._inbox
+        inbox = self._w.inbox
 
         def sleep(limit: float) -> bool:
             left = _left(deadline)
@@ -280,11 +282,11 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         return sleep
 
 
-def _close_writer(w: Writer[Any]) -> None:
-    """``Writer.aclose`` for a thread: the same steps, waiting for the TCP server in this thread."""
-    w._mark_closed()
-    w._stop_server_blocking()
-    w._release()
+def _close_writer(w: WriterChannel) -> None:
+    """``WriterChannel.aclose`` for a thread: the same steps, waiting for the TCP server here."""
+    w.mark_closed()
+    w.stop_server_blocking()
+    w.release()
 
 
 # --- the reader --------------------------------------------------------------------------------
@@ -320,7 +322,7 @@ class BlockingReader(_Closable, Generic[T_co]):
         self._handle = handle
         self._name = name
         self._spin_ns = None if spin_us is None else int(spin_us * 1000)
-        self._slept_ns = DENSE_NS  # no polling before the first sleep
+        self._slept_ns = _tuning.DENSE_NS  # no polling before the first sleep
         self._lock = _Owned()  # one taker at a time
         self._sleep_lock = _Owned()  # one sleeper at a time
         self._closing = False
@@ -490,10 +492,10 @@ def open_writer(*, schema: type[BaseModel] | None = None, **options: Unpack[Writ
     and the errors are those of ``aiobroadcast.open_writer``. Use ``with`` (closes at the end)
     or call ``close()``."""
     spec = _WriterSpec(schema=schema, **options)
-    writer = spec.create()
+    channel = spec.create()
     if spec.tcp is not None:
         try:
-            start = _ServerStart(writer, spec)
+            start = _ServerStart(channel, spec)
             try:
                 answer = start.answer()
             except BaseException:
@@ -501,9 +503,9 @@ def open_writer(*, schema: type[BaseModel] | None = None, **options: Unpack[Writ
                 raise
             start.finish(answer)
         except BaseException:
-            _close_writer(writer)
+            _close_writer(channel)
             raise
-    return BlockingWriter(_private, writer)
+    return BlockingWriter(_private, channel)
 
 
 @overload

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 import aiobroadcast as ab
-import aiobroadcast._shm_reader as shm_reader_mod
+from aiobroadcast import _tuning
 from aiobroadcast._handle import Policy
 
 if TYPE_CHECKING:
@@ -111,8 +111,8 @@ class WriterSpec:
 # --- the child side -----------------------------------------------------------------------------
 def set_reader_liveness(seconds: float) -> None:
     """How long a parked reader of this process sleeps before re-checking on its own."""
-    vars(shm_reader_mod)["LIVENESS_S"] = seconds
-    vars(shm_reader_mod)["WATCHED_LIVENESS_S"] = seconds
+    _tuning.LIVENESS_S = seconds
+    _tuning.WATCHED_LIVENESS_S = seconds
 
 
 def _child(

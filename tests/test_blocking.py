@@ -22,8 +22,7 @@ from _workers import writer_proc as async_writer_proc
 from pydantic import BaseModel
 
 import aiobroadcast as ab
-import aiobroadcast._ring as ring_mod
-from aiobroadcast import blocking
+from aiobroadcast import _tuning, blocking
 from aiobroadcast._open import ReaderOptions, WriterOptions, _ReaderSpec, _WriterSpec
 
 #: Generous bound for "it happens" (never a performance claim): a loaded 2-core CI machine.
@@ -301,7 +300,7 @@ async def test_a_dead_writer_gives_writer_gone_after_its_messages(anyio_backend:
     assert info.value.pid == writer.pid
     path = ab.Handle.parse(handle).path
     age = time.time() - os.stat(path).st_mtime
-    await anyio.sleep(max(0.0, ring_mod.STALE_MIN_AGE_S + 0.2 - age))
+    await anyio.sleep(max(0.0, _tuning.STALE_MIN_AGE_S + 0.2 - age))
     assert path in ab.sweep_stale(os.path.dirname(path))  # the dead writer's files go
 
 

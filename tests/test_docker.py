@@ -39,7 +39,7 @@ import pytest
 import yaml
 
 from aiobroadcast._cli import build_parser
-from aiobroadcast._ring import Layout
+from aiobroadcast._shm.layout import Layout
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"

@@ -19,9 +19,10 @@ import anyio
 import pytest
 
 import aiobroadcast as ab
-from aiobroadcast import _ring
 from aiobroadcast._codec import PickleEncoder, decode_pickle
-from aiobroadcast._shm_reader import ShmSource
+from aiobroadcast._shm import layout as _layout
+from aiobroadcast._shm import segment as _segment
+from aiobroadcast._shm.subscriber import ShmSource
 
 pytestmark = pytest.mark.anyio
 
@@ -309,7 +310,7 @@ async def test_an_exception_at_every_await_of_put_and_get_loses_nothing(
                 reader.get_nowait()
             # get waits now (nothing published): interrupt it the same ways.
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_every_ms, writer._wake_all_readers)
+                tg.start_soon(_every_ms, writer._ch.pub.wake_all_readers)
                 for delay in (0, 0.0001, 0.002, 0.02):
                     with anyio.move_on_after(delay):
                         await reader.get()
@@ -322,7 +323,7 @@ async def test_an_exception_at_every_await_of_put_and_get_loses_nothing(
             assert [await reader.get() for _ in range(4)] == [4, 5, 6, 7]
             with pytest.raises(ab.WouldBlock):
                 reader.get_nowait()
-            assert writer._words[_ring.W_WAIT_TARGET] == 0
+            assert writer._ch.seg.words[_layout.W_WAIT_TARGET] == 0
 
 
 async def _every_ms(poke: Callable[[], object]) -> None:
@@ -357,12 +358,12 @@ async def _throw_at(call: Callable[[], Any], n: int, exc: BaseException) -> bool
     pytest.fail(f"the call swallowed {exc!r} thrown at its suspension {n}")
 
 
-_WRITER_FILE = sys.modules["aiobroadcast._writer"].__file__
+_PUBLISHING_FILES = {sys.modules[m].__file__ for m in ("aiobroadcast._shm.publisher", "aiobroadcast._shm.records")}
 
 
 #: What runs while a message is copied into the ring and published (the put's own bookkeeping
 #: around it, taking and releasing its locks, is not interrupted here).
-_PUBLISHING = {"_write_message", "_write_fragments", "copy_into", "_wake_readers"}
+_PUBLISHING = {"_write_message", "_write_fragments", "copy_into", "wake_readers", "wake_sleepers"}
 
 
 def _interrupt_at_line(n: int, call: Callable[[], object]) -> bool:
@@ -380,7 +381,7 @@ def _interrupt_at_line(n: int, call: Callable[[], object]) -> bool:
 
     def start(frame: Any, event: str, arg: Any) -> Any:
         code = frame.f_code
-        return local if code.co_filename == _WRITER_FILE and code.co_name in _PUBLISHING else None
+        return local if code.co_filename in _PUBLISHING_FILES and code.co_name in _PUBLISHING else None
 
     sys.settrace(start)
     try:
@@ -505,7 +506,7 @@ async def test_waiting_for_is_the_readers_below_the_writers_wait_target() -> Non
                 assert slow.get_nowait() == 0  # one slot free: the writer still waits (for 4)
                 stats = writer.statistics()
                 assert [r.name for r in stats.waiting_for] == ["slow"]
-                target = writer._words[_ring.W_WAIT_TARGET]
+                target = writer._ch.seg.words[_layout.W_WAIT_TARGET]
                 assert target == stats.head + 1 + 16 // 4 - 16
                 for _ in range(4):
                     slow.get_nowait()
@@ -531,6 +532,6 @@ def test_sweep_follows_no_symlink_and_opens_no_foreign_file(tmp_path: Path) -> N
     old = 1_000_000_000
     os.utime(d / name, (old, old), follow_symlinks=False)
     os.utime(fifo, (old, old))
-    assert _ring.sweep_stale(str(d)) == []
+    assert _segment.sweep_stale(str(d)) == []
     assert victim.read_bytes() == b"precious"
     assert (d / name).is_symlink() and fifo.exists()

@@ -29,7 +29,7 @@ from _fork_workers import fork_exit_proc, forking_reader_proc, forking_writer_pr
 from _workers import Backend, spawn
 
 import aiobroadcast as ab
-import aiobroadcast._ring as ring_mod
+from aiobroadcast import _tuning
 
 pytestmark = pytest.mark.anyio
 
@@ -66,7 +66,7 @@ def alive_and_not_a_zombie(p: psutil.Process) -> bool:
 async def sweep(handle: ab.Handle) -> None:
     """Remove what a SIGKILLed writer left, once old enough to be stale."""
     age = time.time() - os.stat(handle.path).st_mtime
-    await anyio.sleep(max(0.0, ring_mod.STALE_MIN_AGE_S + 0.2 - age))
+    await anyio.sleep(max(0.0, _tuning.STALE_MIN_AGE_S + 0.2 - age))
     assert handle.path in ab.sweep_stale(handle.directory)
 
 

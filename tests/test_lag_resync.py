@@ -21,8 +21,9 @@ from typing import Any, cast
 import pytest
 
 import aiobroadcast as ab
-from aiobroadcast._ring import BUSY, F_FIRST, F_LAST, SLOT_REST, W_HEAD, W_NEXT_MSG, Segment
-from aiobroadcast._shm_reader import ShmSource
+from aiobroadcast._shm.layout import BUSY, F_FIRST, F_LAST, SLOT_REST, W_HEAD, W_NEXT_MSG
+from aiobroadcast._shm.segment import Segment
+from aiobroadcast._shm.subscriber import ShmSource
 
 pytestmark = pytest.mark.anyio
 

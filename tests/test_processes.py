@@ -44,9 +44,8 @@ from _workers import (
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 import aiobroadcast as ab
-import aiobroadcast._ring as ring_mod
-import aiobroadcast._shm_reader as shm_reader_mod
-import aiobroadcast._writer as writer_mod
+from aiobroadcast import _tuning
+from aiobroadcast._shm import layout as _layout
 
 pytestmark = pytest.mark.anyio
 
@@ -85,7 +84,7 @@ async def test_stress_random_numpy_arrays(anyio_backend: Backend, monkeypatch: p
     slot), capacity 2, three reader processes, random 0-1 ms naps on every side; each reader
     regenerates every array from the seed and checks contents and order. Liveness re-checks are
     pushed to a minute, so any lost wake-up stalls the run instead of hiding behind them."""
-    monkeypatch.setattr(writer_mod, "LIVENESS_S", NO_TIMEOUT)
+    monkeypatch.setattr(_tuning, "ROOM_CHECK_S", NO_TIMEOUT)
     count, seed = 10_000, 20240611
     async with ab.open_writer(capacity=2, slot_bytes=40 * 1024, max_readers=3) as writer:
         with contextlib.ExitStack() as stack:
@@ -207,8 +206,8 @@ async def test_cancelled_get_takes_nothing(anyio_backend: Backend, monkeypatch: 
     """tokio's "recv is cancel-safe": a parked get cancelled by a timeout takes nothing, and a
     reader whose gets are cancelled at random moments while a writer process publishes still
     receives every message exactly once, in order."""
-    monkeypatch.setattr(shm_reader_mod, "LIVENESS_S", NO_TIMEOUT)
-    monkeypatch.setattr(shm_reader_mod, "WATCHED_LIVENESS_S", NO_TIMEOUT)
+    monkeypatch.setattr(_tuning, "LIVENESS_S", NO_TIMEOUT)
+    monkeypatch.setattr(_tuning, "WATCHED_LIVENESS_S", NO_TIMEOUT)
     count = 300
     with spawn(writer_proc, anyio_backend, WriterSpec(capacity=4, count=count, sleep_prob=0.3)) as writer:
         handle = await writer.recv("handle")
@@ -360,7 +359,7 @@ async def test_sigkilled_reader_is_dropped_and_the_writer_goes_on(
             stats = writer.statistics()
             assert stats.dropped_readers == 1
             assert [r.name for r in stats.readers] == ["steady"]
-            host = ring_mod.unpack_host(ring_mod.pack_host(ring_mod.host_name()))  # the ring keeps 16 bytes
+            host = _layout.unpack_host(_layout.pack_host(_layout.host_name()))  # the ring keeps 16 bytes
             assert f"reader 'doomed' (pid {doomed.pid} on {host}, place {doomed_place}) died" in caplog.text
             assert not any(n.endswith(f"-r{doomed_place}.sock") for n in files_of(writer.handle))
             await writer.aclose()
@@ -411,7 +410,7 @@ async def test_sigkilled_writer_reader_drains_then_writer_gone_then_swept(anyio_
                 await ab.open_reader(handle, name="too-late")
             # Old enough to be swept, but our reader still holds its lock: not stale yet.
             age = time.time() - os.stat(handle.path).st_mtime
-            await anyio.sleep(max(0.0, ring_mod.STALE_MIN_AGE_S + 0.2 - age))
+            await anyio.sleep(max(0.0, _tuning.STALE_MIN_AGE_S + 0.2 - age))
             assert handle.path not in ab.sweep_stale(handle.directory)
             assert handle.name in files_of(handle)
         async with ab.open_writer(capacity=2, slot_bytes=256):
@@ -424,8 +423,8 @@ async def test_a_sleeping_reader_is_woken_by_its_writers_exit(
     """A reader parked in get() learns that its writer's process died from the writer's pidfd,
     not from a periodic check: with every periodic check pushed to a minute, a SIGKILL of the
     writer still ends the get with WriterGone (a missed exit would hang until fail_after)."""
-    monkeypatch.setattr(shm_reader_mod, "LIVENESS_S", NO_TIMEOUT)
-    monkeypatch.setattr(shm_reader_mod, "WATCHED_LIVENESS_S", NO_TIMEOUT)
+    monkeypatch.setattr(_tuning, "LIVENESS_S", NO_TIMEOUT)
+    monkeypatch.setattr(_tuning, "WATCHED_LIVENESS_S", NO_TIMEOUT)
     spec = WriterSpec(capacity=4, count=0, then="hang")
     with spawn(writer_proc, anyio_backend, spec) as writer_proc_:
         handle = ab.Handle.parse(await writer_proc_.recv("handle"))
@@ -450,7 +449,7 @@ async def test_a_sleeping_reader_is_woken_by_its_writers_exit(
             assert len(outcome) == 1 and isinstance(outcome[0], ab.WriterGone)
     # The dead writer's files go with the next sweep once they are old enough.
     age = time.time() - os.stat(handle.path).st_mtime
-    await anyio.sleep(max(0.0, ring_mod.STALE_MIN_AGE_S + 0.2 - age))
+    await anyio.sleep(max(0.0, _tuning.STALE_MIN_AGE_S + 0.2 - age))
     assert handle.path in ab.sweep_stale(handle.directory)
     assert files_of(handle) == []
 
@@ -459,17 +458,17 @@ async def test_a_writer_that_stops_without_closing_wakes_its_readers(monkeypatch
     """A relay abandons its channel when its upstream dies: its process lives on (so no pidfd
     fires), and its readers, on this host or in another pid namespace, must still get
     WriterGone. Periodic checks are pushed to a minute: the wake-up must come."""
-    monkeypatch.setattr(shm_reader_mod, "LIVENESS_S", NO_TIMEOUT)
-    monkeypatch.setattr(shm_reader_mod, "WATCHED_LIVENESS_S", NO_TIMEOUT)
+    monkeypatch.setattr(_tuning, "LIVENESS_S", NO_TIMEOUT)
+    monkeypatch.setattr(_tuning, "WATCHED_LIVENESS_S", NO_TIMEOUT)
     writer = await ab.open_writer(capacity=4, slot_bytes=256)
     try:
         same_ns = await ab.open_reader(writer.handle, name="same-namespace")
         # As a reader in another pid namespace sees it: the pid in the segment is not its writer's.
-        seg_words = writer._seg.words
-        own_ns = seg_words[ring_mod.W_WRITER_PIDNS]
-        seg_words[ring_mod.W_WRITER_PIDNS] = own_ns + 1
+        seg_words = writer._ch.seg.words
+        own_ns = seg_words[_layout.W_WRITER_PIDNS]
+        seg_words[_layout.W_WRITER_PIDNS] = own_ns + 1
         other_ns = await ab.open_reader(writer.handle, name="other-namespace")
-        seg_words[ring_mod.W_WRITER_PIDNS] = own_ns
+        seg_words[_layout.W_WRITER_PIDNS] = own_ns
         assert same_ns._src._inbox.watch is not None  # type: ignore[attr-defined]
         assert other_ns._src._inbox.watch is None  # type: ignore[attr-defined]
         await writer.put("last")
@@ -487,7 +486,7 @@ async def test_a_writer_that_stops_without_closing_wakes_its_readers(monkeypatch
                 tg.start_soon(drain, other_ns)
                 await until(lambda: all(r.statistics().tasks_waiting == 1 for r in (same_ns, other_ns)))
                 await anyio.sleep(0.1)
-                await writer._abandon()
+                await writer._ch.abandon()
         assert sorted(gone) == ["other-namespace", "same-namespace"]
         await same_ns.aclose()
         await other_ns.aclose()
@@ -701,7 +700,7 @@ async def test_reader_aclose_releases_a_blocked_writer_at_once(
     """The writer waits for a reader process that is not reading; the reader closes (and its process
     stays alive). The writer proceeds on the wake-up the close sends: its liveness period is a
     minute, so nothing else could release it within the bound."""
-    monkeypatch.setattr(writer_mod, "LIVENESS_S", NO_TIMEOUT)
+    monkeypatch.setattr(_tuning, "ROOM_CHECK_S", NO_TIMEOUT)
     async with ab.open_writer(capacity=2, slot_bytes=256) as writer:
         with spawn(collect_proc, anyio_backend, writer.handle.to_json(), ReaderOpts(stop_after=0)) as reader:
             place = (await reader.recv("attached"))["place"]
@@ -948,8 +947,8 @@ async def test_new_reader_in_a_reused_place_is_woken(anyio_backend: Backend) -> 
 async def test_reader_aclose_wakes_its_parked_gets(anyio_backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
     """Reader.aclose while tasks are parked in get(): each raises ClosedResourceError at once (they
     used to wake only at the next liveness check, with OSError(EBADF) from the closed socket)."""
-    monkeypatch.setattr(shm_reader_mod, "LIVENESS_S", NO_TIMEOUT)
-    monkeypatch.setattr(shm_reader_mod, "WATCHED_LIVENESS_S", NO_TIMEOUT)
+    monkeypatch.setattr(_tuning, "LIVENESS_S", NO_TIMEOUT)
+    monkeypatch.setattr(_tuning, "WATCHED_LIVENESS_S", NO_TIMEOUT)
     async with ab.open_writer(capacity=4, slot_bytes=256) as writer:
         reader = await ab.open_reader(writer.handle)
         outcomes: list[str] = []
@@ -978,7 +977,7 @@ async def test_writer_aclose_fails_its_parked_puts_cleanly(
     puts raise ClosedResourceError at once (they used to wake at the next liveness check and fail
     with ValueError on the released mapping), and the reader process receives what was
     published, then EndOfStream."""
-    monkeypatch.setattr(writer_mod, "LIVENESS_S", NO_TIMEOUT)
+    monkeypatch.setattr(_tuning, "ROOM_CHECK_S", NO_TIMEOUT)
     async with ab.open_writer(capacity=2, slot_bytes=256) as writer:
         with spawn(collect_proc, anyio_backend, writer.handle.to_json(), ReaderOpts(gate=True)) as reader:
             await reader.recv("attached")

@@ -21,12 +21,12 @@ from hypothesis.stateful import (
     rule,
 )
 
-from aiobroadcast import _ring
-from aiobroadcast._ring import Layout, crossed, has_room, wait_target
+from aiobroadcast._shm import layout as _layout
+from aiobroadcast._shm.layout import Layout, crossed, has_room, wait_target
 
 #: Realistic sequence numbers: a fresh ring, one past 32 bits, and long-lived rings around 2**63.
 BASES = st.sampled_from([0, 1, 2**32 - 3, 2**62, 2**63 - 17, 2**63, 2**63 + 5])
-SEQ = st.one_of(st.integers(0, 2**12), st.integers(2**63 - 2**12, 2**63 + 2**12), st.integers(0, _ring.BUSY - 1))
+SEQ = st.one_of(st.integers(0, 2**12), st.integers(2**63 - 2**12, 2**63 + 2**12), st.integers(0, _layout.BUSY - 1))
 CAPACITY = st.integers(2, 64)
 SETTINGS = settings(max_examples=200, deadline=None, database=None)
 
@@ -96,10 +96,10 @@ def test_the_last_reader_to_reach_the_target_is_one_that_crossed_it(
 def test_layout_regions_and_slot_offsets(capacity: int, slot_bytes: int, max_readers: int, seq: int) -> None:
     lay = Layout(capacity, slot_bytes, max_readers)
     # Header words, waiting words, records and slots do not overlap, in that order.
-    assert 8 * (_ring.W_WAIT_TARGET + 1) <= _ring.WAITING_OFFSET
+    assert 8 * (_layout.W_WAIT_TARGET + 1) <= _layout.WAITING_OFFSET
     assert 8 * (lay.waiting_word(max_readers - 1) + 1) <= lay.records_offset
-    assert 8 * (lay.record_word(max_readers - 1, _ring.R_NAME_OFFSET // 8) + 1) <= lay.data_offset
-    assert lay.records_offset + _ring.RECORD_BYTES * max_readers <= lay.data_offset
+    assert 8 * (lay.record_word(max_readers - 1, _layout.R_NAME_OFFSET // 8) + 1) <= lay.data_offset
+    assert lay.records_offset + _layout.RECORD_BYTES * max_readers <= lay.data_offset
     assert lay.data_offset % 4096 == 0
     assert lay.size == lay.data_offset + capacity * slot_bytes
     # Every entry maps to a whole, 64-byte aligned slot inside the segment ...

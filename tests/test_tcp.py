@@ -63,7 +63,7 @@ from _tcp_workers import (
 )
 
 import aiobroadcast as ab
-import aiobroadcast._ring as ring_mod
+from aiobroadcast import _tuning
 from aiobroadcast import _wire as wire
 
 pytestmark = pytest.mark.anyio
@@ -837,7 +837,7 @@ async def test_killed_writer_remote_reader_drains_then_writer_gone(whole_host: b
                 pass
         await anyio.to_thread.run_sync(psutil.wait_procs, servers, 10.0)
         if handle is not None:  # the killed writer's files: swept once stale, as design.md says
-            await anyio.sleep(max(0.0, ring_mod.STALE_MIN_AGE_S + 0.2 - _age(handle.path)))
+            await anyio.sleep(max(0.0, _tuning.STALE_MIN_AGE_S + 0.2 - _age(handle.path)))
             ab.sweep_stale(handle.directory)
     assert handle is not None and _age(handle.path) == float("inf")
 

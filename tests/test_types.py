@@ -65,7 +65,7 @@ async def test_roles_have_no_foreign_methods_at_run_time() -> None:
 
 def test_roles_cannot_be_built_directly() -> None:
     with pytest.raises(TypeError, match="open_writer"):
-        ab.Writer(object(), None, None, None, None)  # type: ignore[arg-type]
+        ab.Writer(object(), None)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="open_reader"):
         ab.Reader(object(), None, None, "x")  # type: ignore[arg-type]
 

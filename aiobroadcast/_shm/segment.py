@@ -1,6 +1,5 @@
-"""The shared-memory segment: layout, creation and attachment, liveness locks, the fence.
-
-See docs/design.md for the layout and the memory-ordering argument.
+"""A channel's shared-memory segment: creation, attachment, sweeping stale files, and the
+liveness locks (open-file-description byte locks) that tell a live peer from a dead one.
 """
 
 from __future__ import annotations
@@ -10,166 +9,47 @@ import errno
 import fcntl
 import mmap
 import os
-import platform
 import re
-import socket
 import stat
 import struct
-import threading
 import time
-from dataclasses import dataclass
 
-from . import _fork
-from ._exceptions import BroadcastError, InsufficientSharedMemory, InvalidHandle
+from .. import _fork, _tuning
+from .._exceptions import BroadcastError, InsufficientSharedMemory, InvalidHandle
+from .layout import (
+    EMPTY,
+    HOST_BYTES,
+    LAYOUT_VERSION,
+    MAGIC,
+    NAME_BYTES,
+    R_ACTIVE,
+    R_CURSOR,
+    R_HOST_OFFSET,
+    R_NAME_LEN,
+    R_NAME_OFFSET,
+    RECORD_BYTES,
+    RECORD_WORDS,
+    W_CAPACITY,
+    W_CODEC,
+    W_MAGIC,
+    W_MAX_READERS,
+    W_POLICY,
+    W_SLOT_BYTES,
+    W_TOKEN,
+    W_VERSION,
+    W_WRITER_HOST,
+    W_WRITER_PID,
+    W_WRITER_PIDNS,
+    WAITING_OFFSET,
+    Layout,
+    check_platform,
+    host_name,
+    pack_host,
+    pid_namespace,
+    unpack_host,
+)
 
-MAGIC = int.from_bytes(b"ABCAST\x00\x01", "little")
-LAYOUT_VERSION = 2  # 2: the pickle body format of _codec.py (large bytes indexed, or out of band)
-EMPTY = 2**64 - 1
-BUSY = 2**64 - 2
-
-# Header words (index into the segment viewed as uint64).
-W_MAGIC, W_VERSION, W_CAPACITY, W_SLOT_BYTES, W_MAX_READERS = 0, 1, 2, 3, 4
-W_POLICY, W_CODEC, W_WRITER_PID, W_TOKEN = 5, 6, 7, 8  # token: words 8 and 9
-W_WRITER_PIDNS = 10  # the writer's pid namespace (inode of /proc/self/ns/pid), 0 if unknown
-W_WRITER_HOST = 11  # words 11 and 12: where the writer lives (host_name(), HOST_BYTES, NUL-padded)
-W_HEAD, W_CLOSED, W_NEXT_MSG = 16, 17, 18
-W_WAIT_TARGET = 24
-WAITING_OFFSET = 256
-
-RECORD_BYTES = 128
-RECORD_WORDS = RECORD_BYTES // 8
-R_ACTIVE, R_CURSOR, R_PID, R_GENERATION, R_RECEIVED, R_NAME_LEN = 0, 1, 2, 3, 4, 5
-R_NAME_OFFSET = 48
-NAME_BYTES = 64
-R_HOST_OFFSET = R_NAME_OFFSET + NAME_BYTES  # where the reader lives: HOST_BYTES, NUL-padded
-HOST_BYTES = 16
-
-SLOT_HEADER = struct.Struct("<QQIIQ")  # seq, msg, frag_len, flags, total
-SLOT_REST = struct.Struct("<QIIQ")  # the header after seq
-SLOT_HEADER_BYTES = SLOT_HEADER.size
-F_FIRST, F_LAST, F_OOB, F_GAP = 1, 2, 4, 8  # F_GAP: `total` messages were lost upstream
-F_WHOLE = F_FIRST | F_LAST
-
-STALE_MIN_AGE_S = 2.0  # a file this new may be mid-creation, not stale
-POLICIES = ("block", "lag")
-CODECS = ("pickle", "pydantic-json", "json")
 NAME_RE = re.compile(r"^aiobroadcast-[0-9a-f]{32}$")
-
-
-def _round_up(n: int, to: int) -> int:
-    return (n + to - 1) // to * to
-
-
-def pid_namespace() -> int:
-    """This process's pid namespace (the inode of ``/proc/self/ns/pid``), 0 if unknown. A pid
-    stored in the segment names the writer only for a reader in the same namespace."""
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-def host_name() -> str:
-    """Where this process lives, shown beside its pid (a pid means nothing across containers or
-    hosts): the host name, which in a Docker or podman container is the container's short id
-    unless the container is given another one."""
-    return socket.gethostname()
-
-
-def pack_host(host: str) -> bytes:
-    """``host`` in ``HOST_BYTES``: UTF-8, cut at a character boundary, NUL-padded."""
-    raw = host.encode("utf-8")[:HOST_BYTES].decode("utf-8", "ignore").encode("utf-8")
-    return raw.ljust(HOST_BYTES, b"\0")
-
-
-def unpack_host(raw: bytes) -> str:
-    return raw.rstrip(b"\0").decode("utf-8", "replace")
-
-
-def check_platform() -> None:
-    """The ring's memory-ordering argument holds on x86-64 (TSO) only (docs/design.md)."""
-    machine = platform.machine().lower()
-    if machine not in ("x86_64", "amd64"):
-        raise BroadcastError(
-            f"aiobroadcast's shared-memory ring relies on x86-64 memory ordering; this machine is {machine!r}"
-        )
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Offsets of one channel's segment, derived from its three size parameters."""
-
-    capacity: int
-    slot_bytes: int
-    max_readers: int
-
-    @property
-    def records_offset(self) -> int:
-        return WAITING_OFFSET + _round_up(8 * self.max_readers, 64)
-
-    @property
-    def data_offset(self) -> int:
-        return _round_up(self.records_offset + RECORD_BYTES * self.max_readers, 4096)
-
-    @property
-    def size(self) -> int:
-        return self.data_offset + self.capacity * self.slot_bytes
-
-    @property
-    def payload_bytes(self) -> int:
-        """Bytes of message body one slot carries."""
-        return self.slot_bytes - SLOT_HEADER_BYTES
-
-    def slot_offset(self, seq: int) -> int:
-        """Byte offset of the slot that holds entry ``seq``."""
-        return self.data_offset + (seq % self.capacity) * self.slot_bytes
-
-    def entries_for(self, body_bytes: int) -> int:
-        """How many ring entries a message body of ``body_bytes`` takes (at least one)."""
-        return max(1, -(-body_bytes // self.payload_bytes))
-
-    def record_word(self, index: int, field: int) -> int:
-        return (self.records_offset + RECORD_BYTES * index) // 8 + field
-
-    def waiting_word(self, index: int) -> int:
-        return WAITING_OFFSET // 8 + index
-
-
-def has_room(head: int, min_cursor: int, entries: int, capacity: int) -> bool:
-    """Whether entries ``head .. head+entries-1`` can be written without overwriting an entry
-    that a reader at ``min_cursor`` still needs: each needs ``e < min_cursor + capacity``."""
-    return head + entries - min_cursor <= capacity
-
-
-def wait_target(head: int, entries: int, capacity: int) -> int:
-    """The smallest ``min_cursor`` for which ``has_room`` becomes true."""
-    return head + entries - capacity
-
-
-def holds_writer(cursor: int, target: int) -> bool:
-    """Whether a reader at ``cursor`` is one that a blocked writer, which stored ``target`` as its
-    ``wait_target`` (0: not waiting), waits for. The one definition, for ``statistics()`` and
-    ``aiobroadcast stats``."""
-    return target != 0 and cursor < target
-
-
-def crossed(old_cursor: int, new_cursor: int, target: int) -> bool:
-    """Whether a reader moving from ``old_cursor`` to ``new_cursor`` is the one that reached the
-    writer's ``target`` (0 means the writer is not waiting)."""
-    return target != 0 and old_cursor < target <= new_cursor
-
-
-# --- the fence -------------------------------------------------------------------------------
-_fence_lock = threading.Lock()
-_acquire = _fence_lock.acquire
-_release = _fence_lock.release
-
-
-def fence() -> None:
-    """A full memory barrier: the lock's acquire is a ``lock``-prefixed read-modify-write."""
-    _acquire()
-    _release()
-
 
 # --- liveness locks (open-file-description byte locks) ---------------------------------------
 _FLOCK = struct.Struct("hhqqi4x")
@@ -438,7 +318,7 @@ def sweep_stale(directory: str) -> list[str]:
             continue
         try:
             st = os.fstat(fd)
-            young = time.time() - st.st_mtime < STALE_MIN_AGE_S
+            young = time.time() - st.st_mtime < _tuning.STALE_MIN_AGE_S
             if stat.S_ISREG(st.st_mode) and not young and try_lock(fd, 0, 0):
                 for extra in os.listdir(directory):
                     m = _ORPHAN_RE.match(extra)
@@ -465,7 +345,7 @@ def _sweep_orphan(directory: str, name: str) -> None:
     path = os.path.join(directory, name)
     try:
         st = os.lstat(path)
-        if st.st_uid == os.geteuid() and time.time() - st.st_mtime > STALE_MIN_AGE_S:
+        if st.st_uid == os.geteuid() and time.time() - st.st_mtime > _tuning.STALE_MIN_AGE_S:
             _unlink_quiet(path)
     except FileNotFoundError:
         pass

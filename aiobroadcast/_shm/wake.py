@@ -18,8 +18,8 @@ from time import perf_counter_ns
 import anyio
 import anyio.lowlevel
 
-from . import _fork
-from ._exceptions import BroadcastError
+from .. import _fork
+from .._exceptions import BroadcastError
 
 
 class Inbox:

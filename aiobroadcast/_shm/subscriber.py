@@ -8,8 +8,8 @@ from typing import Any
 
 import anyio
 
-from . import _ring
-from ._exceptions import (
+from .. import _tuning
+from .._exceptions import (
     DeserializationError,
     EndOfStream,
     InvalidHandle,
@@ -18,8 +18,11 @@ from ._exceptions import (
     WouldBlock,
     WriterGone,
 )
-from ._handle import Handle
-from ._ring import (
+from .._handle import Handle
+from .._stats import ReaderStatistics
+from . import layout as _layout
+from . import segment as _segment
+from .layout import (
     BUSY,
     EMPTY,
     F_FIRST,
@@ -39,19 +42,10 @@ from ._ring import (
     W_WAIT_TARGET,
     W_WRITER_PID,
     W_WRITER_PIDNS,
-    Segment,
     fence,
 )
-from ._stats import ReaderStatistics
-from ._wake import Inbox, Outbox
-from ._writer import LIVENESS_S
-
-#: How often a sleeping reader re-checks the ring and the writer's lock when the writer's pidfd
-#: watches for its exit. A safety net: for a wake-up lost outside the protocol (its socket file
-#: removed), and for a writer that stops without closing while its process lives on (a relay
-#: whose upstream died wakes its readers as it stops). Longer than LIVENESS_S, so an idle
-#: reader wakes rarely; short enough that a lost wake-up costs a message 2 s at most.
-WATCHED_LIVENESS_S = 2.0
+from .segment import Segment
+from .wake import Inbox, Outbox
 
 Decoder = Callable[[memoryview | bytes | bytearray, bool], Any]
 
@@ -122,13 +116,13 @@ class ShmSource:
         resume = i >= 0
         if not resume:
             for i in range(lay.max_readers):
-                if _ring.try_lock(seg.fd, _ring.reader_lock_byte(i)):
+                if _segment.try_lock(seg.fd, _segment.reader_lock_byte(i)):
                     break
             else:
                 raise TooManyReaders(lay.max_readers)
         self._index = i
         try:
-            if _ring.is_locked(seg.fd, _ring.WRITER_LOCK_BYTE) is False or w[W_CLOSED]:
+            if _segment.is_locked(seg.fd, _segment.WRITER_LOCK_BYTE) is False or w[W_CLOSED]:
                 raise InvalidHandle(f"the writer of {self._handle.name} has closed or exited")
             self._inbox = Inbox(seg.sock_path(f"r{i}"), self._writer_pidfd())
             self._cur_word = lay.record_word(i, R_CURSOR)
@@ -141,7 +135,7 @@ class ShmSource:
             self._episode = w[lay.record_word(i, R_GENERATION)] << 32
             w[self._recv_word] = 0
             seg.write_name(i, self._name)
-            seg.write_host(i, _ring.host_name())
+            seg.write_host(i, _layout.host_name())
             w[self._wait_word] = 0
             if resume:
                 # The place never stopped being active, so the entries from its cursor on are
@@ -179,10 +173,10 @@ class ShmSource:
         for i in range(seg.layout.max_readers):
             if not seg.rec_active[i] or self._words[seg.layout.record_word(i, R_PID)] != pid:
                 continue
-            if _ring.try_lock(seg.fd, _ring.reader_lock_byte(i)):
+            if _segment.try_lock(seg.fd, _segment.reader_lock_byte(i)):
                 if seg.rec_active[i]:
                     return i
-                _ring.unlock(seg.fd, _ring.reader_lock_byte(i))  # dropped meanwhile
+                _segment.unlock(seg.fd, _segment.reader_lock_byte(i))  # dropped meanwhile
         return -1
 
     def _number_at(self, c: int) -> int:
@@ -202,14 +196,14 @@ class ShmSource:
         after the pidfd is open (so the pid was not reused). None otherwise: the reader then
         checks the writer's lock every ``LIVENESS_S`` while it sleeps."""
         w = self._words
-        ns = _ring.pid_namespace()
+        ns = _layout.pid_namespace()
         if not ns or w[W_WRITER_PIDNS] != ns or not hasattr(os, "pidfd_open"):
             return None
         try:
             fd = os.pidfd_open(w[W_WRITER_PID])
         except OSError:
             return None
-        if not _ring.is_locked(self._seg.fd, _ring.WRITER_LOCK_BYTE):
+        if not _segment.is_locked(self._seg.fd, _segment.WRITER_LOCK_BYTE):
             os.close(fd)
             return None
         return fd
@@ -227,7 +221,7 @@ class ShmSource:
             self._outbox.wake(self._writer_sock)  # the writer may be waiting for us
         if self._inbox is not None:
             self._inbox.close()
-        _ring.unlock(seg.fd, _ring.reader_lock_byte(i))
+        _segment.unlock(seg.fd, _segment.reader_lock_byte(i))
         self._index = -1
 
     # --- what Reader calls -------------------------------------------------------------
@@ -489,14 +483,14 @@ class ShmSource:
         if self._closed:
             return
         self._words[self._wait_word] = 0
-        if not self.ready() and not _ring.is_locked(self._seg.fd, _ring.WRITER_LOCK_BYTE):
+        if not self.ready() and not _segment.is_locked(self._seg.fd, _segment.WRITER_LOCK_BYTE):
             self._writer_gone = True
 
     @property
     def sleep_limit_s(self) -> float:
         """How long one sleep lasts at most before the writer's liveness is checked."""
         assert self._inbox is not None
-        return LIVENESS_S if self._inbox.watch is None else WATCHED_LIVENESS_S
+        return _tuning.LIVENESS_S if self._inbox.watch is None else _tuning.WATCHED_LIVENESS_S
 
     def interrupt(self) -> None:
         """Wake this reader's sleeper (from another thread): it looks at the ring again."""

@@ -1,0 +1,357 @@
+"""The writing side of a channel: everything ``Writer`` (async), ``BlockingWriter`` and a relay
+share. The role classes are facades over one ``WriterChannel``.
+
+It owns the ring's ``Publisher``, the writer's wake-up inbox (readers wake a writer that waits
+for room), the order in which the writer's tasks take turns, and the TCP server supervisor.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+import threading
+import weakref
+from collections.abc import Callable, Generator, Sequence
+from time import perf_counter_ns
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.lowlevel
+import anyio.to_thread
+
+from . import _fork, _tuning
+from ._codec import Buffer, JsonCodec, PickleEncoder, SchemaCodec
+from ._exceptions import BroadcastError, MessageTooLarge
+from ._handle import Handle
+from ._shm import segment as _segment
+from ._shm.layout import CODECS, W_CODEC, W_WAIT_TARGET, holds_writer, wait_target
+from ._shm.publisher import Chunks, Publisher
+from ._shm.segment import Segment
+from ._shm.wake import Inbox, poll, poll_blocking
+from ._stats import WriterStatistics
+
+if TYPE_CHECKING:
+    from ._tcp_supervisor import ServerProcess
+
+
+class WriterChannel:
+    """One open channel, from its writer's side."""
+
+    def __init__(
+        self,
+        seg: Segment,
+        handle: Handle,
+        encoder: PickleEncoder | SchemaCodec | JsonCodec,
+        max_message_bytes: int | None,
+    ) -> None:
+        self.seg = seg
+        self.handle = handle
+        self._encode = encoder.encode
+        self._max_message_bytes = max_message_bytes
+        self.pub = pub = Publisher(seg, handle.policy == "block")
+        self.inbox = Inbox(seg.sock_path("w"))
+        # Two locks. `turns` orders the tasks of the writer's event loop (a put waiting for room
+        # keeps its turn). `pub.mutex` is held, never across an await, by whoever is writing into
+        # the ring right now, from any thread; a put_nowait that cannot take it at once raises
+        # WouldBlock. Encoding runs outside both: it may run user code (a __reduce__ that
+        # publishes, a logging handler that broadcasts), which must find the writer usable.
+        self.turns = Turns()
+        self.thread = threading.get_ident()
+        self.waiting_tasks = 0
+        self.slept_ns = _tuning.DENSE_NS  # no polling before the first sleep
+        self.server: ServerProcess | None = None
+        # The readers' sockets too: a reader that died unnoticed (never reaped) leaves its own.
+        # Inherited by fork children (atexit hooks and finalizers are), so they carry our pid.
+        self.owner = os.getpid()
+        self._finalizer = weakref.finalize(
+            self, _cleanup_files, self.owner, seg.path, self.inbox.path, *pub.records.sock_paths
+        )
+        atexit.register(self._finalizer)
+        _fork.track(self)
+
+    # --- encoding and publishing -------------------------------------------------------------
+    def encode(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
+        parts, total, oob = self._encode(obj)
+        if self._max_message_bytes is not None and total > self._max_message_bytes:
+            raise MessageTooLarge(total, self._max_message_bytes)
+        return parts, total, oob
+
+    def entries_for(self, total: int) -> int:
+        return self.pub.layout.entries_for(total)
+
+    async def put_encoded(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int) -> bool:
+        """Publish, waiting (in turn) for room. True if it went out at once, without a turn
+        (the caller then yields to its loop now and then)."""
+        if not self.turns.locked() and self.pub.try_publish(parts, total, oob, entries):
+            return True
+        self.waiting_tasks += 1
+        try:
+            async with self.turns:
+                self.pub.check_open()
+                if entries <= self.pub.layout.capacity or not self.pub.block:
+                    await self.publish_when_room(parts, total, oob, entries)
+                else:
+                    await self._stream(parts, total, oob, entries)
+        finally:
+            self.waiting_tasks -= 1
+        return False
+
+    async def publish_when_room(
+        self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int = 0
+    ) -> None:
+        """Wait for room (holding the turn), then publish. Another thread's put_nowait may take
+        the room or hold the mutex meanwhile: then wait again."""
+        while True:
+            if self.pub.block:
+                await self._wait_room(entries)
+            if self.pub.try_publish(parts, total, oob, entries, gap):
+                return
+            await anyio.lowlevel.checkpoint()  # the other thread's copy takes microseconds
+            self.pub.check_open()
+
+    async def _stream(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int) -> None:
+        """Publish a message larger than the ring, a few slots at a time."""
+        chunks = Chunks(parts)
+        msg = self.pub.msg
+        try:
+            while not chunks.done:
+                await self._wait_room(1)
+                if not self.pub.stream_some(chunks, total, oob, msg):
+                    await anyio.lowlevel.checkpoint()  # another thread is finishing a put_nowait
+                    self.pub.check_open()
+        finally:
+            self.pub.end_stream(chunks, msg)
+
+    # --- waiting for room ----------------------------------------------------------------------
+    async def _wait_room(self, entries: int) -> None:
+        pub = self.pub
+        if pub.room(entries):
+            return
+        if self.slept_ns < _tuning.DENSE_NS:
+
+            def room() -> bool:
+                pub.check_open()
+                return pub.room(entries)
+
+            if await poll(room, _tuning.POLL_NS):
+                self.slept_ns = 0
+                return
+        steps = self.room_steps(entries)
+        try:
+            limit = next(steps, None)
+            while limit is not None:
+                try:
+                    woken = await self.inbox.wait(limit)
+                except anyio.ClosedResourceError:
+                    woken = False  # closed meanwhile: check_open raises
+                limit = _resume(steps, woken)
+        finally:
+            steps.close()
+
+    def wait_room_blocking(self, entries: int, sleep: Callable[[float], bool]) -> None:
+        """``_wait_room`` for a thread without an event loop (the blocking writer).
+        ``sleep(limit)`` blocks on the inbox for up to ``limit`` seconds and says whether a
+        wake-up came; it may raise instead (a deadline passed, the writer is closing)."""
+        if self.pub.room(entries):
+            return
+        if self.slept_ns < _tuning.DENSE_NS and poll_blocking(lambda: self.pub.room(entries), _tuning.POLL_NS):
+            self.slept_ns = 0
+            return
+        steps = self.room_steps(entries)
+        try:
+            limit = next(steps, None)
+            while limit is not None:
+                limit = _resume(steps, sleep(limit))
+        finally:
+            steps.close()
+
+    def room_steps(self, entries: int) -> Generator[float, bool, None]:
+        """The wait for room once polling is over, written once for both drivers (async and
+        blocking): yields how long to sleep on the inbox, and is sent whether a wake-up came.
+        Returns once the slowest live reader made room. The driver must close it."""
+        pub = self.pub
+        w = pub.seg.words
+        cap = pub.layout.capacity
+        # Hysteresis: a full ring makes the writer wait for a quarter of it to be free, not for
+        # one slot, so a writer faster than its slowest reader sleeps and is woken once per
+        # capacity/4 entries instead of once per entry (each wake-up costs the reader a system
+        # call and the writer a trip through its event loop).
+        target = wait_target(pub.head, entries + min(cap - entries, cap // 4), cap)
+        try:
+            while True:
+                # Announce, then re-check: a reader that reaches the target after our rescan
+                # sees it stored (the rescan fences) and wakes us.
+                w[W_WAIT_TARGET] = target
+                pub.records.rescan(pub.head)
+                if pub.records.min_cursor >= target:
+                    return
+                start = perf_counter_ns()
+                woken = yield _tuning.ROOM_CHECK_S
+                self.slept_ns = perf_counter_ns() - start
+                pub.check_open()
+                if not woken:
+                    pub.records.reap(target, pub.head, self._restarting)
+        finally:
+            if not pub.closed:  # after a close the mapping is gone
+                w[W_WAIT_TARGET] = 0
+
+    def _restarting(self, pid: int) -> bool:
+        return self.server is not None and self.server.restarting_from(pid)
+
+    # --- for relays ----------------------------------------------------------------------------
+    async def put_gap(self, missed: int) -> None:
+        """Publish a marker that makes every reader raise ``ReaderLagged(missed)``."""
+        self.pub.check_open()
+        async with self.turns:
+            await self.publish_when_room((b"",), 0, False, 1, gap=missed)
+        self.pub.lost_upstream += missed - 1  # the marker took their numbers; it is one message sent
+
+    def set_codec(self, codec: str, schema_path: str | None) -> None:
+        """The channel carries another channel's bodies as they are: say how to decode them."""
+        self.handle = self.handle.model_copy(update={"codec": codec, "schema_path": schema_path})
+        self.pub.seg.words[W_CODEC] = CODECS.index(codec)
+
+    # --- the TCP server --------------------------------------------------------------------------
+    def serve_tcp(self, server: ServerProcess, handle: Handle) -> None:
+        self.server = server
+        self.handle = handle
+        # A writer dropped without closing (or left open at exit): its server drains, then stops.
+        weakref.finalize(self, server.abandon)
+
+    def stop_server_blocking(self) -> None:
+        """Ask the TCP server to stop once remote readers have drained, and wait for it."""
+        server, self.server = self.server, None
+        if server is not None:
+            server.stop()
+
+    async def stop_server(self) -> None:
+        if self.server is not None:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.stop_server_blocking)
+
+    # --- state ---------------------------------------------------------------------------------
+    def statistics(self, tasks_waiting: int) -> WriterStatistics:
+        pub = self.pub
+        pub.check_open()
+        server = self.server
+        readers = pub.records.infos(pub.head, server.pids if server is not None else ())
+        target = pub.seg.words[W_WAIT_TARGET]
+        remote, remote_dropped, rejected = server.report() if server is not None else ((), 0, 0)
+        return WriterStatistics(
+            sent=pub.sent,
+            head=pub.head,
+            capacity=pub.layout.capacity,
+            readers=readers + remote,
+            waiting_for=tuple(r for r in readers if holds_writer(pub.head - r.lag, target)),
+            tasks_waiting=tasks_waiting,
+            dropped_readers=pub.records.dropped + remote_dropped,
+            tcp_server=server.state if server is not None else "none",
+            tcp_server_restarts=server.restarts if server is not None else 0,
+            rejected_frames=rejected,
+        )
+
+    def check_thread(self) -> None:
+        """``put`` and ``aclose`` wait in the event loop of the thread that opened the writer; its
+        task lock and wake-up socket cannot be shared with another thread's loop."""
+        if threading.get_ident() != self.thread:
+            raise BroadcastError(
+                "this writer's put() and aclose() belong to the thread whose event loop opened it; "
+                "from another thread use put_nowait(), or anyio.from_thread.run(writer.put, obj)"
+            )
+
+    def mark_closed(self) -> None:
+        """The first step of a close: readers drain what was published, then ``EndOfStream``."""
+        self.pub.mark_closed()
+        _fork.untrack(self)
+
+    async def aclose(self) -> None:
+        """Close: readers drain, then ``EndOfStream``; remote readers drain what the TCP
+        server holds (within its drain timeout)."""
+        if self.pub.closed:
+            return
+        self.mark_closed()
+        await self.stop_server()
+        self.release()
+
+    async def abandon(self) -> None:
+        """Stop as if this process had died: readers drain, then get ``WriterGone``."""
+        if self.pub.closed:
+            return
+        self.pub.abandon()
+        _fork.untrack(self)
+        await self.stop_server()  # it sees the writer gone and tells remote readers
+        self.release()
+
+    def release(self) -> None:
+        """The last step of a close: unlink the files, close the sockets, unmap the ring."""
+        self.inbox.close()
+        self.pub.outbox.close()
+        self._finalizer()
+        atexit.unregister(self._finalizer)
+        self.seg.close()
+
+    def _forget_in_child(self) -> None:
+        """In a fork child: the channel is the parent's. Refuse every use from now on and close
+        this process's copy of the TCP server's pipes (the server stops when the parent closes
+        its stdin: a copy left open here would keep it serving). Nothing is removed, stored or
+        woken: the parent goes on with its channel (docs/design.md, "Fork")."""
+        self.pub.closed = True
+        self.pub.refusal = _fork.refusal("writer", self.owner)
+        server, self.server = self.server, None
+        if server is not None:
+            server.forget_in_child()
+
+
+class Turns:
+    """The writer's tasks take turns, first come first served. Like ``anyio.Lock``, but an
+    exception of any kind thrown into a waiting task (not only a cancellation) gives its turn
+    back: a turn is never left held by a task that is gone."""
+
+    __slots__ = ("_held", "_waiters")
+
+    def __init__(self) -> None:
+        self._held = False
+        self._waiters: collections.deque[anyio.Event] = collections.deque()
+
+    def locked(self) -> bool:
+        return self._held
+
+    async def __aenter__(self) -> None:
+        if not self._held:
+            self._held = True
+            return
+        turn = anyio.Event()
+        self._waiters.append(turn)
+        try:
+            await turn.wait()
+        except BaseException:
+            if turn.is_set():
+                self._release()  # it was handed to us as we were interrupted: pass it on
+            else:
+                self._waiters.remove(turn)
+            raise
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._release()
+
+    def _release(self) -> None:
+        if self._waiters:
+            self._waiters.popleft().set()  # handed over: still held, by the next task
+        else:
+            self._held = False
+
+
+def _resume(steps: Generator[float, bool, None], woken: bool) -> float | None:
+    """Send a wake-up result into ``room_steps``: the next sleep, or None once there is room."""
+    try:
+        return steps.send(woken)
+    except StopIteration:
+        return None
+
+
+def _cleanup_files(owner: int, *paths: str) -> None:
+    if os.getpid() != owner:
+        return  # a fork child exiting: the files are its parent's
+    for path in paths:
+        _segment._unlink_quiet(path)

@@ -1,0 +1,1 @@
+"""The shared-memory layer: layout, segment and liveness, wake-ups, publisher, subscriber."""

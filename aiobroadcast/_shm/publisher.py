@@ -1,0 +1,250 @@
+"""The ring's write path: copying a message into free slots and publishing it (one writer).
+
+No waiting and no event loop here: the caller (``_channel.WriterChannel``) decides when there
+is room and who may write. ``mutex`` is held, never across an await, by whoever writes into the
+ring, from any thread. docs/design.md gives the store order and why readers never see a torn
+message.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from .._codec import Buffer
+from .._exceptions import ClosedResourceError
+from . import segment as _segment
+from .layout import BUSY, F_FIRST, F_GAP, F_LAST, F_OOB, SLOT_REST, W_CLOSED, W_HEAD, W_NEXT_MSG, fence
+from .records import ReaderRecords
+from .segment import Segment
+from .wake import Outbox
+
+
+class Publisher:
+    """Writes messages into one channel's ring. ``head`` is the next entry, ``msg`` the next
+    message number; both are also stored in the segment for readers to see."""
+
+    def __init__(self, seg: Segment, block: bool) -> None:
+        self.seg = seg
+        self.layout = seg.layout
+        self.block = block
+        self.records = ReaderRecords(seg)
+        self.outbox = Outbox()
+        self.mutex = threading.Lock()
+        self.head = 0
+        self.msg = 0
+        self.aborted = 0  # message numbers used by messages cut short (their LAST never published)
+        self.lost_upstream = 0  # message numbers that gap markers took beyond one each
+        self.closed = False
+        self.refusal: str | None = None  # why a fork child may not use it
+        self._words = seg.words
+        self._buf = seg.buf
+
+    @property
+    def sent(self) -> int:
+        return self.msg - self.aborted - self.lost_upstream
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise ClosedResourceError(self.refusal or "this writer is closed")
+
+    def room(self, entries: int) -> bool:
+        return self.records.room(self.head, entries)
+
+    def try_publish(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int = 0) -> bool:
+        """Publish now if no other thread is writing and there is room (or policy "lag")."""
+        if not self.mutex.acquire(blocking=False):
+            return False
+        try:
+            self.check_open()  # closed by another thread, or inherited by a fork child
+            if self.block and not self.room(entries):
+                return False
+            self.publish(parts, total, oob, entries, gap)
+            return True
+        finally:
+            self.mutex.release()
+
+    def publish(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int = 0) -> None:
+        """Write a whole message into ``entries`` free slots and publish it. The caller holds
+        ``mutex`` and made sure of the room."""
+        try:
+            self._write_message(parts, total, oob, entries, gap)
+        except BaseException:
+            # A KeyboardInterrupt (or any exception a signal handler raises) can land between any
+            # two bytecodes of the copy. Readers go by the slots' seq words: whatever was
+            # committed before the interrupt is seen, so the writer's own counters must follow.
+            self.recover()
+            raise
+
+    def recover(self) -> None:
+        """Bring ``head`` and the message number up to the entries whose seq word was stored.
+
+        Before the commit of a one-slot message nothing was stored: nothing is published. After
+        it (a few bytecodes of bookkeeping), the message is published whole: readers may have it
+        already. Fragments of a larger message that were committed stay, without their LAST:
+        readers drop them at the next FIRST fragment, as for a cancelled streamed message."""
+        w = self._words
+        lay = self.layout
+        head = self.head
+        msg = self.msg
+        whole = True
+        while w[lay.slot_offset(head) >> 3] == head:
+            number, _length, flags, _total = SLOT_REST.unpack_from(self._buf, lay.slot_offset(head) + 8)
+            msg = number + 1
+            whole = bool(flags & F_LAST)
+            head += 1
+        if head == self.head and w[W_HEAD] == head:
+            return
+        if not whole:
+            self.aborted += 1  # its number is used, but no reader delivers it
+        self.head = head
+        self.msg = max(self.msg, msg)
+        w[W_NEXT_MSG] = self.msg
+        w[W_HEAD] = head
+        self.wake_all_readers()
+
+    def _write_message(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int) -> None:
+        # Store order (docs/design.md): the slot's bytes and header, then its seq word (the
+        # commit), then W_NEXT_MSG and W_HEAD, then the wake-ups after a fence.
+        w = self._words
+        buf = self._buf
+        msg = self.msg
+        seq = self.head
+        base_flags = F_OOB if oob else 0
+        if entries == 1:
+            off = self.layout.slot_offset(seq)
+            if not self.block:
+                w[off >> 3] = BUSY  # a lagging reader that reads this slot now re-checks
+            if len(parts) == 1:
+                buf[off + 32 : off + 32 + total] = parts[0]
+            else:  # pickle frames around a large payload, or out-of-band parts: byte buffers
+                at = off + 32
+                for part in parts:
+                    end = at + len(part)
+                    buf[at:end] = part
+                    at = end
+            if gap:
+                SLOT_REST.pack_into(buf, off + 8, msg, 0, F_FIRST | F_LAST | F_GAP, gap)
+            else:
+                SLOT_REST.pack_into(buf, off + 8, msg, total, base_flags | F_FIRST | F_LAST, total)
+            w[off >> 3] = seq
+            seq += 1
+        else:
+            seq = self._write_fragments(Chunks(parts), total, base_flags, seq, entries, first=True)
+        # A gap marker takes the numbers of the messages it stands for, so a message's number is
+        # the same for every reader, local or remote, relayed or not (docs/design.md).
+        self.msg = msg + (gap or 1)
+        w[W_NEXT_MSG] = self.msg
+        self.head = seq
+        w[W_HEAD] = seq
+        self.wake_readers()
+
+    def _write_fragments(
+        self, chunks: Chunks, total: int, base_flags: int, seq: int, count: int, *, first: bool
+    ) -> int:
+        w = self._words
+        buf = self._buf
+        msg = self.msg
+        lay = self.layout
+        payload = lay.payload_bytes
+        for k in range(count):
+            off = lay.slot_offset(seq)
+            if not self.block:
+                w[off >> 3] = BUSY
+            n = chunks.copy_into(buf, off + 32, payload)
+            flags = base_flags
+            if first and k == 0:
+                flags |= F_FIRST
+            if chunks.done:
+                flags |= F_LAST
+            SLOT_REST.pack_into(buf, off + 8, msg, n, flags, total)
+            w[off >> 3] = seq
+            seq += 1
+        return seq
+
+    def stream_some(self, chunks: Chunks, total: int, oob: bool, msg: int) -> bool:
+        """Publish the next fragments of streamed message ``msg`` (larger than the ring) into the
+        room there is now. False if another thread holds the mutex (the caller holds the
+        writer's turn, so no other put starts now; one may still be finishing): call again."""
+        if not self.mutex.acquire(blocking=False):
+            return False
+        try:
+            self.check_open()
+            # Another thread's put_nowait may have taken some of the room since the caller saw it.
+            free = self.layout.capacity - (self.head - self.records.min_cursor)
+            n = min(free, -(-(total - chunks.pos) // self.layout.payload_bytes))
+            if n <= 0:
+                return True
+            first = chunks.pos == 0
+            self.head = self._write_fragments(chunks, total, F_OOB if oob else 0, self.head, n, first=first)
+            if first:
+                self._words[W_NEXT_MSG] = msg + 1
+            self._words[W_HEAD] = self.head
+            self.wake_readers()
+            return True
+        except BaseException:
+            self.recover()
+            raise
+        finally:
+            self.mutex.release()
+
+    def end_stream(self, chunks: Chunks, msg: int) -> None:
+        """After a streamed message, whole or cut short (cancelled, interrupted, timed out) once
+        its FIRST fragment went out: its number is used either way (readers drop a message whose
+        LAST never comes, and it does not count as sent)."""
+        if chunks.pos and self.msg == msg:
+            self.msg = msg + 1
+            if not chunks.done:
+                self.aborted += 1
+
+    def wake_readers(self) -> None:
+        """Wake the readers that announced they sleep (and only once per sleep)."""
+        fence()
+        self.records.wake_sleepers(self.outbox)
+
+    def wake_all_readers(self) -> None:
+        """Wake every attached reader, asleep or not, after a change they must see (closed, gone)."""
+        fence()
+        self.records.wake_all(self.outbox)
+
+    def mark_closed(self) -> None:
+        """Readers drain what was published, then get ``EndOfStream``."""
+        with self.mutex:  # no other thread is writing into the ring from here on
+            self.closed = True
+        self._words[W_CLOSED] = 1
+        self.wake_all_readers()
+
+    def abandon(self) -> None:
+        """Stop as if this process had died: readers drain, then get ``WriterGone``."""
+        with self.mutex:
+            self.closed = True
+        _segment.unlock(self.seg.fd, _segment.WRITER_LOCK_BYTE)
+        self.wake_all_readers()  # sleepers find the lock free on waking
+
+
+class Chunks:
+    """Walks a list of buffers, copying them into consecutive slots."""
+
+    def __init__(self, parts: Sequence[Buffer]) -> None:
+        self._parts = [memoryview(p).cast("B") for p in parts]
+        self._i = 0
+        self._off = 0
+        self.pos = 0
+        self.done = not any(p.nbytes for p in self._parts)
+
+    def copy_into(self, buf: memoryview, at: int, room: int) -> int:
+        written = 0
+        parts = self._parts
+        while room and self._i < len(parts):
+            part = parts[self._i]
+            n = min(room, part.nbytes - self._off)
+            buf[at + written : at + written + n] = part[self._off : self._off + n]
+            written += n
+            room -= n
+            self._off += n
+            if self._off == part.nbytes:
+                self._i += 1
+                self._off = 0
+        self.pos += written
+        self.done = self._i >= len(parts)
+        return written

@@ -1,0 +1,122 @@
+"""The writer's view of the reader records: the slowest cursor (room), dead readers (reaping),
+who sleeps (wake-ups), and the snapshot ``statistics()`` shows."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Collection
+
+from .._stats import ReaderInfo
+from . import segment as _segment
+from .layout import R_NAME_LEN, R_PID, R_RECEIVED, fence, has_room
+from .segment import Segment
+from .wake import Outbox
+
+log = logging.getLogger("aiobroadcast")
+
+
+class ReaderRecords:
+    """The reader places of one segment, as the writer reads them."""
+
+    def __init__(self, seg: Segment) -> None:
+        self._seg = seg
+        self._words = seg.words
+        self.capacity = seg.layout.capacity
+        #: the slowest active cursor when last scanned (a lower bound: cursors only move on)
+        self.min_cursor = 0
+        self.dropped = 0
+        self._notified = [0] * seg.layout.max_readers
+        self.sock_paths = [seg.sock_path(f"r{i}") for i in range(seg.layout.max_readers)]
+
+    def rescan(self, head: int) -> None:
+        """Recompute the slowest active reader's cursor (docs/design.md, joining). The fence
+        orders it after the caller's store of W_WAIT_TARGET: a reader that moves on after our
+        scan sees the target and wakes us."""
+        fence()
+        m = head
+        for active, cursor in zip(self._seg.rec_active.tolist(), self._seg.rec_cursor.tolist(), strict=True):
+            if active and cursor < m:
+                m = cursor
+        self.min_cursor = m
+
+    def room(self, head: int, entries: int) -> bool:
+        """Whether ``entries`` more entries fit without overrunning a live reader. Scans the
+        records only when the cached slowest cursor says no."""
+        if has_room(head, self.min_cursor, entries, self.capacity):
+            return True
+        self.rescan(head)
+        return has_room(head, self.min_cursor, entries, self.capacity)
+
+    def wake_sleepers(self, outbox: Outbox) -> None:
+        """Wake the readers that announced they sleep, once per sleep (a sleep episode's number
+        is what the reader stored in its waiting word). The caller fenced after its stores."""
+        waiting = self._seg.waiting.tolist()
+        if any(waiting):
+            notified = self._notified
+            for i, episode in enumerate(waiting):
+                if episode and episode != notified[i]:
+                    notified[i] = episode
+                    outbox.wake(self.sock_paths[i])
+
+    def wake_all(self, outbox: Outbox) -> None:
+        for i, active in enumerate(self._seg.rec_active.tolist()):
+            if active:
+                outbox.wake(self.sock_paths[i])
+
+    def reap(self, target: int, head: int, spare: Callable[[int], bool]) -> None:
+        """Drop readers that hold the writer back (cursor below ``target``) and whose process
+        is gone: their liveness lock is free. ``spare(pid)``: keep that place anyway (a TCP
+        server being restarted takes its place over)."""
+        seg = self._seg
+        fd = seg.fd
+        for i, (active, cursor) in enumerate(zip(seg.rec_active.tolist(), seg.rec_cursor.tolist(), strict=True)):
+            if not active or cursor >= target:
+                continue
+            if spare(self._words[seg.layout.record_word(i, R_PID)]):
+                continue
+            byte = _segment.reader_lock_byte(i)
+            if not _segment.try_lock(fd, byte):
+                continue  # alive: it holds its lock
+            try:
+                name = seg.read_name(i)
+                pid = self._words[seg.layout.record_word(i, R_PID)]
+                host = seg.read_host(i)
+                seg.rec_active[i] = 0
+                seg.waiting[i] = 0
+                _segment._unlink_quiet(self.sock_paths[i])
+            finally:
+                _segment.unlock(fd, byte)
+            self.dropped += 1
+            log.warning(
+                "aiobroadcast: reader %r (pid %d on %s, place %d) died at entry %d of %d; dropped it",
+                name,
+                pid,
+                host or "?",
+                i,
+                cursor,
+                head,
+            )
+
+    def infos(self, head: int, server_pids: Collection[int]) -> tuple[ReaderInfo, ...]:
+        """The attached readers (the TCP server's place shown as transport "tcp-server")."""
+        seg = self._seg
+        lay = seg.layout
+        w = self._words
+        out = []
+        for i, (active, cursor) in enumerate(zip(seg.rec_active.tolist(), seg.rec_cursor.tolist(), strict=True)):
+            if not active or (not w[lay.record_word(i, R_NAME_LEN)] and not w[lay.record_word(i, R_PID)]):
+                continue
+            pid = w[lay.record_word(i, R_PID)]
+            out.append(
+                ReaderInfo(
+                    place=i,
+                    name=seg.read_name(i),
+                    pid=pid,
+                    received=w[lay.record_word(i, R_RECEIVED)],
+                    lag=max(0, head - cursor),
+                    sleeping=bool(seg.waiting[i]),
+                    transport="tcp-server" if pid in server_pids else "shm",
+                    host=seg.read_host(i),
+                )
+            )
+        return tuple(out)

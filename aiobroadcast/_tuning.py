@@ -1,0 +1,41 @@
+"""The library's timing and batching constants, in one place, each with why it has its value.
+
+Modules read them as ``_tuning.NAME`` at the time of use (never ``from _tuning import NAME``),
+so a test can change one for a whole process. docs/design.md ("Tuning") lists them too.
+"""
+
+from __future__ import annotations
+
+# --- waiting without spinning ------------------------------------------------------------------
+#: A side that must wait (a reader for a message, a blocked writer for room) first polls the ring
+#: for up to ``POLL_NS``, but only if its previous sleep was shorter than ``DENSE_NS`` (a dense
+#: stream): then what it waits for usually comes within microseconds, and neither side pays a
+#: wake-up (a system call on each side and a trip through each event loop, 30-60 us here). A side
+#: that waited longer (a paced or idle stream) sleeps at once and uses no CPU.
+POLL_NS = 50_000
+DENSE_NS = 200_000
+#: A fixed ``spin_us`` poll (opt-in) is skipped after a sleep this long: an idle reader, woken only
+#: by its periodic liveness check, goes back to sleep without polling.
+IDLE_NS = 100_000_000
+#: A task that never has to wait yields to the event loop once every this many calls, so that a
+#: tight loop of ``put``/``get`` does not starve the loop's other tasks (one checkpoint costs about
+#: as much as one small message; once in 64 keeps that under 2 %).
+YIELD_EVERY = 64
+
+# --- liveness ----------------------------------------------------------------------------------
+#: How often a writer blocked on a full ring re-checks that the readers it waits for are alive
+#: (a dead reader's liveness lock is free). Bounds how long a dead reader holds the writer: about
+#: a second with the hysteresis of the wait.
+ROOM_CHECK_S = 0.5
+#: How often a sleeping reader checks the writer's liveness lock when nothing else tells it of the
+#: writer's death (the writer in another pid namespace: no pidfd).
+LIVENESS_S = 0.5
+#: How often a sleeping reader re-checks the ring and the writer's lock when the writer's pidfd
+#: watches for its exit. A safety net: for a wake-up lost outside the protocol (its socket file
+#: removed), and for a writer that stops without closing while its process lives on (a relay
+#: whose upstream died wakes its readers as it stops). Longer than LIVENESS_S, so an idle
+#: reader wakes rarely; short enough that a lost wake-up costs a message 2 s at most.
+WATCHED_LIVENESS_S = 2.0
+#: ``sweep_stale`` leaves a channel's files alone while they are this new: a writer may be in the
+#: middle of creating them (its lock not taken yet).
+STALE_MIN_AGE_S = 2.0

@@ -1,13 +1,15 @@
-"""Property tests of the ring's index arithmetic (aiobroadcast/_ring.py).
-
-The functions are pure, so the model below drives them the way ``_writer.py`` and
-``_shm_reader.py`` do: a writer that keeps a possibly stale minimum cursor and rescans only when it
-looks full, readers that join at the head, read, and leave, in any interleaving, over many wraps of
-the ring, from sequence numbers near 0, 2**32 and 2**63.
+"""Property tests of the ring's arithmetic (aiobroadcast/_shm/layout.py) and of the writer's
+room logic, on the code that runs: the model below drives the real ``Publisher`` and
+``ReaderRecords`` over a real segment (a writer that keeps a possibly stale minimum cursor and
+rescans only when it looks full), with readers that join at the head, read and leave, in any
+interleaving, over many wraps of the ring, from sequence numbers near 0, 2**32 and 2**63.
 """
 
 from __future__ import annotations
 
+import secrets
+import shutil
+import tempfile
 from typing import cast
 
 import pytest
@@ -22,7 +24,12 @@ from hypothesis.stateful import (
 )
 
 from aiobroadcast._shm import layout as _layout
-from aiobroadcast._shm.layout import Layout, crossed, has_room, wait_target
+from aiobroadcast._shm.layout import W_HEAD, Layout, crossed, has_room, wait_target
+from aiobroadcast._shm.publisher import Publisher
+from aiobroadcast._shm.segment import Segment, create_segment
+
+SLOT_BYTES = 64  # the smallest slot: messages of several entries are small
+MAX_READERS = 8
 
 #: Realistic sequence numbers: a fresh ring, one past 32 bits, and long-lived rings around 2**63.
 BASES = st.sampled_from([0, 1, 2**32 - 3, 2**62, 2**63 - 17, 2**63, 2**63 + 5])
@@ -126,116 +133,140 @@ def test_entries_for_is_the_fewest_slots_that_hold_the_body(slot_bytes: int, bod
         assert n == 1  # an empty body still takes one entry (its header says FIRST|LAST)
 
 
-# --- the model: a writer and readers in random interleavings ---------------------------------------
+# --- the model: the real publisher and readers in random interleavings --------------------------
 class RingModel(RuleBasedStateMachine):
-    """Mirrors Writer._room/_rescan/_wait_room/_publish and ShmSource._join/_advance/_leave."""
+    """Drives the code that runs: a real segment, the writer's ``Publisher`` (its room check, its
+    stale minimum cursor and rescan, its slot writes) and ``ReaderRecords``, with readers that
+    store their cursors in their records as ``ShmSource`` does (join at the head, read, leave)
+    and wake a blocked writer when ``crossed`` says they made its room."""
 
     def __init__(self) -> None:
         super().__init__()
+        self.dir = tempfile.mkdtemp(prefix="ring-model-")
+        self.seg: Segment | None = None
+        self.pub: Publisher | None = None
         self.capacity = 2
-        self.head = 0
-        self.cached_min = 0  # the writer's view: stale, refreshed only when the ring looks full
-        self.cursors: dict[int, int] = {}  # reader id -> cursor
+        self.places: dict[int, int] = {}  # reader id -> its place in the records
         self.next_id = 0
-        self.slots: dict[int, int] = {}  # slot index -> entry it holds
         self.blocked: tuple[int, int] | None = None  # (entries, target) of a waiting put
         self.woken = False
-        self.published = 0
 
     @initialize(capacity=CAPACITY, base=BASES, readers=st.integers(0, 3))
     def start(self, capacity: int, base: int, readers: int) -> None:
         self.capacity = capacity
-        self.head = self.cached_min = base
+        self.seg = create_segment(self.dir, secrets.token_hex(16), capacity, SLOT_BYTES, MAX_READERS, 0, 0)
+        self.pub = Publisher(self.seg, block=True)
+        self.pub.head = self.pub.msg = self.pub.records.min_cursor = base
+        self.seg.words[W_HEAD] = base
         for _ in range(readers):
             self.join()
 
-    def true_min(self) -> int:
-        return min([self.head, *self.cursors.values()])
+    def teardown(self) -> None:
+        if self.pub is not None:
+            self.pub.outbox.close()
+        if self.seg is not None:
+            self.seg.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
-    def room(self, entries: int) -> bool:
-        if has_room(self.head, self.cached_min, entries, self.capacity):
-            return True
-        self.cached_min = self.true_min()  # _rescan
-        return has_room(self.head, self.cached_min, entries, self.capacity)
+    # The readers' side, as ShmSource stores it.
+    def cursor(self, rid: int) -> int:
+        assert self.seg is not None
+        return int(self.seg.rec_cursor[self.places[rid]])
+
+    def true_min(self) -> int:
+        assert self.pub is not None
+        return min([self.pub.head, *(self.cursor(r) for r in self.places)])
 
     def write(self, entries: int) -> None:
-        for e in range(self.head, self.head + entries):
-            k = e % self.capacity
-            old = self.slots.get(k)
-            if old is not None:
-                for rid, cursor in self.cursors.items():
-                    assert cursor > old, f"entry {old} overwritten while reader {rid} at {cursor} needs it"
-            self.slots[k] = e
-        self.head += entries
-        self.published += entries
+        """Publish one message of ``entries`` entries through the real write path."""
+        assert self.pub is not None
+        body = b"m" * (entries * self.pub.layout.payload_bytes)
+        assert self.pub.layout.entries_for(len(body)) == entries
+        self.pub.publish([body], len(body), False, entries)
 
+    @precondition(lambda self: len(self.places) < MAX_READERS)
     @rule()
     def join(self) -> None:
-        self.cursors[self.next_id] = self.head  # joins at "now"
+        assert self.seg is not None and self.pub is not None
+        place = next(i for i in range(MAX_READERS) if i not in self.places.values())
+        self.seg.rec_cursor[place] = self.pub.head  # joins at "now"
+        self.seg.rec_active[place] = 1
+        self.places[self.next_id] = place
         self.next_id += 1
 
     @precondition(lambda self: self.blocked is None)
     @rule(data=st.data())
     def put(self, data: st.DataObject) -> None:
+        assert self.pub is not None
         entries = data.draw(st.integers(1, self.capacity), label="entries")
-        if self.room(entries):
+        if self.pub.room(entries):
             self.write(entries)
             return
-        target = wait_target(self.head, entries, self.capacity)
-        assert self.cached_min < target <= self.head
+        target = wait_target(self.pub.head, entries, self.capacity)
+        assert self.pub.records.min_cursor < target <= self.pub.head
         self.blocked, self.woken = (entries, target), False
 
     @precondition(lambda self: self.blocked is not None)
     @rule()
     def writer_wakes(self) -> None:
         """The blocked put re-checks, as it does on a datagram or a liveness timeout."""
-        assert self.blocked is not None
+        assert self.blocked is not None and self.pub is not None
         entries, _target = self.blocked
-        if self.room(entries):
+        if self.pub.room(entries):
             self.write(entries)
             self.blocked = None
         else:
             self.woken = False  # the datagrams were drained; it sleeps again on the same target
 
-    @precondition(lambda self: bool(self.cursors))
+    @precondition(lambda self: bool(self.places))
     @rule(data=st.data())
     def read(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.cursors)), label="reader")
+        assert self.seg is not None and self.pub is not None
+        rid = data.draw(st.sampled_from(sorted(self.places)), label="reader")
         steps = data.draw(st.integers(1, self.capacity), label="steps")
+        lay = self.pub.layout
         for _ in range(steps):
-            c = self.cursors[rid]
-            if c >= self.head:
+            c = self.cursor(rid)
+            if c >= self.pub.head:
                 return
-            assert self.slots.get(c % self.capacity) == c, f"entry {c} was not in its slot when read"
-            self.cursors[rid] = c + 1
+            assert self.seg.words[lay.slot_offset(c) >> 3] == c, f"entry {c} was not in its slot when read"
+            self.seg.rec_cursor[self.places[rid]] = c + 1
             if self.blocked is not None and crossed(c, c + 1, self.blocked[1]):
-                self.woken = True  # _advance sends the writer a datagram
+                self.woken = True  # ShmSource wakes the writer
 
-    @precondition(lambda self: bool(self.cursors))
+    @precondition(lambda self: bool(self.places))
     @rule(data=st.data())
     def leave(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.cursors)), label="reader")
-        del self.cursors[rid]
+        assert self.seg is not None
+        rid = data.draw(st.sampled_from(sorted(self.places)), label="reader")
+        self.seg.rec_active[self.places.pop(rid)] = 0
         if self.blocked is not None:
-            self.woken = True  # _leave wakes a waiting writer
+            self.woken = True  # a leaving reader wakes a waiting writer
 
     @invariant()
     def every_unread_entry_is_still_in_its_slot(self) -> None:
-        for cursor in self.cursors.values():
-            assert self.head - cursor <= self.capacity
-            for e in range(cursor, self.head):
-                assert self.slots.get(e % self.capacity) == e
+        if self.pub is None:
+            return
+        lay = self.pub.layout
+        for rid in self.places:
+            cursor = self.cursor(rid)
+            assert self.pub.head - cursor <= self.capacity, f"entries reader {rid} at {cursor} needs overwritten"
+            for e in range(cursor, self.pub.head):
+                held = self.pub.seg.words[lay.slot_offset(e) >> 3]
+                assert held == e, f"entry {e} overwritten while a reader needs it"
 
     @invariant()
     def the_writer_never_overestimates_the_slowest_reader(self) -> None:
-        assert self.cached_min <= self.true_min()
+        if self.pub is not None:
+            assert self.pub.records.min_cursor <= self.true_min()
 
     @invariant()
     def a_writer_that_could_go_on_has_been_woken(self) -> None:
         """No lost wake-up: once the readers made room for a blocked put, one of them woke it."""
         if self.blocked is not None:
+            assert self.pub is not None
             entries, target = self.blocked
-            if has_room(self.head, self.true_min(), entries, self.capacity):
+            if has_room(self.pub.head, self.true_min(), entries, self.capacity):
                 assert self.true_min() >= target
                 assert self.woken
 
@@ -248,21 +279,25 @@ def test_the_model_wraps_the_ring_many_times() -> None:
     """The model above is only worth something if its runs wrap the ring and its checks can fire:
     a scripted run through 3,000 puts across 2**63, then a write that ignores the readers."""
     model = RingModel()
-    model.start(capacity=3, base=2**63 - 5, readers=2)
-    for i in range(3000):
-        model.put(_draws(1 + i % 3))
-        while model.blocked is not None:
-            for rid in sorted(model.cursors):
-                model.read(_draws(rid, 3))
-            model.writer_wakes()
-        model.every_unread_entry_is_still_in_its_slot()
-        model.a_writer_that_could_go_on_has_been_woken()
-    assert model.head >= 2**63 - 5 + 6000
-    model.cached_min = model.head  # a writer that forgot its readers ...
-    behind = min(model.cursors.values())
-    assert behind < model.head
-    with pytest.raises(AssertionError, match="overwritten"):  # ... is caught
-        model.write(model.capacity)
+    try:
+        model.start(capacity=3, base=2**63 - 5, readers=2)
+        assert model.pub is not None
+        for i in range(3000):
+            model.put(_draws(1 + i % 3))
+            while model.blocked is not None:
+                for rid in sorted(model.places):
+                    model.read(_draws(rid, 3))
+                model.writer_wakes()
+            model.every_unread_entry_is_still_in_its_slot()
+            model.a_writer_that_could_go_on_has_been_woken()
+        assert model.pub.head >= 2**63 - 5 + 6000
+        behind = min(model.cursor(r) for r in model.places)
+        assert behind < model.pub.head
+        model.write(model.capacity)  # a writer that ignored its readers ...
+        with pytest.raises(AssertionError, match="overwritten"):  # ... is caught
+            model.every_unread_entry_is_still_in_its_slot()
+    finally:
+        model.teardown()
 
 
 def _draws(*values: int) -> st.DataObject:

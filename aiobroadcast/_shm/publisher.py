@@ -39,6 +39,7 @@ class Publisher:
         self.refusal: str | None = None  # why a fork child may not use it
         self._words = seg.words
         self._buf = seg.buf
+        self._slot_offset = seg.layout.slot_offset  # bound once: called per entry
 
     @property
     def sent(self) -> int:
@@ -84,12 +85,11 @@ class Publisher:
         already. Fragments of a larger message that were committed stay, without their LAST:
         readers drop them at the next FIRST fragment, as for a cancelled streamed message."""
         w = self._words
-        lay = self.layout
         head = self.head
         msg = self.msg
         whole = True
-        while w[lay.slot_offset(head) >> 3] == head:
-            number, _length, flags, _total = SLOT_REST.unpack_from(self._buf, lay.slot_offset(head) + 8)
+        while w[self._slot_offset(head) >> 3] == head:
+            number, _length, flags, _total = SLOT_REST.unpack_from(self._buf, self._slot_offset(head) + 8)
             msg = number + 1
             whole = bool(flags & F_LAST)
             head += 1
@@ -112,7 +112,7 @@ class Publisher:
         seq = self.head
         base_flags = F_OOB if oob else 0
         if entries == 1:
-            off = self.layout.slot_offset(seq)
+            off = self._slot_offset(seq)
             if not self.block:
                 w[off >> 3] = BUSY  # a lagging reader that reads this slot now re-checks
             if len(parts) == 1:
@@ -148,7 +148,7 @@ class Publisher:
         lay = self.layout
         payload = lay.payload_bytes
         for k in range(count):
-            off = lay.slot_offset(seq)
+            off = self._slot_offset(seq)
             if not self.block:
                 w[off >> 3] = BUSY
             n = chunks.copy_into(buf, off + 32, payload)
@@ -172,7 +172,7 @@ class Publisher:
             self.check_open()
             # Another thread's put_nowait may have taken some of the room since the caller saw it.
             free = self.layout.capacity - (self.head - self.records.min_cursor)
-            n = min(free, -(-(total - chunks.pos) // self.layout.payload_bytes))
+            n = min(free, self.layout.entries_for(total - chunks.pos))
             if n <= 0:
                 return True
             first = chunks.pos == 0

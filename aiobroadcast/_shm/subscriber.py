@@ -42,6 +42,7 @@ from .layout import (
     W_WAIT_TARGET,
     W_WRITER_PID,
     W_WRITER_PIDNS,
+    crossed,
     fence,
 )
 from .segment import Segment
@@ -72,8 +73,7 @@ class ShmSource:
         self._decode = decode
         lay = seg.layout
         self._cap = lay.capacity
-        self._slot_bytes = lay.slot_bytes
-        self._data = lay.data_offset
+        self._slot_offset = lay.slot_offset  # bound once: read per message
         self._block = handle.policy == "block"
         # Zero-copy reads: a delivered message may be a view of its slot, so the slot is released
         # only at the next get_nowait (or close). Under policy "lag" the body is copied out of the
@@ -182,7 +182,7 @@ class ShmSource:
     def _number_at(self, c: int) -> int:
         """The number of the first message whose start is at or after entry ``c`` (which no
         writer overwrites while our place holds it)."""
-        off = self._data + (c % self._cap) * self._slot_bytes
+        off = self._slot_offset(c)
         if self._words[off >> 3] == c:
             msg, _flen, flags, _total = SLOT_REST.unpack_from(self._buf, off + 8)
             return int(msg) if flags & F_FIRST else int(msg) + 1  # the rest of a message is skipped
@@ -235,7 +235,7 @@ class ShmSource:
         buf = self._buf
         while True:
             c = self._cursor
-            off = self._data + (c % self._cap) * self._slot_bytes
+            off = self._slot_offset(c)
             seq = w[off >> 3]
             if seq != c:
                 self._not_ready(c, seq)  # raises, or returns after resynchronising
@@ -362,7 +362,7 @@ class ShmSource:
         if self._block:
             fence()
             target = w[W_WAIT_TARGET]
-            if target and c < target <= c + 1:
+            if crossed(c, c + 1, target):
                 self._outbox.wake(self._writer_sock)
 
     def _hold(self, c: int) -> None:
@@ -387,7 +387,7 @@ class ShmSource:
             return
         if w[W_CLOSED] or self._writer_gone:
             # The writer stored every entry before `closed`; look once more now that we saw it.
-            if w[(self._data + (c % self._cap) * self._slot_bytes) >> 3] == c:
+            if w[(self._slot_offset(c)) >> 3] == c:
                 return
             self._partial = None
             if w[W_CLOSED]:
@@ -414,7 +414,7 @@ class ShmSource:
             # Entry e was published before this load (true of the first e, which is below the
             # head we loaded; and we pass e only after seeing its slot reused, which the writer
             # does after publishing e+1). So its slot holds e, or a later entry, or BUSY for one.
-            off = self._data + (e % cap) * self._slot_bytes
+            off = self._slot_offset(e)
             if w[off >> 3] == e:
                 msg, _flen, flags, _total = SLOT_REST.unpack_from(buf, off + 8)
                 if w[off >> 3] == e:
@@ -441,7 +441,7 @@ class ShmSource:
         """Whether ``get_nowait`` would do anything but raise ``WouldBlock``."""
         w = self._words
         c = self._cursor
-        seq = w[(self._data + (c % self._cap) * self._slot_bytes) >> 3]
+        seq = w[(self._slot_offset(c)) >> 3]
         return (
             seq == c
             or (seq != EMPTY and seq != BUSY and seq > c)

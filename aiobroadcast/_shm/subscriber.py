@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -12,15 +11,12 @@ from .. import _tuning
 from .._exceptions import (
     DeserializationError,
     EndOfStream,
-    InvalidHandle,
     ReaderLagged,
-    TooManyReaders,
     WouldBlock,
     WriterGone,
 )
 from .._handle import Handle
 from .._stats import ReaderStatistics
-from . import layout as _layout
 from . import segment as _segment
 from .layout import (
     BUSY,
@@ -30,21 +26,15 @@ from .layout import (
     F_LAST,
     F_OOB,
     F_WHOLE,
-    R_ACTIVE,
-    R_CURSOR,
-    R_GENERATION,
-    R_PID,
-    R_RECEIVED,
     SLOT_REST,
     W_CLOSED,
     W_HEAD,
-    W_NEXT_MSG,
     W_WAIT_TARGET,
     W_WRITER_PID,
-    W_WRITER_PIDNS,
     crossed,
     fence,
 )
+from .place import ReaderPlace
 from .segment import Segment
 from .wake import Inbox, Outbox
 
@@ -82,7 +72,6 @@ class ShmSource:
         self._held = False
         self._words = seg.words
         self._buf = seg.buf
-        self._index = -1
         self._cursor = 0
         self._next_msg = 0
         self._received = 0
@@ -95,134 +84,22 @@ class ShmSource:
         # a cancellation raised inside __setstate__): the next get_nowait decodes it again.
         self._pending: tuple[int, bytearray, int] | None = None
         self._writer_gone = False
-        self._episode = 0
         self._closed = True
-        self._inbox: Inbox | None = None
         self._outbox = Outbox()
-        self._writer_sock = seg.sock_path("w")
+        self._place = place = ReaderPlace(seg, handle.name, name, self._block, self._outbox)
         try:
-            self._join(take_over)
+            self._cursor, self._next_msg = place.join(take_over)
         except BaseException:
             self._outbox.close()  # else its socket leaks (ResourceWarning) on TooManyReaders etc.
             raise
+        # The place's words and sockets, as attributes: the paths per message read them.
+        self._inbox: Inbox | None = place.inbox
+        self._cur_word = place.cur_word
+        self._recv_word = place.recv_word
+        self._wait_word = place.wait_word
+        self._episode = place.episode
+        self._writer_sock = place.writer_sock
         self._closed = False
-
-    # --- joining and leaving -------------------------------------------------------------
-    def _join(self, take_over: int | None) -> None:
-        seg = self._seg
-        lay = seg.layout
-        w = self._words
-        i = -1 if take_over is None else self._take_over(take_over)
-        resume = i >= 0
-        if not resume:
-            for i in range(lay.max_readers):
-                if _segment.try_lock(seg.fd, _segment.reader_lock_byte(i)):
-                    break
-            else:
-                raise TooManyReaders(lay.max_readers)
-        self._index = i
-        try:
-            if _segment.is_locked(seg.fd, _segment.WRITER_LOCK_BYTE) is False or w[W_CLOSED]:
-                raise InvalidHandle(f"the writer of {self._handle.name} has closed or exited")
-            self._inbox = Inbox(seg.sock_path(f"r{i}"), self._writer_pidfd())
-            self._cur_word = lay.record_word(i, R_CURSOR)
-            self._recv_word = lay.record_word(i, R_RECEIVED)
-            self._wait_word = lay.waiting_word(i)
-            w[lay.record_word(i, R_PID)] = os.getpid()
-            w[lay.record_word(i, R_GENERATION)] += 1
-            # Sleep episodes unique to this occupant of place i: the writer skips a wake-up for an
-            # episode it already woke, and a previous occupant's episodes must not match ours.
-            self._episode = w[lay.record_word(i, R_GENERATION)] << 32
-            w[self._recv_word] = 0
-            seg.write_name(i, self._name)
-            seg.write_host(i, _layout.host_name())
-            w[self._wait_word] = 0
-            if resume:
-                # The place never stopped being active, so the entries from its cursor on are
-                # still in the ring: go on from there.
-                self._cursor = w[self._cur_word]
-                self._next_msg = self._number_at(self._cursor)
-                return
-            # docs/design.md, "Joining without missing anything".
-            w[self._cur_word] = w[W_HEAD]
-            w[lay.record_word(i, R_ACTIVE)] = 1
-            fence()
-            while True:
-                n1 = w[W_NEXT_MSG]
-                h2 = w[W_HEAD]
-                if w[W_NEXT_MSG] == n1:
-                    break
-            self._cursor = h2
-            self._next_msg = n1
-            w[self._cur_word] = h2
-        except BaseException:
-            self._leave()
-            raise
-
-    def _take_over(self, pid: int) -> int:
-        """The place of the dead reader ``pid``, locked, if it is still attached; else -1.
-
-        The writer's TCP server started again takes the dead server's place: under policy
-        "block" the writer has kept every entry from that place's cursor on, so nothing in the
-        ring is lost to remote readers (docs/design.md, "Remote readers"). The writer drops a
-        dead reader's place holding its lock, so a place still active once we hold the lock is
-        ours with its cursor. Under policy "lag" nothing is kept for a place: join as new."""
-        seg = self._seg
-        if not self._block:
-            return -1
-        for i in range(seg.layout.max_readers):
-            if not seg.rec_active[i] or self._words[seg.layout.record_word(i, R_PID)] != pid:
-                continue
-            if _segment.try_lock(seg.fd, _segment.reader_lock_byte(i)):
-                if seg.rec_active[i]:
-                    return i
-                _segment.unlock(seg.fd, _segment.reader_lock_byte(i))  # dropped meanwhile
-        return -1
-
-    def _number_at(self, c: int) -> int:
-        """The number of the first message whose start is at or after entry ``c`` (which no
-        writer overwrites while our place holds it)."""
-        off = self._slot_offset(c)
-        if self._words[off >> 3] == c:
-            msg, _flen, flags, _total = SLOT_REST.unpack_from(self._buf, off + 8)
-            return int(msg) if flags & F_FIRST else int(msg) + 1  # the rest of a message is skipped
-        # Not published yet. The writer stores next_msg before head, so this may already count a
-        # message it is publishing at c: the TCP server renumbers from the first it reads.
-        return self._words[W_NEXT_MSG]
-
-    def _writer_pidfd(self) -> int | None:
-        """A pidfd of the writer's process, to wake when it exits (docs/design.md, "Liveness"):
-        only where the segment's pid names it (same pid namespace) and it still holds its lock
-        after the pidfd is open (so the pid was not reused). None otherwise: the reader then
-        checks the writer's lock every ``LIVENESS_S`` while it sleeps."""
-        w = self._words
-        ns = _layout.pid_namespace()
-        if not ns or w[W_WRITER_PIDNS] != ns or not hasattr(os, "pidfd_open"):
-            return None
-        try:
-            fd = os.pidfd_open(w[W_WRITER_PID])
-        except OSError:
-            return None
-        if not _segment.is_locked(self._seg.fd, _segment.WRITER_LOCK_BYTE):
-            os.close(fd)
-            return None
-        return fd
-
-    def _leave(self) -> None:
-        seg = self._seg
-        i = self._index
-        if i < 0:
-            return
-        w = self._words
-        w[seg.layout.record_word(i, R_ACTIVE)] = 0
-        w[seg.layout.waiting_word(i)] = 0
-        fence()
-        if w[W_WAIT_TARGET]:
-            self._outbox.wake(self._writer_sock)  # the writer may be waiting for us
-        if self._inbox is not None:
-            self._inbox.close()
-        _segment.unlock(seg.fd, _segment.reader_lock_byte(i))
-        self._index = -1
 
     # --- what Reader calls -------------------------------------------------------------
     def get_nowait(self) -> Any:
@@ -293,7 +170,7 @@ class ShmSource:
         w = self._words
         return ReaderStatistics(
             name=self._name,
-            place=self._index,
+            place=self._place.index,
             received=self._received,
             lagged=self._lagged_total,
             lag=max(0, w[W_HEAD] - self._cursor),
@@ -303,14 +180,14 @@ class ShmSource:
         )
 
     def describe(self) -> str:
-        return f"{self._handle.name} place={self._index} received={self._received}"
+        return f"{self._handle.name} place={self._place.index} received={self._received}"
 
     def close(self) -> None:
         """Leave the ring: the writer stops waiting for this place at once."""
         if self._closed:
             return
         self._closed = True
-        self._leave()
+        self._place.leave()
         self._outbox.close()
         self._seg.close()
 

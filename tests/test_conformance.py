@@ -227,9 +227,13 @@ async def test_lag_policy_reports_exactly_what_was_missed_then_continues(transpo
     whose count closes the gap, then the newest messages in order, then what comes next.
 
     Shared memory keeps ``capacity`` messages; the TCP server keeps 2 * max(tcp_window,
-    capacity) and a reader holds at most ``tcp_window``, so the result has the same shape."""
+    capacity) and a reader holds at most ``tcp_window``, so the result has the same shape. Over
+    TCP the ring is larger: the TCP server is itself a reader of the ring, and on a loaded
+    machine a 4-slot ring lets it lag too (then the gap comes in pieces, the sum still exact)."""
     n = 300
-    async with channel(transport, capacity=4, slot_bytes=256, policy="lag", tcp_window=4) as writer:
+    capacity = 4 if transport == "shm" else 64
+    kept = capacity if transport == "shm" else 2 * max(4, capacity)
+    async with channel(transport, capacity=capacity, slot_bytes=256, policy="lag", tcp_window=4) as writer:
         async with reader_for(transport, writer.handle, name="lagger") as reader:
             for i in range(n):
                 writer.put_nowait(i)  # never blocks under "lag"
@@ -251,7 +255,7 @@ async def test_lag_policy_reports_exactly_what_was_missed_then_continues(transpo
             assert kinds[head : head + len(lags)] == ["lagged"] * len(lags), summary(events)
             assert head <= 4, summary(events)  # at most one credit window before the gap
             tail = len(events) - head - len(lags)
-            assert 1 <= tail <= 8, summary(events)  # no more than the server (or ring) kept
+            assert 1 <= tail <= kept, summary(events)  # no more than the server (or ring) kept
             if transport == "shm":
                 assert events == [("lagged", n - 4)] + [("msg", i) for i in range(n - 4, n)]
             # ... and it goes on in order, with nothing more missed.

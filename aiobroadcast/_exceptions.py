@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 
 class BroadcastError(Exception):
     """Base class of every error raised by aiobroadcast."""
@@ -114,3 +116,12 @@ class InsufficientSharedMemory(BroadcastError):
 class TransportError(BroadcastError):
     """Raised by ``open_reader`` when a remote writer cannot be reached or refuses the reader
     (wrong keys, not listening), and by ``get`` when the writer's server refuses it later."""
+
+
+E = TypeVar("E", bound=BroadcastError)
+
+
+def os_error(kind: type[E], what: str, exc: OSError) -> E:
+    """The one translation of an ``OSError`` at the operating-system boundary (files, mappings,
+    sockets): what the library tried, and the system's reason. Raise it ``from exc``."""
+    return kind(f"{what}: {exc.strerror or exc}")

@@ -15,7 +15,7 @@ import struct
 import time
 
 from .. import _fork, _tuning
-from .._exceptions import BroadcastError, InsufficientSharedMemory, InvalidHandle
+from .._exceptions import BroadcastError, InsufficientSharedMemory, InvalidHandle, os_error
 from .layout import (
     EMPTY,
     HOST_BYTES,
@@ -204,14 +204,14 @@ def create_segment(
     try:
         st = os.statvfs(directory)
     except OSError as exc:
-        raise BroadcastError(f"cannot use {directory!r} for shared memory: {exc}") from exc
+        raise os_error(BroadcastError, f"cannot use {directory!r} for shared memory", exc) from exc
     available = st.f_bavail * st.f_frsize
     if layout.size > available:
         raise InsufficientSharedMemory(layout.size, available, directory)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     except OSError as exc:
-        raise BroadcastError(f"cannot create the channel's segment in {directory!r}: {exc.strerror}") from exc
+        raise os_error(BroadcastError, f"cannot create the channel's segment in {directory!r}", exc) from exc
     try:
         if not try_lock(fd, WRITER_LOCK_BYTE):  # pragma: no cover - the file is new
             raise BroadcastError(f"cannot lock new segment {path}")
@@ -221,7 +221,7 @@ def create_segment(
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 raise InsufficientSharedMemory(layout.size, available, directory) from exc
-            raise BroadcastError(f"cannot size or map the channel's segment {path}: {exc.strerror}") from exc
+            raise os_error(BroadcastError, f"cannot size or map the channel's segment {path}", exc) from exc
     except BaseException:
         os.close(fd)
         os.unlink(path)
@@ -254,7 +254,7 @@ def attach_segment(path: str, token: str, capacity: int, slot_bytes: int, max_re
     except FileNotFoundError as exc:
         raise InvalidHandle(f"the channel's segment {path} is gone (the writer closed or exited)") from exc
     except OSError as exc:
-        raise InvalidHandle(f"cannot open the channel's segment {path}: {exc}") from exc
+        raise os_error(InvalidHandle, f"cannot open the channel's segment {path}", exc) from exc
     try:
         layout = Layout(capacity, slot_bytes, max_readers)
         st = os.fstat(fd)
@@ -269,7 +269,7 @@ def attach_segment(path: str, token: str, capacity: int, slot_bytes: int, max_re
         try:
             seg = Segment(path, fd, layout)
         except OSError as exc:
-            raise InvalidHandle(f"cannot map the channel's segment {path}: {exc.strerror}") from exc
+            raise os_error(InvalidHandle, f"cannot map the channel's segment {path}", exc) from exc
     except BaseException:
         os.close(fd)
         raise

@@ -19,7 +19,7 @@ import anyio
 import anyio.lowlevel
 
 from .. import _fork
-from .._exceptions import BroadcastError
+from .._exceptions import BroadcastError, os_error
 
 
 class Inbox:
@@ -51,7 +51,7 @@ class Inbox:
             if self._epoll is not None:
                 self._epoll.close()
             if isinstance(exc, OSError):
-                raise BroadcastError(f"cannot bind the wake-up socket {path}: {exc.strerror or exc}") from exc
+                raise os_error(BroadcastError, f"cannot bind the wake-up socket {path}", exc) from exc
             raise
         self.sock.setblocking(False)
         #: What to wait on for readability: the epoll instance if there is a watch, else the socket.

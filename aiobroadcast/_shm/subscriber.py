@@ -283,22 +283,7 @@ class ShmSource:
         neither bounds the search nor gives the count.
         """
         w = self._words
-        buf = self._buf
-        cap = self._cap
-        # Entries before head - capacity are overwritten (or being overwritten) for sure.
-        e = max(c, w[W_HEAD] - cap)
-        while True:
-            # Entry e was published before this load (true of the first e, which is below the
-            # head we loaded; and we pass e only after seeing its slot reused, which the writer
-            # does after publishing e+1). So its slot holds e, or a later entry, or BUSY for one.
-            off = self._slot_offset(e)
-            if w[off >> 3] == e:
-                msg, _flen, flags, _total = SLOT_REST.unpack_from(buf, off + 8)
-                if w[off >> 3] == e:
-                    first_kept = msg if flags & F_FIRST else msg + 1
-                    break
-            else:
-                e += 1
+        e, first_kept = oldest_intact(w, self._buf, self._slot_offset, max(c, w[W_HEAD] - self._cap))
         if e == c:
             # The head we loaded was a full ring ahead, but entry c is intact (the writer had not
             # started to overwrite it). Nothing was lost: read it.
@@ -389,3 +374,23 @@ class ShmSource:
     def drain_inbox(self) -> bool:
         assert self._inbox is not None
         return self._inbox.drain()
+
+
+def oldest_intact(w: Any, buf: memoryview, slot_offset: Callable[[int], int], e: int) -> tuple[int, int]:
+    """The first entry from ``e`` on that is intact in its slot, read under the seqlock, and the
+    number of the first message whose start it holds (policy "lag", after a reader was lapped).
+
+    ``e`` must have been published before the caller loaded it (true of ``head - capacity``,
+    below the head it loaded). Entries before ``head - capacity`` are overwritten (or being
+    overwritten) for sure, so that is where the caller starts."""
+    while True:
+        # Entry e was published before this load (true of the first e; and we pass e only after
+        # seeing its slot reused, which the writer does after publishing e+1). So its slot holds
+        # e, or a later entry, or BUSY for one.
+        off = slot_offset(e)
+        if w[off >> 3] == e:
+            msg, _flen, flags, _total = SLOT_REST.unpack_from(buf, off + 8)
+            if w[off >> 3] == e:  # the header was read whole: the entry was not being rewritten
+                return e, msg if flags & F_FIRST else msg + 1
+        else:
+            e += 1

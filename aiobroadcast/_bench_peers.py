@@ -16,7 +16,7 @@ is one JSON object. If the peer cannot be imported the line is ``{"unavailable":
 
 This file runs as a script in the peer's interpreter, which need not have aiobroadcast's
 dependencies installed: it imports only the standard library and the peer's own packages, and
-never the ``aiobroadcast`` package. ``aiobroadcast._bench_ours`` imports ``figures`` from it so
+never the ``aiobroadcast`` package. ``aiobroadcast.cli._bench_driver`` imports ``figures`` from it so
 that every system's numbers are computed by the same code.
 """
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from aiobroadcast import _bench, _bench_ours
+from aiobroadcast.cli import _bench
+from aiobroadcast.cli import _bench_driver as _bench_ours
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -15,10 +15,10 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from ._cli_common import EXIT_FAILED, EXIT_OK, children_ignore_sigint, error, loop_options, stop_on_signals
-from ._exceptions import BroadcastError
-from ._handle import Handle
-from ._open import Transport, open_reader, open_writer
+from .._exceptions import BroadcastError
+from .._handle import Handle
+from .._open import Transport, open_reader, open_writer
+from ._common import EXIT_FAILED, EXIT_OK, children_ignore_sigint, error, loop_options, stop_on_signals
 
 #: Seconds a reader process may take to start and attach.
 START_TIMEOUT_S = 30.0

@@ -16,7 +16,7 @@ import anyio
 import anyio.abc
 from pydantic import BaseModel, ValidationError
 
-from ._handle import CurveKeys, Handle
+from .._handle import CurveKeys, Handle
 
 #: Exit codes every command keeps (the README lists them).
 EXIT_OK = 0  #: done: the input ended, the count was reached, or SIGTERM asked for a clean stop

@@ -1,6 +1,6 @@
 """``aiobroadcast bench``: the broadcast benchmark protocol, against vLLM and pyzmq if asked.
 
-Every run is a fresh set of processes: ``python -m aiobroadcast._bench_ours`` for aiobroadcast,
+Every run is a fresh set of processes: ``python -m aiobroadcast.cli._bench_driver`` for aiobroadcast,
 ``PEER_PYTHON .../_bench_peers.py PEER`` for a peer (in the peer's own interpreter). Each prints
 one JSON object; this module runs them A B A B ..., takes medians and prints the table.
 docs/performance.md explains the protocol and every figure.
@@ -22,13 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._bench_ours import default_loop, ring_for, tcp_available
-from ._bench_peers import EXTRA_PEERS, MODES, PEERS
+from .._bench_peers import EXTRA_PEERS, MODES, PEERS
+from ._bench_driver import default_loop, ring_for, tcp_available
 
 OURS = "aiobroadcast"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-PEERS_SCRIPT = Path(__file__).with_name("_bench_peers.py")
-PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+PEERS_SCRIPT = Path(__file__).parent.parent / "_bench_peers.py"
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
 
 @dataclass(frozen=True)
@@ -164,7 +164,7 @@ def _command(system: str, cell: Cell, args: argparse.Namespace) -> tuple[list[st
     base = [cell.mode, str(cell.readers), str(cell.size), str(cell.count)]
     old_path = env.get("PYTHONPATH")
     if system == OURS:
-        cmd = [sys.executable, "-m", "aiobroadcast._bench_ours", *base, "--transport", args.transport,
+        cmd = [sys.executable, "-m", "aiobroadcast.cli._bench_driver", *base, "--transport", args.transport,
                "--loop", args.loop]
         if args.capacity:
             cmd += ["--capacity", str(args.capacity)]

@@ -1,6 +1,6 @@
 """aiobroadcast's benchmark driver: one writer process (this one), READERS reader processes.
 
-    python -m aiobroadcast._bench_ours MODE READERS SIZE COUNT [--capacity N] [--slot-bytes N]
+    python -m aiobroadcast.cli._bench_driver MODE READERS SIZE COUNT [--capacity N] [--slot-bytes N]
                                        [--transport shm|tcp] [--insecure] [--loop uvloop|asyncio|trio]
                                        [--spin-us US] [--zero-copy] [--blocking]
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import anyio
 
-from ._bench_peers import MODES, PACE_S, STEP_TIMEOUT_S, figures, reader_result
+from .._bench_peers import MODES, PACE_S, STEP_TIMEOUT_S, figures, reader_result
 
 #: Ring sizes by message size: (largest payload, capacity). Above the last: ``LARGE_CAPACITY``
 #: (what vLLM uses: 10 chunks).
@@ -61,7 +61,7 @@ def default_loop() -> str:
 
 def tcp_available() -> bool:
     """Whether this aiobroadcast has the TCP transport (``open_writer(tcp=...)``)."""
-    from . import open_writer
+    from .. import open_writer
 
     return "tcp" in inspect.signature(open_writer).parameters
 
@@ -95,7 +95,7 @@ def _reader_process(
 async def _reader_main(
     handle: str, rank: int, mode: str, count: int, transport: str, opts: dict[str, Any], ready: Any
 ) -> dict[str, Any]:
-    from . import open_reader
+    from .. import open_reader
 
     extra: dict[str, Any] = {"transport": "tcp"} if transport == "tcp" else {}
     async with open_reader(handle, name=f"bench-reader-{rank}", **opts, **extra) as reader:
@@ -136,7 +136,7 @@ def _reader_blocking(
     handle: str, rank: int, mode: str, count: int, transport: str, opts: dict[str, Any], ready: Any
 ) -> dict[str, Any]:
     """``_reader_main`` with the blocking API: ``reader.get()`` blocks this thread."""
-    from .blocking import open_reader
+    from ..blocking import open_reader
 
     extra: dict[str, Any] = {"transport": "tcp"} if transport == "tcp" else {}
     with open_reader(handle, name=f"bench-reader-{rank}", **opts, **extra) as reader:
@@ -167,7 +167,7 @@ async def _writer_main(
     mode: str, readers: int, size: int, count: int, capacity: int, slot_bytes: int, transport: str, loop: str,
     idle_s: float, spin_us: float | None = None, insecure: bool = False, zero_copy: bool = False,
 ) -> dict[str, Any]:
-    from . import open_writer
+    from .. import open_writer
 
     extra: dict[str, Any] = {"tcp": "tcp://127.0.0.1:0", "insecure": insecure} if transport == "tcp" else {}
     async with open_writer(capacity=capacity, slot_bytes=slot_bytes, max_readers=readers, **extra) as writer:
@@ -199,7 +199,7 @@ def _writer_blocking(
     idle_s: float, spin_us: float | None = None, insecure: bool = False, zero_copy: bool = False,
 ) -> dict[str, Any]:
     """``_writer_main`` with the blocking API: ``writer.put()`` blocks this thread."""
-    from .blocking import open_writer
+    from ..blocking import open_writer
 
     extra: dict[str, Any] = {"tcp": "tcp://127.0.0.1:0", "insecure": insecure} if transport == "tcp" else {}
     with open_writer(capacity=capacity, slot_bytes=slot_bytes, max_readers=readers, **extra) as writer:
@@ -288,7 +288,9 @@ def _collect(q: Any, procs: list[Any]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m aiobroadcast._bench_ours", description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m aiobroadcast.cli._bench_driver", description=(__doc__ or "").split("\n")[0]
+    )
     p.add_argument("mode", choices=MODES)
     p.add_argument("readers", type=int)
     p.add_argument("size", type=int)

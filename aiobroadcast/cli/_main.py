@@ -7,7 +7,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from ._exceptions import BroadcastError
+from .._exceptions import BroadcastError
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -18,13 +18,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Broadcast Python objects from one async writer to many async readers.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from . import _cli_keygen, _cli_pubsub, _cli_stats, _demo, _relay
+    from . import _demo, _keygen, _pubsub, _relay, _stats
 
     _demo.register(sub)
     _relay.register(sub)
-    _cli_pubsub.register(sub)
-    _cli_stats.register(sub)
-    _cli_keygen.register(sub)
+    _pubsub.register(sub)
+    _stats.register(sub)
+    _keygen.register(sub)
     try:
         bench = importlib.import_module(f"{__package__}._bench")
     except ImportError:  # pragma: no cover - while the benchmark module does not exist

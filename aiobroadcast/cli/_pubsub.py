@@ -15,7 +15,20 @@ from typing import Any
 
 import anyio
 
-from ._cli_common import (
+from .._exceptions import (
+    DeserializationError,
+    EndOfStream,
+    InvalidHandle,
+    ReaderLagged,
+    TransportError,
+    WriterGone,
+)
+from .._handle import Handle
+from .._open import open_reader, open_writer
+from .._reader import Reader
+from .._tcp_server import BRIDGE_NAME as TCP_SERVER_NAME
+from .._writer import Writer
+from ._common import (
     EXIT_FAILED,
     EXIT_OK,
     MissingHandleFile,
@@ -28,19 +41,6 @@ from ._cli_common import (
     run_async,
     stop_on_signals,
 )
-from ._exceptions import (
-    DeserializationError,
-    EndOfStream,
-    InvalidHandle,
-    ReaderLagged,
-    TransportError,
-    WriterGone,
-)
-from ._handle import Handle
-from ._open import open_reader, open_writer
-from ._reader import Reader
-from ._tcp_server import BRIDGE_NAME as TCP_SERVER_NAME
-from ._writer import Writer
 
 #: How often ``--wait-readers`` and ``--wait`` look again (seconds).
 POLL_S = 0.05

@@ -22,10 +22,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from . import _ring
-from ._cli_common import EXIT_FAILED, EXIT_OK, fail, load_handle, run_sync
-from ._handle import Handle
-from ._ring import (
+from .. import _ring
+from .._handle import Handle
+from .._ring import (
     MAGIC,
     R_ACTIVE,
     R_CURSOR,
@@ -40,7 +39,8 @@ from ._ring import (
     W_WRITER_PID,
     Layout,
 )
-from ._tcp_server import BRIDGE_NAME as TCP_SERVER_NAME
+from .._tcp_server import BRIDGE_NAME as TCP_SERVER_NAME
+from ._common import EXIT_FAILED, EXIT_OK, fail, load_handle, run_sync
 
 
 def register(sub: Any) -> None:

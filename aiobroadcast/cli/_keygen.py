@@ -16,8 +16,8 @@ from typing import Any
 
 import zmq
 
-from ._cli_common import EXIT_OK, fail, run_sync
-from ._handle import CurveKeys
+from .._handle import CurveKeys
+from ._common import EXIT_OK, fail, run_sync
 
 
 def register(sub: Any) -> None:

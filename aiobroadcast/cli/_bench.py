@@ -24,9 +24,9 @@ from typing import Any
 
 from .._bench_peers import EXTRA_PEERS, MODES, PEERS
 from ._bench_driver import default_loop, ring_for, tcp_available
+from ._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 OURS = "aiobroadcast"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 PEERS_SCRIPT = Path(__file__).parent.parent / "_bench_peers.py"
 PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 

@@ -28,6 +28,7 @@ from typing import Any
 import anyio
 
 from .._bench_peers import MODES, PACE_S, STEP_TIMEOUT_S, figures, reader_result
+from ._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 #: Ring sizes by message size: (largest payload, capacity). Above the last: ``LARGE_CAPACITY``
 #: (what vLLM uses: 10 chunks).
@@ -310,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         args.loop = BLOCKING
     if args.transport == "tcp" and not tcp_available():
         print("tcp transport not available yet", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
     capacity, slot_bytes = ring_for(args.size)
     capacity = args.capacity or capacity
     slot_bytes = args.slot_bytes or slot_bytes
@@ -333,8 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     expected = args.count + 1 if args.mode == "idle" else args.count
     if out["received"] != [expected] * args.readers or not out["in_order"]:
         print(f"aiobroadcast: readers received {out['received']} (expected {expected} each, in order)", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from typing import Any
 
 import anyio
 
+from .._constants import TCP_SERVER_READER_NAME
 from .._exceptions import (
     DeserializationError,
     EndOfStream,
@@ -26,7 +27,6 @@ from .._exceptions import (
 from .._handle import Handle
 from .._open import open_reader, open_writer
 from .._reader import Reader
-from .._tcp_server import BRIDGE_NAME as TCP_SERVER_NAME
 from .._writer import Writer
 from ._common import (
     EXIT_FAILED,
@@ -196,7 +196,7 @@ def _attached(writer: Writer[Any]) -> list[Any]:
     return [
         r
         for r in writer.statistics().readers
-        if not (serves_tcp and r.transport == "shm" and r.name == TCP_SERVER_NAME)
+        if not (serves_tcp and r.transport == "shm" and r.name == TCP_SERVER_READER_NAME)
     ]
 
 

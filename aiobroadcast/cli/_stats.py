@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .. import _ring
+from .._constants import TCP_SERVER_READER_NAME
 from .._handle import Handle
 from .._ring import (
     MAGIC,
@@ -39,7 +40,6 @@ from .._ring import (
     W_WRITER_PID,
     Layout,
 )
-from .._tcp_server import BRIDGE_NAME as TCP_SERVER_NAME
 from ._common import EXIT_FAILED, EXIT_OK, fail, load_handle, run_sync
 
 
@@ -268,7 +268,7 @@ def _host(host: str) -> str:
 
 
 def _is_tcp_server(h: Handle, r: ReaderRow) -> bool:
-    return h.tcp is not None and r.name == TCP_SERVER_NAME
+    return h.tcp is not None and r.name == TCP_SERVER_READER_NAME
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -1,12 +1,13 @@
 """aiobroadcast's benchmark driver: one writer process (this one), READERS reader processes.
 
     python -m aiobroadcast.cli._bench_driver MODE READERS SIZE COUNT [--capacity N] [--slot-bytes N]
-                                       [--transport shm|tcp] [--insecure] [--loop uvloop|asyncio|trio]
-                                       [--spin-us US] [--zero-copy] [--blocking]
+        [--transport shm|tcp] [--insecure] [--loop uvloop|asyncio|trio] [--spin-us US] [--zero-copy]
+        [--blocking]
 
-Same protocol and figures as the peer drivers in ``_bench_peers`` (see docs/performance.md);
-prints one JSON object on its last line. ``IDLE_S`` (environment, default 5) is the pause of
-mode ``idle``. Writer and readers use the public async API (``await writer.put``,
+``aiobroadcast bench`` runs it once per run. The protocol is docs/performance.md's; the figures
+come from ``_bench_figures`` (as the peer drivers' in the source tree's ``benchmarks/peers.py``
+do). Prints one JSON object on its last line. ``IDLE_S`` (environment, default 5) is the pause
+of mode ``idle``. Writer and readers use the public async API (``await writer.put``,
 ``await reader.get``) on their own event loops, or with ``--blocking`` the blocking API
 (``aiobroadcast.blocking``: ``writer.put``, ``reader.get``, no event loop anywhere). Over TCP
 the channel uses CurveZMQ unless ``--insecure`` (plain TCP, every frame group signed with
@@ -16,19 +17,17 @@ HMAC-SHA256).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import multiprocessing as mp
 import os
-import queue
 import sys
 import time
 from typing import Any
 
 import anyio
 
-from .._bench_peers import MODES, PACE_S, STEP_TIMEOUT_S, figures, reader_result
-from ._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from ._bench_figures import MODES, PACE_S, STEP_TIMEOUT_S, collect, expected, figures, reader_result, reap
+from ._common import EXIT_FAILED, EXIT_OK
 
 #: Ring sizes by message size: (largest payload, capacity). Above the last: ``LARGE_CAPACITY``
 #: (what vLLM uses: 10 chunks).
@@ -58,13 +57,6 @@ def default_loop() -> str:
     except ImportError:
         return "asyncio"
     return "uvloop"
-
-
-def tcp_available() -> bool:
-    """Whether this aiobroadcast has the TCP transport (``open_writer(tcp=...)``)."""
-    from .. import open_writer
-
-    return "tcp" in inspect.signature(open_writer).parameters
 
 
 #: The ``loop`` of a driver that uses the blocking API: no event loop at all.
@@ -256,36 +248,15 @@ class _Readers:
             time.sleep(0.005)  # before the run: blocking the writer's event loop costs nothing
 
     def collect(self) -> list[dict[str, Any]]:
-        return _collect(self.results_q, self.procs)
+        return collect(self.results_q, self.procs)
 
     def join(self) -> None:
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        reap(self.procs)
 
     def figures(self, size: int, t0: int, results: list[dict[str, Any]], idle_s: float) -> dict[str, Any]:
         out = figures(self.mode, self.count, size, t0, results, idle_s)
         out["payload_type"] = sorted({r["payload_type"] for r in results})
         return out
-
-
-def _collect(q: Any, procs: list[Any]) -> list[dict[str, Any]]:
-    results: list[dict[str, Any]] = []
-    deadline = time.monotonic() + STEP_TIMEOUT_S
-    while len(results) < len(procs):
-        try:
-            res = q.get(timeout=0.5)
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"reader processes failed (exit codes {dead})") from None
-            continue
-        if "error" in res:
-            raise RuntimeError(f"reader {res['rank']} failed: {res['error']}")
-        results.append(res)
-    return results
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,9 +280,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.blocking:
         args.loop = BLOCKING
-    if args.transport == "tcp" and not tcp_available():
-        print("tcp transport not available yet", file=sys.stderr)
-        return EXIT_USAGE
     capacity, slot_bytes = ring_for(args.size)
     capacity = args.capacity or capacity
     slot_bytes = args.slot_bytes or slot_bytes
@@ -331,9 +299,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(json.dumps(out), flush=True)
-    expected = args.count + 1 if args.mode == "idle" else args.count
-    if out["received"] != [expected] * args.readers or not out["in_order"]:
-        print(f"aiobroadcast: readers received {out['received']} (expected {expected} each, in order)", file=sys.stderr)
+    each = expected(args.mode, args.count)
+    if out["received"] != [each] * args.readers or not out["in_order"]:
+        print(f"aiobroadcast: readers received {out['received']} (expected {each} each, in order)", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
 

@@ -231,15 +231,18 @@ def _med(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
+#: The keys of a driver's object that differ from run to run: the figures, and what each reader got.
+PER_RUN = frozenset({"received", "in_order", "msgs_per_s", "MB_per_s", "p50_us", "p99_us", "idle_s",
+                     "reader_cpu_s_while_idle", "wake_latency_us"})
+
+
 def aggregate(cell: Cell, system: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One object for a cell and system: the protocol's figures as medians over the runs."""
     first = runs[0]
     out: dict[str, Any] = {"system": system, "mode": cell.mode, "readers": cell.readers, "size": cell.size,
                            "count": cell.count}
-    for key in ("peer", "transport", "security", "loop", "capacity", "slot_bytes", "max_chunk_bytes", "max_chunks",
-                "hwm", "lossless", "spin_us", "zero_copy", "payload_type", "api"):
-        if key in first:
-            out[key] = first[key]
+    # What the driver says about the run (transport, ring, loop, ...) passes on as it is.
+    out.update((k, v) for k, v in first.items() if k not in out and k not in PER_RUN)
     out["runs"] = len(runs)
     out["received"] = first["received"]
     out["in_order"] = all(r["in_order"] for r in runs)

@@ -1,4 +1,4 @@
-"""Command line: ``aiobroadcast demo`` (and later more)."""
+"""``python -m aiobroadcast COMMAND`` and the ``aiobroadcast`` console script (aiobroadcast.cli)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ._cli import run
+    from .cli import run
 
     return run(sys.argv[1:] if argv is None else argv)
 

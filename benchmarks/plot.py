@@ -1,9 +1,9 @@
-"""Plot ``aiobroadcast bench --peers --json`` results: throughput against readers and against size.
+"""Plot ``benchmarks/side_by_side.py --peers --json`` results: throughput against readers and against size.
 
     python benchmarks/plot.py docs/performance.jsonl docs/performance.png   # also prints a markdown table
 
 Needs matplotlib (not a dependency of aiobroadcast; ``pip install matplotlib``). The input is the
-JSON lines that ``aiobroadcast bench --json`` prints (one object per cell and system, medians).
+JSON lines that ``side_by_side.py --json`` prints (one object per cell and system, medians).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Smoke test of ``aiobroadcast bench``: it runs and prints valid JSON. No timing assertions."""
+"""Smoke test of ``aiobroadcast bench`` and of ``benchmarks/side_by_side.py`` (run by path, as in a
+source checkout): they run and print valid JSON. No timing assertions."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ from typing import Any
 
 import pytest
 
-from aiobroadcast import _bench, _bench_ours
+from aiobroadcast.cli import _bench, _bench_driver
 
 ROOT = Path(__file__).resolve().parent.parent
+SIDE_BY_SIDE = ROOT / "benchmarks" / "side_by_side.py"
 
 
-def bench(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+def bench(*args: str, timeout: float = 60, side_by_side: bool = False) -> subprocess.CompletedProcess[str]:
+    command = [str(SIDE_BY_SIDE)] if side_by_side else ["-m", "aiobroadcast", "bench"]
     return subprocess.run(
-        [sys.executable, "-m", "aiobroadcast", "bench", "--repeat", "1", "--gap-s", "0", *args],
+        [sys.executable, *command, "--repeat", "1", "--gap-s", "0", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -48,7 +51,7 @@ def test_tput_cell_json() -> None:
     check_common(obj, "aiobroadcast", "tput", 1, 200)
     assert obj["msgs_per_s"] > 0 and obj["MB_per_s"] >= 0
     assert obj["transport"] == "shm"
-    assert (obj["capacity"], obj["slot_bytes"]) == _bench_ours.ring_for(64)
+    assert (obj["capacity"], obj["slot_bytes"]) == _bench_driver.ring_for(64)
     # The progress lines and the table go to stderr with --json.
     assert "[1/1] tput r=1 64 B" in proc.stderr
     assert "msgs/s" in proc.stderr and "MB/s" in proc.stderr
@@ -88,28 +91,22 @@ def test_missing_peer_is_skipped(tmp_path: Path) -> None:
         sys.executable,
         "--vllm-path",
         str(tmp_path / "no-vllm-here"),
+        side_by_side=True,
     )
     assert proc.returncode == 0, proc.stderr
-    assert "skipping peer vllm" in proc.stderr
+    assert "skipping vllm: not importable by" in proc.stderr
     head, _rule, *rows = proc.stdout.splitlines()
     assert head.split() == ["cell", "figure", "aiobroadcast", "pyzmq", "aiobroadcast/pyzmq"]
     assert rows[0].startswith("tput r=1 64 B") and "msgs/s" in rows[0] and rows[0].endswith("x")
-    assert "skipped peer vllm" in proc.stdout
+    assert "skipped vllm: not importable by" in proc.stdout
 
 
 def test_tcp_transport() -> None:
-    if not _bench_ours.tcp_available():
-        proc = bench("--transport", "tcp", "--json")
-        assert proc.returncode == 2
-        assert proc.stdout == ""
-        assert "tcp transport not available yet" in proc.stderr
-        assert len(proc.stderr.strip().splitlines()) == 1
-    else:  # pragma: no cover - once the TCP transport exists
-        (obj,) = objects(
-            bench("--transport", "tcp", "--mode", "tput", "--readers", "1", "--size", "64", "--count", "200", "--json")
-        )
-        check_common(obj, "aiobroadcast", "tput", 1, 200)
-        assert obj["transport"] == "tcp"
+    (obj,) = objects(
+        bench("--transport", "tcp", "--mode", "tput", "--readers", "1", "--size", "64", "--count", "200", "--json")
+    )
+    check_common(obj, "aiobroadcast", "tput", 1, 200)
+    assert obj["transport"] == "tcp"
 
 
 @pytest.mark.parametrize("argv", [["--repeat", "0"], ["--readers", "0"], ["--readers", "3"], ["--count", "0"]])
@@ -126,7 +123,8 @@ def test_tcp_insecure_and_the_pyzmq_curve_peer() -> None:
     peer runs only when named, beside the plain pyzmq peer, and is lossless too."""
     proc = bench(
         "--transport", "tcp", "--insecure", "--mode", "tput", "--readers", "1", "--size", "64", "--count", "200",
-        "--peer", "pyzmq", "--peer", "pyzmq-curve", "--peer-python", sys.executable, "--json", timeout=120,
+        "--peer", "pyzmq", "--peer", "pyzmq-curve", "--peer-python", sys.executable, "--json",
+        timeout=120, side_by_side=True,
     )
     by_system = {o["system"]: o for o in objects(proc)}
     assert set(by_system) == {"aiobroadcast", "pyzmq", "pyzmq-curve"}
@@ -170,3 +168,24 @@ def test_blocking_api_cells(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     )
     check_common(tcp, "aiobroadcast", mode, 1, 50)
     assert (tcp["api"], tcp["transport"]) == ("blocking", "tcp")
+
+
+def test_peer_drivers_run_in_an_interpreter_without_aiobroadcast() -> None:
+    """benchmarks/peers.py runs in the peers' interpreter, which need not have aiobroadcast or its
+    dependencies: without site-packages (``-S``) it still loads the shared figures code by path
+    and reports the peer as unavailable, in the JSON line side_by_side.py reads."""
+    proc = subprocess.run(
+        [sys.executable, "-S", str(ROOT / "benchmarks" / "peers.py"), "pyzmq", "tput", "1", "64", "10"],
+        cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=60, check=False,
+    )
+    assert proc.returncode == 3, proc.stderr
+    last = json.loads(proc.stdout.splitlines()[-1])
+    assert last["unavailable"] == "pyzmq" and "zmq" in last["reason"]
+
+
+def test_the_bench_command_has_no_peer_options() -> None:
+    """Comparing with peers lives in benchmarks/side_by_side.py; the library's command does not
+    know about them."""
+    proc = bench("--peers", "--mode", "tput", "--readers", "1", "--size", "64", "--count", "10")
+    assert proc.returncode == 2
+    assert "unrecognized arguments: --peers" in proc.stderr

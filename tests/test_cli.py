@@ -544,3 +544,15 @@ def test_demo_ctrl_c_leaves_no_process_and_no_segment() -> None:
             time.sleep(0.1)
     finally:
         demo.stop()
+
+
+def test_the_command_line_does_not_load_zeromq_until_a_command_needs_it() -> None:
+    """The CLI sits on top of the library and imports no transport module for a name (the TCP
+    server's reader name comes from aiobroadcast._constants): building every command's parser
+    loads no ZeroMQ, so ``stats`` and ``subscribe`` over shared memory start without it."""
+    probe = "import sys; from aiobroadcast.cli import build_parser; build_parser(); print('zmq' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    assert res.stdout.strip() == "False"
+    keygen = subprocess.run([*CLI, "keygen", "--public"], capture_output=True, text=True, timeout=60, check=False)
+    assert keygen.returncode == 0, keygen.stderr
+    assert set(json.loads(keygen.stdout)) == {"server_public", "client_public"}

@@ -38,8 +38,8 @@ import psutil
 import pytest
 import yaml
 
-from aiobroadcast._cli import build_parser
 from aiobroadcast._shm.layout import Layout
+from aiobroadcast.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCKER = ROOT / "docker"
@@ -318,12 +318,15 @@ def _dockerfile() -> list[tuple[str, str]]:
 
 
 def _ignored(path: str, patterns: list[str]) -> bool:
-    """.dockerignore semantics for plain patterns: the last matching pattern wins."""
+    """.dockerignore semantics for plain patterns: the last pattern that matches the path or one
+    of its folders wins (``*`` here also matches ``/``, so ``**/x`` matches x at any depth)."""
+    parts = path.split("/")
+    prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
     ignored = False
     for p in patterns:
         negate = p.startswith("!")
         pat = p.removeprefix("!").rstrip("/")
-        if fnmatch.fnmatch(path, pat) or path.startswith(pat + "/"):
+        if any(fnmatch.fnmatch(prefix, pat) for prefix in prefixes):
             ignored = not negate
     return ignored
 
@@ -355,8 +358,9 @@ def test_dockerfile_installs_the_cli_as_the_entry_point() -> None:
                 assert not _ignored(src, ignore), f"{src} is excluded by .dockerignore"
                 copied.add(src)
     assert {"pyproject.toml", "README.md", "aiobroadcast"} <= copied  # what `pip install` needs
-    assert not _ignored("aiobroadcast/_cli.py", ignore)
-    for path in (".venv/bin/python", ".git/HEAD", "tests/test_docker.py", "aiobroadcast/__pycache__/_cli.pyc"):
+    assert not _ignored("aiobroadcast/cli/_main.py", ignore)
+    for path in (".venv/bin/python", ".git/HEAD", "tests/test_docker.py", "aiobroadcast/__pycache__/_open.pyc",
+                 "aiobroadcast/cli/__pycache__/_main.pyc"):
         assert _ignored(path, ignore), path
     runs = " ".join(rest for word, rest in steps if word == "RUN")
     assert "pip install --no-deps /src" in runs

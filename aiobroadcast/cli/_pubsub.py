@@ -15,9 +15,23 @@ from typing import Any
 
 import anyio
 
-from ._cli_common import (
+from .._constants import TCP_SERVER_READER_NAME
+from .._exceptions import (
+    DeserializationError,
+    EndOfStream,
+    InvalidHandle,
+    ReaderLagged,
+    TransportError,
+    WriterGone,
+)
+from .._handle import Handle
+from .._open import open_reader, open_writer
+from .._reader import Reader
+from .._writer import Writer
+from ._common import (
     EXIT_FAILED,
     EXIT_OK,
+    EXIT_USAGE,
     MissingHandleFile,
     UsageError,
     children_ignore_sigint,
@@ -28,19 +42,6 @@ from ._cli_common import (
     run_async,
     stop_on_signals,
 )
-from ._exceptions import (
-    DeserializationError,
-    EndOfStream,
-    InvalidHandle,
-    ReaderLagged,
-    TransportError,
-    WriterGone,
-)
-from ._handle import Handle
-from ._open import open_reader, open_writer
-from ._reader import Reader
-from ._tcp_server import BRIDGE_NAME as TCP_SERVER_NAME
-from ._writer import Writer
 
 #: How often ``--wait-readers`` and ``--wait`` look again (seconds).
 POLL_S = 0.05
@@ -118,22 +119,22 @@ def _register_publish(sub: Any) -> None:
 def _run_publish(args: argparse.Namespace) -> int:
     if args.count < 0 or args.wait_readers < 0:
         error("--count and --wait-readers must be 0 or more")
-        return 2
+        return EXIT_USAGE
     if args.ticks is not None and args.ticks <= 0:
         error("--ticks RATE must be more than 0 (ticks per second)")
-        return 2
+        return EXIT_USAGE
     if args.advertise is not None and args.tcp is None:
         error("--advertise needs --tcp (the endpoint to bind)")
-        return 2
+        return EXIT_USAGE
     if (args.insecure or args.keys) and args.tcp is None:
         error("--insecure and --keys need --tcp")
-        return 2
+        return EXIT_USAGE
     if args.insecure and args.keys:
         error("--insecure sends no CurveZMQ at all: drop --keys or --insecure")
-        return 2
+        return EXIT_USAGE
     if args.advertise is not None and not _HOST.fullmatch(args.advertise):
         error(f"--advertise takes a host name or address, without scheme or port, not {args.advertise!r}")
-        return 2
+        return EXIT_USAGE
     return run_async(lambda: _publish(args))
 
 
@@ -195,7 +196,7 @@ def _attached(writer: Writer[Any]) -> list[Any]:
     return [
         r
         for r in writer.statistics().readers
-        if not (serves_tcp and r.transport == "shm" and r.name == TCP_SERVER_NAME)
+        if not (serves_tcp and r.transport == "shm" and r.name == TCP_SERVER_READER_NAME)
     ]
 
 
@@ -330,7 +331,7 @@ def _register_subscribe(sub: Any) -> None:
 def _run_subscribe(args: argparse.Namespace) -> int:
     if args.count < 0 or args.wait < 0 or args.connect_timeout <= 0:
         error("--count and --wait must be 0 or more, --connect-timeout more than 0")
-        return 2
+        return EXIT_USAGE
     return run_async(lambda: _subscribe(args))
 
 

@@ -1,12 +1,13 @@
 """aiobroadcast's benchmark driver: one writer process (this one), READERS reader processes.
 
-    python -m aiobroadcast._bench_ours MODE READERS SIZE COUNT [--capacity N] [--slot-bytes N]
-                                       [--transport shm|tcp] [--insecure] [--loop uvloop|asyncio|trio]
-                                       [--spin-us US] [--zero-copy] [--blocking]
+    python -m aiobroadcast.cli._bench_driver MODE READERS SIZE COUNT [--capacity N] [--slot-bytes N]
+        [--transport shm|tcp] [--insecure] [--loop uvloop|asyncio|trio] [--spin-us US] [--zero-copy]
+        [--blocking]
 
-Same protocol and figures as the peer drivers in ``_bench_peers`` (see docs/performance.md);
-prints one JSON object on its last line. ``IDLE_S`` (environment, default 5) is the pause of
-mode ``idle``. Writer and readers use the public async API (``await writer.put``,
+``aiobroadcast bench`` runs it once per run. The protocol is docs/performance.md's; the figures
+come from ``_bench_figures`` (as the peer drivers' in the source tree's ``benchmarks/peers.py``
+do). Prints one JSON object on its last line. ``IDLE_S`` (environment, default 5) is the pause
+of mode ``idle``. Writer and readers use the public async API (``await writer.put``,
 ``await reader.get``) on their own event loops, or with ``--blocking`` the blocking API
 (``aiobroadcast.blocking``: ``writer.put``, ``reader.get``, no event loop anywhere). Over TCP
 the channel uses CurveZMQ unless ``--insecure`` (plain TCP, every frame group signed with
@@ -16,18 +17,17 @@ HMAC-SHA256).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import multiprocessing as mp
 import os
-import queue
 import sys
 import time
 from typing import Any
 
 import anyio
 
-from ._bench_peers import MODES, PACE_S, STEP_TIMEOUT_S, figures, reader_result
+from ._bench_figures import MODES, PACE_S, STEP_TIMEOUT_S, collect, expected, figures, reader_result, reap
+from ._common import EXIT_FAILED, EXIT_OK
 
 #: Ring sizes by message size: (largest payload, capacity). Above the last: ``LARGE_CAPACITY``
 #: (what vLLM uses: 10 chunks).
@@ -59,13 +59,6 @@ def default_loop() -> str:
     return "uvloop"
 
 
-def tcp_available() -> bool:
-    """Whether this aiobroadcast has the TCP transport (``open_writer(tcp=...)``)."""
-    from . import open_writer
-
-    return "tcp" in inspect.signature(open_writer).parameters
-
-
 #: The ``loop`` of a driver that uses the blocking API: no event loop at all.
 BLOCKING = "blocking"
 
@@ -95,7 +88,7 @@ def _reader_process(
 async def _reader_main(
     handle: str, rank: int, mode: str, count: int, transport: str, opts: dict[str, Any], ready: Any
 ) -> dict[str, Any]:
-    from . import open_reader
+    from .. import open_reader
 
     extra: dict[str, Any] = {"transport": "tcp"} if transport == "tcp" else {}
     async with open_reader(handle, name=f"bench-reader-{rank}", **opts, **extra) as reader:
@@ -136,7 +129,7 @@ def _reader_blocking(
     handle: str, rank: int, mode: str, count: int, transport: str, opts: dict[str, Any], ready: Any
 ) -> dict[str, Any]:
     """``_reader_main`` with the blocking API: ``reader.get()`` blocks this thread."""
-    from .blocking import open_reader
+    from ..blocking import open_reader
 
     extra: dict[str, Any] = {"transport": "tcp"} if transport == "tcp" else {}
     with open_reader(handle, name=f"bench-reader-{rank}", **opts, **extra) as reader:
@@ -167,7 +160,7 @@ async def _writer_main(
     mode: str, readers: int, size: int, count: int, capacity: int, slot_bytes: int, transport: str, loop: str,
     idle_s: float, spin_us: float | None = None, insecure: bool = False, zero_copy: bool = False,
 ) -> dict[str, Any]:
-    from . import open_writer
+    from .. import open_writer
 
     extra: dict[str, Any] = {"tcp": "tcp://127.0.0.1:0", "insecure": insecure} if transport == "tcp" else {}
     async with open_writer(capacity=capacity, slot_bytes=slot_bytes, max_readers=readers, **extra) as writer:
@@ -199,7 +192,7 @@ def _writer_blocking(
     idle_s: float, spin_us: float | None = None, insecure: bool = False, zero_copy: bool = False,
 ) -> dict[str, Any]:
     """``_writer_main`` with the blocking API: ``writer.put()`` blocks this thread."""
-    from .blocking import open_writer
+    from ..blocking import open_writer
 
     extra: dict[str, Any] = {"tcp": "tcp://127.0.0.1:0", "insecure": insecure} if transport == "tcp" else {}
     with open_writer(capacity=capacity, slot_bytes=slot_bytes, max_readers=readers, **extra) as writer:
@@ -255,14 +248,10 @@ class _Readers:
             time.sleep(0.005)  # before the run: blocking the writer's event loop costs nothing
 
     def collect(self) -> list[dict[str, Any]]:
-        return _collect(self.results_q, self.procs)
+        return collect(self.results_q, self.procs)
 
     def join(self) -> None:
-        for p in self.procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-                p.join()
+        reap(self.procs)
 
     def figures(self, size: int, t0: int, results: list[dict[str, Any]], idle_s: float) -> dict[str, Any]:
         out = figures(self.mode, self.count, size, t0, results, idle_s)
@@ -270,25 +259,10 @@ class _Readers:
         return out
 
 
-def _collect(q: Any, procs: list[Any]) -> list[dict[str, Any]]:
-    results: list[dict[str, Any]] = []
-    deadline = time.monotonic() + STEP_TIMEOUT_S
-    while len(results) < len(procs):
-        try:
-            res = q.get(timeout=0.5)
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"reader processes failed (exit codes {dead})") from None
-            continue
-        if "error" in res:
-            raise RuntimeError(f"reader {res['rank']} failed: {res['error']}")
-        results.append(res)
-    return results
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m aiobroadcast._bench_ours", description=(__doc__ or "").split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m aiobroadcast.cli._bench_driver", description=(__doc__ or "").split("\n")[0]
+    )
     p.add_argument("mode", choices=MODES)
     p.add_argument("readers", type=int)
     p.add_argument("size", type=int)
@@ -306,9 +280,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.blocking:
         args.loop = BLOCKING
-    if args.transport == "tcp" and not tcp_available():
-        print("tcp transport not available yet", file=sys.stderr)
-        return 2
     capacity, slot_bytes = ring_for(args.size)
     capacity = args.capacity or capacity
     slot_bytes = args.slot_bytes or slot_bytes
@@ -328,11 +299,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     print(json.dumps(out), flush=True)
-    expected = args.count + 1 if args.mode == "idle" else args.count
-    if out["received"] != [expected] * args.readers or not out["in_order"]:
-        print(f"aiobroadcast: readers received {out['received']} (expected {expected} each, in order)", file=sys.stderr)
-        return 1
-    return 0
+    each = expected(args.mode, args.count)
+    if out["received"] != [each] * args.readers or not out["in_order"]:
+        print(f"aiobroadcast: readers received {out['received']} (expected {each} each, in order)", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""Peer drivers for ``aiobroadcast bench --peers``, and the figures every driver reports.
+"""Peer drivers for ``benchmarks/side_by_side.py``: vLLM's MessageQueue and pyzmq, measured by
+aiobroadcast's benchmark protocol.
 
-    python .../aiobroadcast/_bench_peers.py PEER MODE READERS SIZE COUNT [--transport shm|tcp]
+    PEER_PYTHON benchmarks/peers.py PEER MODE READERS SIZE COUNT [--transport shm|tcp]
 
 PEER is ``vllm`` (vLLM's own ``MessageQueue``, from
 ``vllm.distributed.device_communicators.shm_broadcast``: it needs torch, pyzmq and vLLM's module
@@ -14,10 +15,10 @@ starts; ``IDLE_S`` (environment, default 5) is the pause of mode ``idle``. The l
 is one JSON object. If the peer cannot be imported the line is ``{"unavailable": PEER, "reason":
 ...}`` and the exit status is ``UNAVAILABLE_RC``.
 
-This file runs as a script in the peer's interpreter, which need not have aiobroadcast's
-dependencies installed: it imports only the standard library and the peer's own packages, and
-never the ``aiobroadcast`` package. ``aiobroadcast._bench_ours`` imports ``figures`` from it so
-that every system's numbers are computed by the same code.
+This file runs as a script in the peer's interpreter, which need not have aiobroadcast or its
+dependencies installed: it imports the standard library, the peer's own packages, and (by path,
+not as a package) ``aiobroadcast/cli/_bench_figures.py``, so that every system's figures are
+computed by the same code as aiobroadcast's.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import asyncio
 import contextlib
 import importlib
+import importlib.util
 import json
 import multiprocessing as mp
 import os
@@ -33,66 +35,35 @@ import pickle
 import sys
 import tempfile
 import time
-from typing import Any
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-MODES = ("tput", "lat", "idle")
 PEERS = ("vllm", "pyzmq")
 #: Peers that run only when named (``--peer``).
 EXTRA_PEERS = ("pyzmq-curve",)
 #: Exit status of a driver whose peer is not importable here.
 UNAVAILABLE_RC = 3
-#: Pacing of mode ``lat`` (seconds between messages).
-PACE_S = 0.001
-#: How long a reader or the writer waits for anything before giving up (seconds).
-STEP_TIMEOUT_S = 120.0
 VLLM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
+FIGURES_FILE = Path(__file__).resolve().parent.parent / "aiobroadcast" / "cli" / "_bench_figures.py"
 
 
-# --- the figures (shared by every driver) -------------------------------------------------------
-def reader_result(
-    rank: int, t_end: int, lats: list[int], received: int, in_order: bool,
-    idle_cpu_s: float | None = None, wake_ns: int | None = None,
-) -> dict[str, Any]:
-    """What a reader process sends back to its writer."""
-    return {
-        "rank": rank, "t_end": t_end, "lats": lats, "received": received, "in_order": in_order,
-        "idle_cpu_s": idle_cpu_s, "wake_ns": wake_ns,
-    }
+def _load_figures() -> ModuleType:
+    """``aiobroadcast/cli/_bench_figures.py`` without importing the aiobroadcast package (whose
+    ``__init__`` needs anyio, pydantic and pyzmq, which a peer's interpreter may lack)."""
+    spec = importlib.util.spec_from_file_location("_aiobroadcast_bench_figures", FIGURES_FILE)
+    assert spec is not None and spec.loader is not None, FIGURES_FILE
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def figures(
-    mode: str, count: int, size: int, t0: int, results: list[dict[str, Any]], idle_s: float
-) -> dict[str, Any]:
-    """The protocol's figures from the readers' results (``t0``: first send, perf_counter ns).
-
-    - ``tput``: ``msgs_per_s`` = COUNT / (first send -> last reader has its last message),
-      ``MB_per_s`` of payload (10**6 bytes).
-    - ``lat``: one-way latency over all readers' samples, ``p50_us`` and ``p99_us``.
-    - ``idle``: ``reader_cpu_s_while_idle`` (CPU seconds each reader used during the pause) and
-      ``wake_latency_us`` (latency of the message after the pause), one value per reader.
-    """
-    results = sorted(results, key=lambda r: int(r["rank"]))
-    out: dict[str, Any] = {
-        "received": [r["received"] for r in results],
-        "in_order": all(r["in_order"] for r in results),
-    }
-    if mode == "tput":
-        el = (max(int(r["t_end"]) for r in results) - t0) / 1e9
-        out["msgs_per_s"] = round(count / el)
-        out["MB_per_s"] = round(count * size / el / 1e6, 1)
-    elif mode == "lat":
-        lats = sorted(x for r in results for x in r["lats"])
-        out["p50_us"] = round(lats[len(lats) // 2] / 1e3, 1)
-        out["p99_us"] = round(lats[int(len(lats) * 0.99)] / 1e3, 1)
-    else:
-        out["idle_s"] = idle_s
-        out["reader_cpu_s_while_idle"] = [round(float(r["idle_cpu_s"]), 3) for r in results]
-        out["wake_latency_us"] = [round(int(r["wake_ns"]) / 1e3, 1) for r in results]
-    return out
-
-
-def _expected(mode: str, count: int) -> int:
-    return count + 1 if mode == "idle" else count
+if TYPE_CHECKING:
+    from aiobroadcast.cli import _bench_figures as fig
+else:
+    fig = _load_figures()
+MODES, PACE_S, STEP_TIMEOUT_S = fig.MODES, fig.PACE_S, fig.STEP_TIMEOUT_S
+reader_result, figures, _collect, _reap = fig.reader_result, fig.figures, fig.collect, fig.reap
 
 
 # --- vLLM MessageQueue ----------------------------------------------------------------------------
@@ -299,32 +270,6 @@ def run_pyzmq(
     return out
 
 
-# --- plumbing -------------------------------------------------------------------------------------
-def _collect(q: Any, procs: list[Any]) -> list[dict[str, Any]]:
-    """One result per reader process; fails if a reader dies without one."""
-    import queue
-
-    results: list[dict[str, Any]] = []
-    deadline = time.monotonic() + STEP_TIMEOUT_S
-    while len(results) < len(procs):
-        try:
-            results.append(q.get(timeout=0.5))
-        except queue.Empty:
-            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-            if dead or time.monotonic() > deadline:
-                raise RuntimeError(f"reader processes failed (exit codes {dead})") from None
-    return results
-
-
-def _reap(procs: list[Any]) -> None:
-    for p in procs:
-        p.join(timeout=10)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-
-
 def check_available(peer: str) -> str | None:
     """None if the peer is importable here, else why not."""
     try:
@@ -342,7 +287,7 @@ def check_available(peer: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description="peer driver of aiobroadcast bench")
+    p = argparse.ArgumentParser(description="peer driver of benchmarks/side_by_side.py")
     p.add_argument("peer", choices=(*PEERS, *EXTRA_PEERS))
     p.add_argument("mode", choices=MODES)
     p.add_argument("readers", type=int)
@@ -361,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         curve = args.peer == "pyzmq-curve"
         out.update(run_pyzmq(args.mode, args.readers, args.size, args.count, idle_s, args.transport, curve))
-    expected = _expected(args.mode, args.count)
+    expected = fig.expected(args.mode, args.count)
     print(json.dumps(out), flush=True)
     if out["received"] != [expected] * args.readers or not out["in_order"]:
         print(f"{args.peer}: readers received {out['received']} (expected {expected} each, in order)", file=sys.stderr)
@@ -370,7 +315,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # Run as a script: its folder (the aiobroadcast package) must not shadow anything.
-    _here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [x for x in sys.path if os.path.abspath(x or os.curdir) != _here]
     sys.exit(main())

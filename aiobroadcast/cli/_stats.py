@@ -22,11 +22,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from ._cli_common import EXIT_FAILED, EXIT_OK, fail, load_handle, run_sync
-from ._handle import Handle
-from ._shm import layout as _layout
-from ._shm import segment as _segment
-from ._shm.layout import (
+from .._constants import TCP_SERVER_READER_NAME
+from .._handle import Handle
+from .._shm import layout as _layout
+from .._shm import segment as _segment
+from .._shm.layout import (
     MAGIC,
     R_ACTIVE,
     R_CURSOR,
@@ -41,7 +41,7 @@ from ._shm.layout import (
     W_WRITER_PID,
     Layout,
 )
-from ._tcp_server import BRIDGE_NAME as TCP_SERVER_NAME
+from ._common import EXIT_FAILED, EXIT_OK, fail, load_handle, run_sync
 
 
 def register(sub: Any) -> None:
@@ -269,7 +269,7 @@ def _host(host: str) -> str:
 
 
 def _is_tcp_server(h: Handle, r: ReaderRow) -> bool:
-    return h.tcp is not None and r.name == TCP_SERVER_NAME
+    return h.tcp is not None and r.name == TCP_SERVER_READER_NAME
 
 
 def _run(args: argparse.Namespace) -> int:

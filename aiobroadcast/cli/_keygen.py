@@ -14,10 +14,8 @@ import os
 import sys
 from typing import Any
 
-import zmq
-
-from ._cli_common import EXIT_OK, fail, run_sync
-from ._handle import CurveKeys
+from .._handle import CurveKeys
+from ._common import EXIT_OK, fail, run_sync
 
 
 def register(sub: Any) -> None:
@@ -49,6 +47,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _keygen(args: argparse.Namespace) -> int:
+    import zmq  # only this command needs it: the others start without loading ZeroMQ
+
     try:
         keys = CurveKeys.generate()
     except zmq.ZMQError as exc:  # pragma: no cover - a libzmq built without CURVE

@@ -1,9 +1,10 @@
-"""``aiobroadcast bench``: the broadcast benchmark protocol, against vLLM and pyzmq if asked.
+"""``aiobroadcast bench``: the broadcast benchmark protocol, measured on this machine.
 
-Every run is a fresh set of processes: ``python -m aiobroadcast._bench_ours`` for aiobroadcast,
-``PEER_PYTHON .../_bench_peers.py PEER`` for a peer (in the peer's own interpreter). Each prints
-one JSON object; this module runs them A B A B ..., takes medians and prints the table.
-docs/performance.md explains the protocol and every figure.
+Every run is a fresh set of processes (``python -m aiobroadcast.cli._bench_driver``), which
+prints one JSON object; this module runs them, takes medians and prints the table.
+docs/performance.md explains the protocol and every figure. Comparing with peers (vLLM's
+MessageQueue, pyzmq) is not the library's business: the source tree's
+``benchmarks/side_by_side.py`` runs them A B A B with aiobroadcast through this module.
 """
 
 from __future__ import annotations
@@ -17,18 +18,17 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._bench_ours import default_loop, ring_for, tcp_available
-from ._bench_peers import EXTRA_PEERS, MODES, PEERS
+from ._bench_driver import default_loop, ring_for
+from ._bench_figures import MODES
+from ._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 OURS = "aiobroadcast"
-EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
-PEERS_SCRIPT = Path(__file__).with_name("_bench_peers.py")
-PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
 
 @dataclass(frozen=True)
@@ -75,21 +75,24 @@ def fmt_size(n: int) -> str:
 
 
 # --- the command line -----------------------------------------------------------------------------
+DESCRIPTION = (
+    "Run the benchmark protocol (docs/performance.md): one writer process and READERS reader processes; "
+    "modes tput (as fast as possible), lat (one message per ms: one-way latency) and idle (CPU of waiting "
+    "readers, wake-up latency after a pause). Without --mode/--readers/--size every protocol cell runs; they "
+    "select cells, and all three together name one cell. Each cell runs --repeat times and medians are "
+    "reported. Progress goes to stderr; the table to stdout (stderr with --json)."
+)
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add the ``bench`` subcommand."""
-    p = subparsers.add_parser(
-        "bench",
-        help="run the broadcast benchmark (optionally against vLLM's MessageQueue and pyzmq)",
-        description=(
-            "Run the benchmark protocol (docs/performance.md): one writer process and READERS reader "
-            "processes; modes tput (as fast as possible), lat (one message per ms: one-way latency) and "
-            "idle (CPU of waiting readers, wake-up latency after a pause). Without --mode/--readers/--size "
-            "every protocol cell runs; they select cells, and all three together name one cell. Each cell "
-            "runs --repeat times and medians are reported. --peers runs vLLM's MessageQueue and pyzmq "
-            "asyncio PUB/SUB in the same sitting, alternating with aiobroadcast, and prints the ratios "
-            "aiobroadcast / peer. Progress goes to stderr; the table to stdout (stderr with --json)."
-        ),
-    )
+    p = subparsers.add_parser("bench", help="run the broadcast benchmark on this machine", description=DESCRIPTION)
+    add_options(p)
+    p.set_defaults(func=run)
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    """The options of ``bench`` (``benchmarks/side_by_side.py`` takes them too)."""
     p.add_argument("--mode", choices=MODES, help="only cells of this mode")
     p.add_argument("--readers", type=int, help="only cells with this many reader processes")
     p.add_argument("--size", type=int, help="only cells with this payload size (bytes)")
@@ -101,15 +104,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--insecure", action="store_true",
                    help="with --transport tcp: aiobroadcast's channel without CurveZMQ (plain TCP, frames "
                         "signed with HMAC-SHA256); default: CurveZMQ")
-    p.add_argument("--peers", action="store_true", help="also run the peers (vllm, pyzmq), alternating")
-    p.add_argument("--peer", action="append", choices=(*PEERS, *EXTRA_PEERS), dest="only_peers",
-                   help="run this peer (repeatable; implies --peers); pyzmq-curve (pyzmq PUB/SUB with "
-                        "CurveZMQ) runs only when named")
-    p.add_argument("--peer-python", default=sys.executable,
-                   help="interpreter for the peer drivers (needs pyzmq; vLLM also needs torch; default: this one)")
-    p.add_argument("--vllm-path", default=None,
-                   help="folder that makes vllm.distributed.device_communicators.shm_broadcast importable "
-                        "(added to the peers' PYTHONPATH; default: $AIOBROADCAST_VLLM_PATH)")
     p.add_argument("--idle-s", type=float, default=None,
                    help="pause of mode idle in seconds (default: $IDLE_S or 5)")
     p.add_argument("--capacity", type=int,
@@ -127,7 +121,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
                         "loop, a waiting reader blocks in poll()); --loop is then ignored")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is killed (default: 300)")
     p.add_argument("--gap-s", type=float, default=0.5, help="pause between runs in seconds (default: 0.5)")
-    p.set_defaults(func=run)
 
 
 def select_cells(args: argparse.Namespace) -> list[Cell]:
@@ -151,59 +144,58 @@ def select_cells(args: argparse.Namespace) -> list[Cell]:
 
 # --- running one driver ---------------------------------------------------------------------------
 class Unavailable(Exception):
-    """The peer cannot be imported by its interpreter."""
+    """The system cannot run here (e.g. a peer its interpreter cannot import): it is skipped."""
 
 
 class RunFailed(Exception):
     pass
 
 
-def _command(system: str, cell: Cell, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+#: Runs one cell of one system in fresh processes and returns the driver's JSON object.
+Runner = Callable[[Cell], dict[str, Any]]
+
+
+def our_runner(args: argparse.Namespace) -> Runner:
+    return lambda cell: run_driver(*our_command(cell, args), args.timeout)
+
+
+def our_command(cell: Cell, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """The driver command of one aiobroadcast run, and its environment."""
     env = dict(os.environ)
     env["IDLE_S"] = repr(args.idle_s)
-    base = [cell.mode, str(cell.readers), str(cell.size), str(cell.count)]
-    old_path = env.get("PYTHONPATH")
-    if system == OURS:
-        cmd = [sys.executable, "-m", "aiobroadcast._bench_ours", *base, "--transport", args.transport,
-               "--loop", args.loop]
-        if args.capacity:
-            cmd += ["--capacity", str(args.capacity)]
-        if args.slot_bytes:
-            cmd += ["--slot-bytes", str(args.slot_bytes)]
-        if args.spin_us is not None:
-            cmd += ["--spin-us", repr(args.spin_us)]
-        if args.zero_copy:
-            cmd.append("--zero-copy")
-        if args.blocking:
-            cmd.append("--blocking")
-        if args.insecure and args.transport == "tcp":
-            cmd.append("--insecure")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, old_path) if p)
-    else:
-        cmd = [args.peer_python, str(PEERS_SCRIPT), system, *base, "--transport", args.transport]
-        if args.vllm_path:
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (args.vllm_path, old_path) if p)
+    cmd = [sys.executable, "-m", "aiobroadcast.cli._bench_driver", cell.mode, str(cell.readers), str(cell.size),
+           str(cell.count), "--transport", args.transport, "--loop", args.loop]
+    if args.capacity:
+        cmd += ["--capacity", str(args.capacity)]
+    if args.slot_bytes:
+        cmd += ["--slot-bytes", str(args.slot_bytes)]
+    if args.spin_us is not None:
+        cmd += ["--spin-us", repr(args.spin_us)]
+    if args.zero_copy:
+        cmd.append("--zero-copy")
+    if args.blocking:
+        cmd.append("--blocking")
+    if args.insecure and args.transport == "tcp":
+        cmd.append("--insecure")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
     return cmd, env
 
 
-def run_once(system: str, cell: Cell, args: argparse.Namespace) -> dict[str, Any]:
-    """Run one driver in its own process group; return its JSON object."""
-    cmd, env = _command(system, cell, args)
+def run_driver(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Run one driver in its own process group; return its JSON object (its last line)."""
     try:
         proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
             start_new_session=True,
         )
     except OSError as exc:
-        if system == OURS:
-            raise RunFailed(f"cannot start {cmd[0]}: {exc}") from exc
-        raise Unavailable(f"cannot start {cmd[0]}: {exc}") from exc
+        raise RunFailed(f"cannot start {cmd[0]}: {exc}") from exc
     try:
-        out, err = proc.communicate(timeout=args.timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         _kill_group(proc, signal.SIGKILL)
         proc.communicate()
-        raise RunFailed(f"timed out after {args.timeout:g} s") from None
+        raise RunFailed(f"timed out after {timeout:g} s") from None
     except BaseException:  # Ctrl-C: let the drivers close their channels, then make sure
         _kill_group(proc, signal.SIGINT)
         try:
@@ -222,8 +214,6 @@ def run_once(system: str, cell: Cell, args: argparse.Namespace) -> dict[str, Any
     if obj is not None and "unavailable" in obj:
         raise Unavailable(str(obj.get("reason")))
     if proc.returncode != 0 or obj is None:
-        if system == OURS and proc.returncode == EXIT_USAGE and "tcp transport not available" in err:
-            raise RunFailed("tcp transport not available yet")
         tail = " | ".join(err.strip().splitlines()[-3:])
         raise RunFailed(f"exit status {proc.returncode}: {tail or 'no output'}")
     return obj
@@ -241,15 +231,18 @@ def _med(values: Sequence[float]) -> float:
     return float(statistics.median(values))
 
 
+#: The keys of a driver's object that differ from run to run: the figures, and what each reader got.
+PER_RUN = frozenset({"received", "in_order", "msgs_per_s", "MB_per_s", "p50_us", "p99_us", "idle_s",
+                     "reader_cpu_s_while_idle", "wake_latency_us"})
+
+
 def aggregate(cell: Cell, system: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One object for a cell and system: the protocol's figures as medians over the runs."""
     first = runs[0]
     out: dict[str, Any] = {"system": system, "mode": cell.mode, "readers": cell.readers, "size": cell.size,
                            "count": cell.count}
-    for key in ("peer", "transport", "security", "loop", "capacity", "slot_bytes", "max_chunk_bytes", "max_chunks",
-                "hwm", "lossless", "spin_us", "zero_copy", "payload_type", "api"):
-        if key in first:
-            out[key] = first[key]
+    # What the driver says about the run (transport, ring, loop, ...) passes on as it is.
+    out.update((k, v) for k, v in first.items() if k not in out and k not in PER_RUN)
     out["runs"] = len(runs)
     out["received"] = first["received"]
     out["in_order"] = all(r["in_order"] for r in runs)
@@ -285,7 +278,7 @@ def figures_of(agg: dict[str, Any]) -> list[tuple[str, float]]:
             ("wake us (p50 of readers x runs)", agg["wake_latency_us_p50"])]
 
 
-def _fmt(v: float) -> str:
+def fmt(v: float) -> str:
     if v >= 1000:
         return f"{v:,.0f}"
     if v >= 100:
@@ -293,33 +286,41 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}" if v >= 0.01 else f"{v:.3f}"
 
 
-def table(cells: list[Cell], results: dict[Cell, dict[str, dict[str, Any]]], systems: list[str]) -> str:
-    peers = [s for s in systems if s != OURS]
-    head = ["cell", "figure", OURS, *peers, *[f"{OURS}/{p}" for p in peers]]
-    rows: list[list[str]] = []
+#: Results of a sitting: the aggregate of each cell and system.
+Results = dict[Cell, dict[str, dict[str, Any]]]
+#: One row of the table: the cell's label (on the cell's first row), the figure, its value by system.
+Row = tuple[str, str, dict[str, float]]
+
+
+def rows_of(cells: list[Cell], results: Results) -> list[Row]:
+    rows: list[Row] = []
     for cell in cells:
         by_sys = results.get(cell, {})
-        if OURS not in by_sys and not by_sys:
+        if not by_sys:
             continue
         names = figures_of(next(iter(by_sys.values())))
         for k, (name, _) in enumerate(names):
-            vals: dict[str, float] = {s: figures_of(a)[k][1] for s, a in by_sys.items()}
-            row = [cell.label if k == 0 else "", name]
-            row += [_fmt(vals[s]) if s in vals else "-" for s in [OURS, *peers]]
-            for p in peers:
-                if OURS in vals and p in vals and vals[p] > 0:
-                    row.append(f"{vals[OURS] / vals[p]:.2f}x")
-                else:
-                    row.append("-")
-            rows.append(row)
+            rows.append((cell.label if k == 0 else "", name, {s: figures_of(a)[k][1] for s, a in by_sys.items()}))
+    return rows
+
+
+def values(vals: dict[str, float], systems: list[str]) -> list[str]:
+    """The table cells of one row's values, one per system ("-" for a system without a result)."""
+    return [fmt(vals[s]) if s in vals else "-" for s in systems]
+
+
+def format_table(head: list[str], rows: list[list[str]]) -> str:
+    """Columns aligned: the first two to the left (cell, figure), numbers to the right."""
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     lines = ["  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(r, widths, strict=True)))
              for r in [head, *rows]]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    if peers:
-        lines.append("ratio = aiobroadcast / peer: for msgs/s and MB/s above 1 is better; for latency and CPU, "
-                     "below 1 is better.")
     return "\n".join(lines)
+
+
+def table(cells: list[Cell], results: Results, systems: list[str]) -> str:
+    rows = [[label, name, *values(vals, systems)] for label, name, vals in rows_of(cells, results)]
+    return format_table(["cell", "figure", *systems], rows)
 
 
 # --- the command ----------------------------------------------------------------------------------
@@ -347,7 +348,7 @@ class _Progress:
         sys.stderr.flush()
 
 
-def _headline(system: str, cell: Cell, res: dict[str, Any]) -> str:
+def _headline(cell: Cell, res: dict[str, Any]) -> str:
     if cell.mode == "tput":
         return f"{res['msgs_per_s']:,} msgs/s {res['MB_per_s']} MB/s"
     if cell.mode == "lat":
@@ -355,94 +356,103 @@ def _headline(system: str, cell: Cell, res: dict[str, Any]) -> str:
     return f"idle CPU {res['reader_cpu_s_while_idle']} s, wake {res['wake_latency_us']} us"
 
 
-def run(args: argparse.Namespace) -> int:
+def check(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options, if anything; fills in the defaults that come from the environment."""
     if args.repeat < 1:
-        print("aiobroadcast bench: --repeat must be at least 1", file=sys.stderr)
-        return EXIT_USAGE
+        return "--repeat must be at least 1"
     if (args.readers is not None and args.readers < 1) or (args.size is not None and args.size < 0) or (
         args.count is not None and args.count < 1
     ):
-        print("aiobroadcast bench: --readers and --count must be at least 1, --size at least 0", file=sys.stderr)
-        return EXIT_USAGE
-    if args.transport == "tcp" and not tcp_available():
-        print("aiobroadcast bench: tcp transport not available yet", file=sys.stderr)
-        return EXIT_USAGE
+        return "--readers and --count must be at least 1, --size at least 0"
     if args.idle_s is None:
         args.idle_s = float(os.environ.get("IDLE_S", "5"))
-    if args.vllm_path is None:
-        args.vllm_path = os.environ.get("AIOBROADCAST_VLLM_PATH") or None
-    cells = select_cells(args)
-    if not cells:
-        print("aiobroadcast bench: no protocol cell matches; give --mode, --readers and --size for one cell",
-              file=sys.stderr)
-        return EXIT_USAGE
-    peers = list(dict.fromkeys(args.only_peers or (PEERS if args.peers else ())))
-    systems = [OURS, *peers]
-    skipped: dict[str, str] = {}
-    results: dict[Cell, dict[str, dict[str, Any]]] = {}
-    failures: list[str] = []
-    progress = _Progress()
-    progress.say(
-        f"aiobroadcast bench: {len(cells)} cell(s) x {args.repeat} run(s) of {', '.join(systems)}; "
-        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, aiobroadcast over {args.transport}"
-        f"{(' (insecure: HMAC)' if args.insecure else ' (CurveZMQ)') if args.transport == 'tcp' else ''} on "
-        f"{'the blocking API' if args.blocking else args.loop}"
-    )
-    for size in dict.fromkeys(c.size for c in cells):
-        cap, slot = ring_for(size)
-        cap, slot = args.capacity or cap, args.slot_bytes or slot
-        progress.say(f"  ring for {fmt_size(size)} messages: capacity {cap} x slot_bytes {slot} "
-                     f"({fmt_size(cap * slot) if cap * slot % 1024 == 0 else f'{cap * slot} B'})")
-    out_table = sys.stderr if args.json else sys.stdout
-    total = len(cells) * args.repeat * len(systems)
-    step = 0
-    for cell in cells:
-        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    if not select_cells(args):
+        return "no protocol cell matches; give --mode, --readers and --size for one cell"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """``aiobroadcast bench``: aiobroadcast's own cells."""
+    return Sitting(args, {OURS: our_runner(args)}).run(table)
+
+
+@dataclass
+class Sitting:
+    """The cells of ``args``, each ``--repeat`` times, running every system in turn (A B A B ...),
+    so that a drift of the machine falls on every system alike. ``runners`` maps a system's name
+    to how it runs one cell; aiobroadcast's comes first."""
+
+    args: argparse.Namespace
+    runners: dict[str, Runner]
+    progress: _Progress = field(default_factory=_Progress)
+    skipped: dict[str, str] = field(default_factory=dict)
+    failures: list[str] = field(default_factory=list)
+
+    def run(self, render: Callable[[list[Cell], Results, list[str]], str]) -> int:
+        """Run the sitting and print ``render(cells, results, systems)``; the exit code."""
+        problem = check(self.args)
+        if problem is not None:
+            print(f"aiobroadcast bench: {problem}", file=sys.stderr)
+            return EXIT_USAGE
+        cells = select_cells(self.args)
+        self._introduce(cells)
+        results: Results = {cell: self._cell(cell, k * self.args.repeat * len(self.runners), len(cells))
+                            for k, cell in enumerate(cells)}
+        out = sys.stderr if self.args.json else sys.stdout
+        print(render(cells, results, [s for s in self.runners if s not in self.skipped]), file=out, flush=True)
+        for system, reason in self.skipped.items():
+            print(f"skipped {system}: {reason}", file=out)
+        if self.failures:
+            print(f"{len(self.failures)} run(s) failed:", file=sys.stderr)
+            for f in self.failures:
+                print(f"  {f}", file=sys.stderr)
+            return EXIT_FAILED
+        return EXIT_OK
+
+    def _introduce(self, cells: list[Cell]) -> None:
+        args = self.args
+        security = (" (insecure: HMAC)" if args.insecure else " (CurveZMQ)") if args.transport == "tcp" else ""
+        self.progress.say(
+            f"aiobroadcast bench: {len(cells)} cell(s) x {args.repeat} run(s) of {', '.join(self.runners)}; "
+            f"{os.cpu_count()} CPUs, Python {platform.python_version()}, aiobroadcast over {args.transport}"
+            f"{security} on {'the blocking API' if args.blocking else args.loop}"
+        )
+        for size in dict.fromkeys(c.size for c in cells):
+            cap, slot = ring_for(size)
+            cap, slot = args.capacity or cap, args.slot_bytes or slot
+            self.progress.say(f"  ring for {fmt_size(size)} messages: capacity {cap} x slot_bytes {slot} "
+                              f"({fmt_size(cap * slot) if cap * slot % 1024 == 0 else f'{cap * slot} B'})")
+
+    def _cell(self, cell: Cell, step: int, n_cells: int) -> dict[str, dict[str, Any]]:
+        """The runs of one cell; the aggregates by system (printed with ``--json``)."""
+        args, total = self.args, n_cells * self.args.repeat * len(self.runners)
+        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in self.runners}
         for rep in range(args.repeat):
-            for system in systems:
+            for system, runner in self.runners.items():
                 step += 1
-                if system in skipped:
+                if system in self.skipped:
                     continue
-                progress.show(f"[{step}/{total}] {cell.label} count={cell.count} run {rep + 1}/{args.repeat}: "
-                              f"{system} ...", transient=True)
+                where = f"[{step}/{total}] {cell.label}"
+                self.progress.show(f"{where} count={cell.count} run {rep + 1}/{args.repeat}: {system} ...",
+                                   transient=True)
                 try:
-                    res = run_once(system, cell, args)
+                    res = runner(cell)
                 except Unavailable as exc:
-                    skipped[system] = str(exc)
-                    where = f"{args.peer_python}" + (f" with PYTHONPATH={args.vllm_path}" if args.vllm_path else "")
-                    hint = " (set --vllm-path or AIOBROADCAST_VLLM_PATH, and --peer-python)" if system == "vllm" else ""
-                    progress.say(f"skipping peer {system}: not importable by {where}: {exc}{hint}")
+                    self.skipped[system] = str(exc)
+                    self.progress.say(f"skipping {system}: {exc}")
                     continue
                 except RunFailed as exc:
-                    failures.append(f"{cell.label} {system}: {exc}")
-                    progress.say(f"{cell.label} run {rep + 1}: {system} FAILED: {exc}")
-                    if str(exc) == "tcp transport not available yet":
-                        return EXIT_USAGE
+                    self.failures.append(f"{cell.label} {system}: {exc}")
+                    self.progress.say(f"{cell.label} run {rep + 1}: {system} FAILED: {exc}")
                     continue
                 runs[system].append(res)
-                progress.show(f"[{step}/{total}] {cell.label} run {rep + 1}/{args.repeat}: {system}: "
-                              f"{_headline(system, cell, res)}")
+                self.progress.show(f"{where} run {rep + 1}/{args.repeat}: {system}: {_headline(cell, res)}")
                 if args.gap_s > 0:
                     time.sleep(args.gap_s)
-        results[cell] = {}
-        for system in systems:
-            if runs[system]:
-                agg = aggregate(cell, system, runs[system])
-                results[cell][system] = agg
-                if args.json:
-                    print(json.dumps(agg), flush=True)
-        progress.say(
-            f"{cell.label}: "
-            + "; ".join(f"{s} {_headline(s, cell, a)}" for s, a in results[cell].items())
-            + f" (medians of {args.repeat})"
-        )
-    shown = [s for s in systems if s not in skipped]
-    print(table(cells, results, shown), file=out_table, flush=True)
-    for system, reason in skipped.items():
-        print(f"skipped peer {system}: {reason}", file=out_table)
-    if failures:
-        print(f"{len(failures)} run(s) failed:", file=sys.stderr)
-        for f in failures:
-            print(f"  {f}", file=sys.stderr)
-        return EXIT_FAILED
-    return EXIT_OK
+        aggregates = {system: aggregate(cell, system, r) for system, r in runs.items() if r}
+        if args.json:
+            for agg in aggregates.values():
+                print(json.dumps(agg), flush=True)
+        self.progress.say(f"{cell.label}: " + "; ".join(f"{s} {_headline(cell, a)}" for s, a in aggregates.items())
+                          + f" (medians of {args.repeat})")
+        return aggregates

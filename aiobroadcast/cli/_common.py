@@ -16,9 +16,9 @@ import anyio
 import anyio.abc
 from pydantic import BaseModel, ValidationError
 
-from ._handle import CurveKeys, Handle
+from .._handle import CurveKeys, Handle
 
-#: Exit codes every command keeps (the README lists them).
+#: Exit codes of every command, ``bench`` and its driver included (the README lists them).
 EXIT_OK = 0  #: done: the input ended, the count was reached, or SIGTERM asked for a clean stop
 EXIT_FAILED = 1  #: the channel failed under us (writer died, channel closed before --count, ...)
 EXIT_USAGE = 2  #: a mistake the user can fix: bad option, missing or bad handle file, ...

@@ -15,10 +15,10 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from ._cli_common import EXIT_FAILED, EXIT_OK, children_ignore_sigint, error, loop_options, stop_on_signals
-from ._exceptions import BroadcastError
-from ._handle import Handle
-from ._open import Transport, open_reader, open_writer
+from .._exceptions import BroadcastError
+from .._handle import Handle
+from .._open import Transport, open_reader, open_writer
+from ._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, children_ignore_sigint, error, loop_options, stop_on_signals
 
 #: Seconds a reader process may take to start and attach.
 START_TIMEOUT_S = 30.0
@@ -91,13 +91,13 @@ def _reader_main(handle_json: str, name: str, transport: Transport, conn: Connec
 def run_demo(args: argparse.Namespace) -> int:
     if args.readers < 0 or args.remote < 0 or args.readers + args.remote < 1:
         error("--readers and --remote must be 0 or more, and there must be at least one reader")
-        return 2
+        return EXIT_USAGE
     if args.count < 1 or args.size < 0 or args.rate < 0:
         error("--count must be at least 1, --size and --rate at least 0")
-        return 2
+        return EXIT_USAGE
     if not args.tcp.startswith("tcp://"):
         error(f"--tcp must be a tcp:// endpoint, e.g. tcp://127.0.0.1:0, not {args.tcp!r}")
-        return 2
+        return EXIT_USAGE
     return anyio.run(_demo, args, backend_options=loop_options())
 
 

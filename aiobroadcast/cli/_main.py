@@ -1,15 +1,15 @@
-"""``aiobroadcast`` command line. Errors a user can fix are one line on stderr, exit code 2."""
+"""``aiobroadcast`` command line: the parser of every command, and what a failure exits with.
+Errors a user can fix are one line on stderr, exit code 2 (``_common.EXIT_USAGE``)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Sequence
 
-from ._exceptions import BroadcastError
-
-EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+from .._exceptions import BroadcastError
+from . import _bench, _demo, _keygen, _pubsub, _relay, _stats
+from ._common import EXIT_INTERRUPTED, EXIT_USAGE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,19 +18,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Broadcast Python objects from one async writer to many async readers.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    from . import _cli_keygen, _cli_pubsub, _cli_stats, _demo, _relay
-
     _demo.register(sub)
     _relay.register(sub)
-    _cli_pubsub.register(sub)
-    _cli_stats.register(sub)
-    _cli_keygen.register(sub)
-    try:
-        bench = importlib.import_module(f"{__package__}._bench")
-    except ImportError:  # pragma: no cover - while the benchmark module does not exist
-        pass
-    else:
-        bench.register(sub)
+    _pubsub.register(sub)
+    _stats.register(sub)
+    _keygen.register(sub)
+    _bench.register(sub)
     return parser
 
 

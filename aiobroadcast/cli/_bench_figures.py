@@ -1,0 +1,93 @@
+"""The benchmark protocol's figures, computed by the same code for every system measured.
+
+Standard library only: ``aiobroadcast bench``'s driver imports it, and the peer drivers in the
+source tree's ``benchmarks/peers.py`` load this file by path in the peer's own interpreter,
+which need not have aiobroadcast or its dependencies installed.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from typing import Any
+
+MODES = ("tput", "lat", "idle")
+#: Pacing of mode ``lat`` (seconds between messages).
+PACE_S = 0.001
+#: How long a reader or the writer waits for anything before giving up (seconds).
+STEP_TIMEOUT_S = 120.0
+
+
+def reader_result(
+    rank: int, t_end: int, lats: list[int], received: int, in_order: bool,
+    idle_cpu_s: float | None = None, wake_ns: int | None = None,
+) -> dict[str, Any]:
+    """What a reader process sends back to its writer."""
+    return {
+        "rank": rank, "t_end": t_end, "lats": lats, "received": received, "in_order": in_order,
+        "idle_cpu_s": idle_cpu_s, "wake_ns": wake_ns,
+    }
+
+
+def figures(
+    mode: str, count: int, size: int, t0: int, results: list[dict[str, Any]], idle_s: float
+) -> dict[str, Any]:
+    """The protocol's figures from the readers' results (``t0``: first send, perf_counter ns).
+
+    - ``tput``: ``msgs_per_s`` = COUNT / (first send -> last reader has its last message),
+      ``MB_per_s`` of payload (10**6 bytes).
+    - ``lat``: one-way latency over all readers' samples, ``p50_us`` and ``p99_us``.
+    - ``idle``: ``reader_cpu_s_while_idle`` (CPU seconds each reader used during the pause) and
+      ``wake_latency_us`` (latency of the message after the pause), one value per reader.
+    """
+    results = sorted(results, key=lambda r: int(r["rank"]))
+    out: dict[str, Any] = {
+        "received": [r["received"] for r in results],
+        "in_order": all(r["in_order"] for r in results),
+    }
+    if mode == "tput":
+        el = (max(int(r["t_end"]) for r in results) - t0) / 1e9
+        out["msgs_per_s"] = round(count / el)
+        out["MB_per_s"] = round(count * size / el / 1e6, 1)
+    elif mode == "lat":
+        lats = sorted(x for r in results for x in r["lats"])
+        out["p50_us"] = round(lats[len(lats) // 2] / 1e3, 1)
+        out["p99_us"] = round(lats[int(len(lats) * 0.99)] / 1e3, 1)
+    else:
+        out["idle_s"] = idle_s
+        out["reader_cpu_s_while_idle"] = [round(float(r["idle_cpu_s"]), 3) for r in results]
+        out["wake_latency_us"] = [round(int(r["wake_ns"]) / 1e3, 1) for r in results]
+    return out
+
+
+def expected(mode: str, count: int) -> int:
+    """Messages each reader must receive: COUNT, and one more after the pause of mode ``idle``."""
+    return count + 1 if mode == "idle" else count
+
+
+def collect(q: Any, procs: list[Any]) -> list[dict[str, Any]]:
+    """One result per reader process; fails if a reader dies without one, or reports an error."""
+    results: list[dict[str, Any]] = []
+    deadline = time.monotonic() + STEP_TIMEOUT_S
+    while len(results) < len(procs):
+        try:
+            res = q.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"reader processes failed (exit codes {dead})") from None
+            continue
+        if "error" in res:
+            raise RuntimeError(f"reader {res['rank']} failed: {res['error']}")
+        results.append(res)
+    return results
+
+
+def reap(procs: list[Any]) -> None:
+    """Join the reader processes; kill the ones that do not end within 10 s."""
+    for p in procs:
+        p.join(timeout=10)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()

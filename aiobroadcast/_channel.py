@@ -237,7 +237,7 @@ class WriterChannel:
         server = self.server
         readers = pub.records.infos(pub.head, server.pids if server is not None else ())
         target = pub.seg.words[W_WAIT_TARGET]
-        remote, remote_dropped, rejected = server.report() if server is not None else ((), 0, 0)
+        state, remote, remote_dropped, rejected = server.report() if server is not None else ("none", (), 0, 0)
         return WriterStatistics(
             sent=pub.sent,
             head=pub.head,
@@ -246,7 +246,7 @@ class WriterChannel:
             waiting_for=tuple(r for r in readers if holds_writer(pub.head - r.lag, target)),
             tasks_waiting=tasks_waiting,
             dropped_readers=pub.records.dropped + remote_dropped,
-            tcp_server=server.state if server is not None else "none",
+            tcp_server=state,
             tcp_server_restarts=server.restarts if server is not None else 0,
             rejected_frames=rejected,
         )

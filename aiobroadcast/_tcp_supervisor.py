@@ -131,15 +131,18 @@ class ServerProcess:
         self._thread.start()
 
     # --- what the writer reads ---------------------------------------------------------------
-    def report(self) -> tuple[tuple[ReaderInfo, ...], int, int]:
-        """The remote readers the running server serves, and the readers dropped and frames
-        refused so far, from the report it writes every heartbeat."""
+    def report(self) -> tuple[TcpServerState, tuple[ReaderInfo, ...], int, int]:
+        """The server's state, the remote readers the running server serves, and the readers
+        dropped and frames refused so far, from the report it writes every heartbeat. The state
+        is read once (the watcher thread changes it): no remote reader is listed unless it says
+        "running"."""
+        state = self.state
         dropped, rejected = self._dropped_before, self._rejected_before
-        if self.state != "running":
-            return (), dropped, rejected
+        if state != "running":
+            return state, (), dropped, rejected
         snap = self._read_report()
         if snap is None:
-            return (), dropped, rejected
+            return state, (), dropped, rejected
         try:
             infos = tuple(
                 ReaderInfo(
@@ -154,9 +157,9 @@ class ServerProcess:
                 )
                 for r in snap.get("readers", ())
             )
-            return infos, dropped + int(snap.get("dropped", 0)), rejected + int(snap.get("rejected_frames", 0))
+            return state, infos, dropped + int(snap.get("dropped", 0)), rejected + int(snap.get("rejected_frames", 0))
         except (AttributeError, KeyError, TypeError, ValueError):  # not a report this version writes
-            return (), dropped, rejected
+            return state, (), dropped, rejected
 
     def _read_report(self) -> dict[str, Any] | None:
         try:

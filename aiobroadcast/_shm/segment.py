@@ -134,7 +134,7 @@ class Segment:
 
     @property
     def token(self) -> str:
-        return (self.words[W_TOKEN].to_bytes(8, "little") + self.words[W_TOKEN + 1].to_bytes(8, "little")).hex()
+        return _token_of(self.words)
 
     def sock_path(self, who: str) -> str:
         return f"{self.path}-{who}.sock"
@@ -248,24 +248,9 @@ def create_segment(
 def attach_segment(path: str, token: str, capacity: int, slot_bytes: int, max_readers: int) -> Segment:
     """Map an existing channel's file, checking that it is the channel the handle names."""
     check_platform()
+    layout = Layout(capacity, slot_bytes, max_readers)
+    fd = _open_channel_file(path, layout, os.O_RDWR)
     try:
-        # Never through a symbolic link: the handle names a file in the channel's directory.
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError as exc:
-        raise InvalidHandle(f"the channel's segment {path} is gone (the writer closed or exited)") from exc
-    except OSError as exc:
-        raise os_error(InvalidHandle, f"cannot open the channel's segment {path}", exc) from exc
-    try:
-        layout = Layout(capacity, slot_bytes, max_readers)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidHandle(f"{path} is not a channel's segment (not a regular file)")
-        actual = st.st_size
-        if actual != layout.size:
-            raise InvalidHandle(
-                f"segment {path} is {actual} bytes, the handle's layout needs {layout.size}: "
-                "it belongs to another layout or another version"
-            )
         try:
             seg = Segment(path, fd, layout)
         except OSError as exc:
@@ -273,23 +258,82 @@ def attach_segment(path: str, token: str, capacity: int, slot_bytes: int, max_re
     except BaseException:
         os.close(fd)
         raise
-    w = seg.words
-    problems = []
-    if w[W_MAGIC] != MAGIC or w[W_VERSION] != LAYOUT_VERSION:
-        problems.append("magic/version")
-    for word, want, what in (
-        (W_CAPACITY, capacity, "capacity"),
-        (W_SLOT_BYTES, slot_bytes, "slot_bytes"),
-        (W_MAX_READERS, max_readers, "max_readers"),
-    ):
-        if w[word] != want:
-            problems.append(f"{what} {w[word]} != {want}")
-    if not problems and seg.token != token:
-        problems.append("token")
+    problems = _header_problems(seg.words, token, layout)
     if problems:
         seg.close()
         raise InvalidHandle(f"segment {path} does not match the handle ({', '.join(problems)})")
     return seg
+
+
+class SegmentView:
+    """A read-only mapping of a channel's file, for looking without taking part (``aiobroadcast
+    stats``): no lock is taken, nothing is stored, and read permission is enough."""
+
+    def __init__(self, path: str, token: str, capacity: int, slot_bytes: int, max_readers: int) -> None:
+        self.layout = layout = Layout(capacity, slot_bytes, max_readers)
+        self.fd = _open_channel_file(path, layout, os.O_RDONLY)
+        try:
+            self._mmap = mmap.mmap(self.fd, layout.size, mmap.MAP_SHARED, mmap.PROT_READ)
+        except OSError as exc:
+            os.close(self.fd)
+            raise os_error(InvalidHandle, f"cannot map the channel's segment {path}", exc) from exc
+        self.buf = memoryview(self._mmap)
+        self.words = self.buf.cast("Q")
+        problems = _header_problems(self.words, token, layout)
+        if problems:
+            self.close()
+            raise InvalidHandle(f"segment {path} does not belong to this handle ({', '.join(problems)})")
+
+    def close(self) -> None:
+        self.words.release()
+        self.buf.release()
+        self._mmap.close()
+        os.close(self.fd)
+
+
+def _token_of(w: memoryview) -> str:
+    return (w[W_TOKEN].to_bytes(8, "little") + w[W_TOKEN + 1].to_bytes(8, "little")).hex()
+
+
+def _open_channel_file(path: str, layout: Layout, mode: int) -> int:
+    """Open a channel's file (never through a symbolic link: the handle names a file in the
+    channel's directory) and check it is a regular file of ``layout``'s size."""
+    try:
+        fd = os.open(path, mode | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError as exc:
+        raise InvalidHandle(f"the channel's segment {path} is gone (the writer closed or exited)") from exc
+    except OSError as exc:
+        raise os_error(InvalidHandle, f"cannot open the channel's segment {path}", exc) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidHandle(f"{path} is not a channel's segment (not a regular file)")
+        if st.st_size != layout.size:
+            raise InvalidHandle(
+                f"segment {path} is {st.st_size} bytes, the handle's layout needs {layout.size}: "
+                "it belongs to another layout or another version"
+            )
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _header_problems(w: memoryview, token: str, layout: Layout) -> list[str]:
+    """How the segment's header disagrees with the handle (nothing: it is the handle's channel)."""
+    problems = []
+    if w[W_MAGIC] != MAGIC or w[W_VERSION] != LAYOUT_VERSION:
+        problems.append("magic/version")
+    for word, want, what in (
+        (W_CAPACITY, layout.capacity, "capacity"),
+        (W_SLOT_BYTES, layout.slot_bytes, "slot_bytes"),
+        (W_MAX_READERS, layout.max_readers, "max_readers"),
+    ):
+        if w[word] != want:
+            problems.append(f"{what} {w[word]} != {want}")
+    if not problems and _token_of(w) != token:
+        problems.append("token")
+    return problems
 
 
 def sweep_stale(directory: str) -> list[str]:

@@ -15,31 +15,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
-import os
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from .._constants import TCP_SERVER_READER_NAME
+from .._exceptions import InvalidHandle
 from .._handle import Handle
 from .._shm import layout as _layout
 from .._shm import segment as _segment
 from .._shm.layout import (
-    MAGIC,
     R_ACTIVE,
     R_CURSOR,
     R_PID,
     R_RECEIVED,
     W_CLOSED,
     W_HEAD,
-    W_MAGIC,
     W_NEXT_MSG,
-    W_TOKEN,
     W_WAIT_TARGET,
     W_WRITER_PID,
-    Layout,
 )
 from ._common import EXIT_FAILED, EXIT_OK, fail, load_handle, run_sync
 
@@ -112,28 +107,17 @@ class SegmentView:
 
     def __init__(self, handle: Handle) -> None:
         self.handle = handle
-        self.layout = Layout(handle.capacity, handle.slot_bytes, handle.max_readers)
         try:
-            self._fd = os.open(handle.path, os.O_RDONLY)
-        except FileNotFoundError:
-            fail(f"the channel's segment {handle.path} is gone: its writer closed or exited (or runs elsewhere)")
-        except OSError as exc:
-            fail(f"cannot open the channel's segment {handle.path}: {exc.strerror or exc}")
-        try:
-            size = os.fstat(self._fd).st_size
-            if size != self.layout.size:
-                fail(f"segment {handle.path} is {size} bytes, the handle says {self.layout.size}: another layout")
-            self._map = mmap.mmap(self._fd, self.layout.size, mmap.MAP_SHARED, mmap.PROT_READ)
-        except BaseException:
-            os.close(self._fd)
-            raise
-        self._buf = memoryview(self._map)
-        self._words = self._buf.cast("Q")
-        w = self._words
-        token = (w[W_TOKEN].to_bytes(8, "little") + w[W_TOKEN + 1].to_bytes(8, "little")).hex()
-        if w[W_MAGIC] != MAGIC or token != handle.token:
-            self.close()
-            fail(f"segment {handle.path} does not belong to this handle (another channel or version)")
+            view = _segment.SegmentView(
+                handle.path, handle.token, handle.capacity, handle.slot_bytes, handle.max_readers
+            )
+        except InvalidHandle as exc:
+            fail(f"{exc} (or its writer runs on another host)")
+        self._view = view
+        self.layout = view.layout
+        self._fd = view.fd
+        self._buf = view.buf
+        self._words = view.words
 
     def snapshot(self) -> Snapshot:
         w = self._words
@@ -181,10 +165,7 @@ class SegmentView:
             return None  # an older writer, or the report is being replaced: show what the ring says
 
     def close(self) -> None:
-        self._words.release()
-        self._buf.release()
-        self._map.close()
-        os.close(self._fd)
+        self._view.close()
 
 
 def render(h: Handle, now: Snapshot, before: Snapshot | None) -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import os
 import threading
 import weakref
@@ -137,8 +138,7 @@ class WriterChannel:
             if await poll(room, _tuning.POLL_NS):
                 self.slept_ns = 0
                 return
-        steps = self.room_steps(entries)
-        try:
+        with contextlib.closing(self.room_steps(entries)) as steps:
             limit = next(steps, None)
             while limit is not None:
                 try:
@@ -146,8 +146,6 @@ class WriterChannel:
                 except anyio.ClosedResourceError:
                     woken = False  # closed meanwhile: check_open raises
                 limit = _resume(steps, woken)
-        finally:
-            steps.close()
 
     def wait_room_blocking(self, entries: int, sleep: Callable[[float], bool]) -> None:
         """``_wait_room`` for a thread without an event loop (the blocking writer).
@@ -158,13 +156,10 @@ class WriterChannel:
         if self.slept_ns < _tuning.DENSE_NS and poll_blocking(lambda: self.pub.room(entries), _tuning.POLL_NS):
             self.slept_ns = 0
             return
-        steps = self.room_steps(entries)
-        try:
+        with contextlib.closing(self.room_steps(entries)) as steps:
             limit = next(steps, None)
             while limit is not None:
                 limit = _resume(steps, sleep(limit))
-        finally:
-            steps.close()
 
     def room_steps(self, entries: int) -> Generator[float, bool, None]:
         """The wait for room once polling is over, written once for both drivers (async and

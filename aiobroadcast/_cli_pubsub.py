@@ -39,7 +39,7 @@ from ._exceptions import (
 from ._handle import Handle
 from ._open import open_reader, open_writer
 from ._reader import Reader
-from ._tcp_server import BRIDGE_NAME as TCP_SERVER_NAME
+from ._tcp.wire import SERVER_RING_NAME as TCP_SERVER_NAME
 from ._writer import Writer
 
 #: How often ``--wait-readers`` and ``--wait`` look again (seconds).

@@ -40,7 +40,7 @@ from ._ring import (
     W_WRITER_PID,
     Layout,
 )
-from ._tcp_server import BRIDGE_NAME as TCP_SERVER_NAME
+from ._tcp.wire import SERVER_RING_NAME as TCP_SERVER_NAME
 
 
 def register(sub: Any) -> None:

@@ -44,7 +44,7 @@ from ._stats import ReaderInfo, WriterStatistics
 from ._wake import Inbox, Outbox, poll, poll_blocking
 
 if TYPE_CHECKING:
-    from ._tcp_supervisor import ServerProcess
+    from ._tcp.supervisor import ServerProcess
 
 T_contra = TypeVar("T_contra", contravariant=True)
 

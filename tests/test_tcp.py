@@ -64,7 +64,7 @@ from _tcp_workers import (
 
 import aiobroadcast as ab
 import aiobroadcast._ring as ring_mod
-from aiobroadcast import _wire as wire
+from aiobroadcast._tcp import wire
 
 pytestmark = pytest.mark.anyio
 
@@ -1012,7 +1012,7 @@ def _bare_server(policy: str, window: int, buffer_max: int) -> tuple[Any, _FakeR
     import threading
     from types import SimpleNamespace
 
-    from aiobroadcast._tcp_server import TcpServer, _Client
+    from aiobroadcast._tcp.server import TcpServer, _Client
 
     srv: Any = object.__new__(TcpServer)
     ring, router = _FakeRing(), _FakeRouter()

@@ -1,7 +1,7 @@
 """The writer's TCP server: serves remote readers from the ring, with credit flow control,
 heartbeats, resend on loss and CurveZMQ (docs/design.md, "Remote readers").
 
-It runs as its own process (``python -m aiobroadcast._tcp_server``, started by ``open_writer``),
+It runs as its own process (``python -m aiobroadcast._tcp.server``, started by ``open_writer``),
 so it neither competes with the writer for the GIL nor depends on the writer's event loop: heartbeats
 go on while the writer is busy, and it notices the writer's death like any reader. It reads the
 ring as one more local reader (its place is reserved), so under policy "block" a slow remote
@@ -11,7 +11,7 @@ remote readers have drained; it publishes who is connected in a small JSON file 
 Clients hold the keys but are not trusted: every frame is checked before it is acted on, a bad
 one costs only its sender, and what one client can make the server hold is bounded (docs/design.md,
 "Clients that hold the keys"). If the process dies anyway, the writer starts another
-(``_tcp_supervisor.py``), which takes this one's ring place over.
+(``supervisor.py``), which takes this one's ring place over.
 """
 
 from __future__ import annotations
@@ -32,16 +32,14 @@ from typing import Any
 import zmq
 import zmq.auth.thread
 
-from . import _wire as wire
-from ._exceptions import BroadcastError, EndOfStream, ReaderLagged, WouldBlock, WriterGone
-from ._handle import Handle
-from ._ring import NAME_BYTES, W_NEXT_MSG, Segment, attach_segment
-from ._shm_reader import ShmSource
-from ._tcp_supervisor import remove_quietly, stats_tmp_path
+from .._exceptions import BroadcastError, EndOfStream, ReaderLagged, WouldBlock, WriterGone
+from .._handle import Handle
+from .._ring import NAME_BYTES, W_NEXT_MSG, Segment, attach_segment
+from .._shm_reader import ShmSource
+from . import wire
+from .supervisor import remove_quietly, stats_tmp_path
 
 log = logging.getLogger("aiobroadcast")
-
-BRIDGE_NAME = "tcp-server"
 
 #: ZeroMQ's queue of frame groups for one remote reader (ZMQ_SNDHWM). The server never queues
 #: more for a reader: a batch ZeroMQ refuses stays in the server's buffer and goes later. With
@@ -155,7 +153,7 @@ class TcpServer:
             except zmq.ZMQError as exc:
                 raise BroadcastError(f"cannot bind {endpoint}: {exc}") from exc
             self.endpoint = r.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._src = ShmSource(seg, handle, BRIDGE_NAME, _raw, take_over=take_over)
+            self._src = ShmSource(seg, handle, wire.SERVER_RING_NAME, _raw, take_over=take_over)
         except BaseException:
             self._close_sockets()
             raise

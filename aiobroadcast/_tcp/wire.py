@@ -40,6 +40,10 @@ BATCH_HEAD = struct.Struct("<QI")  # first seq, count; then count x ENTRY
 ENTRY = struct.Struct("<QB")  # body length, flags (1: out-of-band pickle)
 MAC_BYTES = 32
 
+#: the name the TCP server takes in the ring's reader table (``aiobroadcast stats`` and ``sub``
+#: recognise it there; they import it from here, not from the server, which would load ZeroMQ)
+SERVER_RING_NAME = "tcp-server"
+
 #: largest frame a reader accepts (a body larger than this is refused by the socket)
 DEFAULT_MAX_FRAME = 1 << 31
 #: largest frame the server accepts from a reader (control frames are tiny: the largest, a HELLO

@@ -20,8 +20,7 @@ import anyio
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import _wire as wire
-from ._exceptions import (
+from .._exceptions import (
     DeserializationError,
     EndOfStream,
     InvalidHandle,
@@ -30,9 +29,10 @@ from ._exceptions import (
     WouldBlock,
     WriterGone,
 )
-from ._handle import Handle
-from ._ring import host_name
-from ._stats import ReaderStatistics
+from .._handle import Handle
+from .._ring import host_name
+from .._stats import ReaderStatistics
+from . import wire
 
 _MSG, _LAG, _END, _GONE, _ERROR = range(5)
 

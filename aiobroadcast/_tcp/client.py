@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import os
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable
@@ -33,8 +32,12 @@ from .._handle import Handle
 from .._ring import host_name
 from .._stats import ReaderStatistics
 from . import wire
+from .errors import protocol_error, zmq_errors
+from .protocol import ClientProtocol, Ended, Lagged, Messages, Refused, Welcomed
 
-_MSG, _LAG, _END, _GONE, _ERROR = range(5)
+#: what the reader's queue holds: messages ``(seq, flags, body)``, and the events it raises
+#: where they fall in the stream (a refusal after the WELCOME is a ``Refused``)
+_Item = tuple[int, int, Any] | Lagged | Ended | Refused
 
 #: What the handshake monitor listens to (nothing else: connects and retries are not its business).
 _HANDSHAKE_EVENTS = (
@@ -69,21 +72,25 @@ class TcpSource:
         self._handle = handle
         self._name = name
         self._decode = decode
-        self._window = window
-        self._key = handle.hmac_key.encode() if handle.insecure and handle.hmac_key else None
+        self._proto = ClientProtocol(
+            key=handle.hmac_key.encode() if handle.insecure and handle.hmac_key else None,
+            name=name,
+            pid=os.getpid(),
+            host=host_name(),
+            window=window,
+            now=time.monotonic(),
+            gone_timeout=gone_timeout,
+        )
         self._lock = threading.Lock()
-        self._items: collections.deque[tuple[int, Any, Any]] = collections.deque()
+        self._items: collections.deque[_Item] = collections.deque()
         self._sleeping = False
-        self._consumed = 0  # next seq the user has not consumed
+        self._consumed = 0  # next seq the user has not consumed (written by the user's thread only)
         self._received = 0
         self._lagged_total = 0
         self._closed = False
-        self._terminal: tuple[int, Any, Any] | None = None
+        self._terminal: Ended | Refused | None = None
         self._welcome = threading.Event()
         self._welcome_error: str | None = None
-        self._hb_interval = 0.5
-        self._hb_timeout = 3.0
-        self._gone_timeout = gone_timeout
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -97,31 +104,35 @@ class TcpSource:
         self._monitor: zmq.Socket[bytes] | None = None
         self._closed_handshakes = 0
         try:
-            d.linger = 0
-            d.sndhwm = 0
-            d.rcvhwm = 0
-            d.maxmsgsize = wire.DEFAULT_MAX_FRAME
-            d.reconnect_ivl = 100
-            d.reconnect_ivl_max = 1000
-            d.routing_id = os.urandom(16)
-            if not handle.insecure:
-                assert handle.server_key and handle.client_public_key and handle.client_secret_key
-                d.curve_serverkey = handle.server_key.encode()
-                d.curve_publickey = handle.client_public_key.encode()
-                d.curve_secretkey = handle.client_secret_key.encode()
-            self._monitor = d.get_monitor_socket(_HANDSHAKE_EVENTS)
-            self._monitor.linger = 0
-            d.connect(handle.tcp)
-        except BaseException as exc:
+            # Bad keys, or an endpoint ZeroMQ cannot use, fail here.
+            with zmq_errors(TransportError, f"cannot connect to the writer at {handle.tcp}"):
+                self._configure(d, handle)
+        except BaseException:
             self._close_sockets()
             for s in (self._wake_r, self._wake_w, self._ctrl_r, self._ctrl_w):
                 s.close()
-            if isinstance(exc, zmq.ZMQError):  # bad keys or an endpoint ZeroMQ cannot use
-                raise TransportError(f"cannot connect to the writer at {handle.tcp}: {exc}") from exc
             raise
         self._thread = threading.Thread(target=self._run, name="aiobroadcast-tcp-reader", daemon=True)
         self._stop = False
         self._thread.start()
+
+    def _configure(self, d: zmq.Socket[bytes], handle: Handle) -> None:
+        assert handle.tcp is not None
+        d.linger = 0
+        d.sndhwm = 0
+        d.rcvhwm = 0
+        d.maxmsgsize = wire.DEFAULT_MAX_FRAME
+        d.reconnect_ivl = 100
+        d.reconnect_ivl_max = 1000
+        d.routing_id = os.urandom(16)
+        if not handle.insecure:
+            assert handle.server_key and handle.client_public_key and handle.client_secret_key
+            d.curve_serverkey = handle.server_key.encode()
+            d.curve_publickey = handle.client_public_key.encode()
+            d.curve_secretkey = handle.client_secret_key.encode()
+        self._monitor = d.get_monitor_socket(_HANDSHAKE_EVENTS)
+        self._monitor.linger = 0
+        d.connect(handle.tcp)
 
     async def wait_welcome(self, limit_s: float) -> None:
         try:
@@ -154,38 +165,42 @@ class TcpSource:
         with self._lock:
             if not self._items:
                 raise WouldBlock
-            kind, a, b = self._items[0]
-            if kind == _LAG:
+            item = self._items[0]
+            if isinstance(item, Lagged):
                 self._items.popleft()
-        if kind == _MSG:
+        if isinstance(item, tuple):
             # Taken only once decoded, or found undecodable: a BaseException from decoding (Ctrl-C,
             # SystemExit) leaves it first in the queue for the next get. One consumer at a time
             # (Reader), and the I/O thread only appends: the head is still this message after.
-            seq, flags = a[0], a[1]
+            seq, flags, body = item
             try:
-                obj = self._decode(b, bool(flags & 1))
+                obj = self._decode(body, bool(flags & 1))
             except Exception as exc:  # consumed, like a local reader's undecodable message
                 self._consume(seq)
                 raise DeserializationError(seq, exc) from exc
             self._consume(seq)
             return obj
-        if kind == _LAG:
-            self._lagged_total += a
-            self._consumed = max(self._consumed, b)  # the gap counts as taken: credit for what follows
+        if isinstance(item, Lagged):
+            self._lagged_total += item.missed
+            # The gap counts as taken: the server grants credit for what follows once it is
+            # acknowledged, so acknowledge at once.
+            self._consumed = max(self._consumed, item.resume_at)
             self._poke()
-            raise ReaderLagged(a)
-        if kind == _END:
+            raise ReaderLagged(item.missed)
+        if isinstance(item, Refused):
+            raise TransportError(f"the writer refused this reader: {item.reason}")
+        if item.how == "closed":
             raise EndOfStream
-        if kind == _GONE:
-            raise WriterGone(self._handle.writer_pid)
-        raise TransportError(str(a))
+        raise WriterGone(self._handle.writer_pid)
 
     def _consume(self, seq: int) -> None:
         with self._lock:
             self._items.popleft()
         self._consumed = seq + 1
         self._received += 1
-        if self._consumed % max(1, self._window // 2) == 0:
+        # Half the window consumed: wake the I/O thread to acknowledge it now, or the server,
+        # out of credit, sends nothing more until the next heartbeat.
+        if self._consumed % max(1, self._proto.window // 2) == 0:
             self._poke()
 
     def ready(self) -> bool:
@@ -217,7 +232,7 @@ class TcpSource:
 
     @property
     def sleep_limit_s(self) -> float:
-        return self._hb_interval * 2
+        return self._proto.hb_interval * 2
 
     @property
     def inbox_fd(self) -> int:
@@ -245,7 +260,7 @@ class TcpSource:
             lag=len(self._items),
             tasks_waiting=tasks_waiting,
             writer_pid=self._handle.writer_pid,
-            writer_closed=self._terminal is not None and self._terminal[0] == _END,
+            writer_closed=isinstance(self._terminal, Ended) and self._terminal.how == "closed",
         )
 
     def describe(self) -> str:
@@ -269,24 +284,26 @@ class TcpSource:
         except (BlockingIOError, OSError):
             pass
 
-    def _push(self, kind: int, a: Any = None, b: Any = None) -> None:
+    def _push(self, item: Lagged | Ended | Refused) -> None:
         with self._lock:
-            if kind == _LAG and self._items and self._items[-1][0] == _LAG:
+            last = self._items[-1] if self._items else None
+            if isinstance(item, Lagged) and isinstance(last, Lagged):
                 # Gaps reported one after another while the user did not read: one report, like
                 # a local reader's (and the queue stays bounded by the window).
-                self._items[-1] = (_LAG, self._items[-1][1] + a, b)
+                self._items[-1] = Lagged(last.missed + item.missed, item.resume_at)
             else:
-                self._items.append((kind, a, b))
-            if kind in (_END, _GONE, _ERROR):
-                self._terminal = (kind, a, b)
+                self._items.append(item)
+            if not isinstance(item, Lagged):
+                self._terminal = item
             wake = self._sleeping
         if wake:
             self._wake_sleeper()
 
-    def _push_batch(self, first: int, items: list[tuple[memoryview, int]]) -> None:
+    def _push_batch(self, batch: Messages) -> None:
         """Queue a batch's messages: one lock and at most one wake-up for all of them."""
+        first = batch.first
         with self._lock:
-            self._items.extend((_MSG, (first + k, flags), body) for k, (body, flags) in enumerate(items))
+            self._items.extend((first + k, flags, body) for k, (body, flags) in enumerate(batch.items))
             wake = self._sleeping
         if wake:
             self._wake_sleeper()
@@ -297,29 +314,24 @@ class TcpSource:
         except BlockingIOError:
             pass  # full: the sleeper is being woken already
 
-    def _send(self, frames: list[bytes]) -> None:
+    def _flush(self) -> None:
+        """Send what the protocol has to say; a frame ZeroMQ does not take now is dropped (the
+        protocol repeats whatever matters on a later tick)."""
+        for frames in self._proto.data_to_send():
+            self._send(frames)
+
+    def _send(self, frames: list[Any]) -> None:
         try:
-            self._dealer.send_multipart(wire.sign(self._key, frames), flags=zmq.NOBLOCK)
+            self._dealer.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             pass
-
-    def _hello(self, resume: int | None) -> None:
-        hello = {
-            "version": wire.PROTOCOL_VERSION,
-            "name": self._name[: wire.NAME_CHARS],  # the server refuses longer ones (and shows 64)
-            "pid": os.getpid(),
-            "host": host_name()[: wire.HOST_CHARS],
-            "window": self._window,
-            "resume": resume,
-        }
-        self._send([wire.HELLO, wire.encode_json(hello)])
 
     def _run(self) -> None:
         try:
             self._loop()
         finally:
             try:
-                self._send([wire.BYE])
+                self._send(self._proto.bye())
             finally:
                 self._close_sockets()
 
@@ -355,7 +367,7 @@ class TcpSource:
                 )
             elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 reason = (
-                    f"{where} refused this reader's keys: the handshake failed with {_protocol_error(value)} "
+                    f"{where} refused this reader's keys: the handshake failed with {protocol_error(value)} "
                     "(the handle's keys are not that server's, or only one side is insecure=True)"
                 )
             else:  # EVENT_HANDSHAKE_FAILED_NO_DETAIL: the server closed the connection mid-handshake
@@ -373,20 +385,15 @@ class TcpSource:
         return False
 
     def _loop(self) -> None:
+        proto = self._proto
         poller = zmq.Poller()
         poller.register(self._dealer, zmq.POLLIN)
         poller.register(self._ctrl_r, zmq.POLLIN)
         if self._monitor is not None:
             poller.register(self._monitor, zmq.POLLIN)
-        self._next = -1  # next seq expected; -1 before WELCOME
-        self._hello(None)
-        last_heard = time.monotonic()
-        last_ack_sent = -1
-        next_ack = time.monotonic() + self._hb_interval
-        last_batch = time.monotonic()
-        server_end = 0
+        self._flush()  # the HELLO
         while not self._stop:
-            poller.poll(int(self._hb_interval * 500))
+            poller.poll(int(proto.hb_interval * 500))
             try:
                 self._ctrl_r.recv(4096)
             except BlockingIOError:
@@ -405,101 +412,30 @@ class TcpSource:
                     break
                 # Large frames stay ZeroMQ's buffers (the bodies are views of them, copied once
                 # when decoded); small ones become bytes.
-                frames = [f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg]
-                try:
-                    frames = wire.verify(self._key, frames)
-                    got = self._on_frames(frames)
-                except (wire.FrameError, ValueError, KeyError, TypeError, IndexError, struct.error):
-                    continue  # not authentic or malformed: dropped, the stream goes on
-                last_heard = now
-                if got is not None:
-                    kind, value = got
-                    if kind == "batch":
-                        last_batch = now
-                    elif kind == "end":
-                        server_end = max(server_end, value)
-            if self._terminal is not None:
-                return  # the writer closed or is gone: everything it sent is queued
-            gone_after = self._gone_timeout if self._gone_timeout is not None else 3 * self._hb_timeout
-            if self._welcome.is_set() and now - last_heard > gone_after:
-                self._push(_GONE)
+                event = proto.receive([f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg], now)
+                if event is not None and self._on_event(event):
+                    self._flush()
+                    return  # the stream ended or the server refused us: everything it sent is queued
+            event = proto.tick(now, self._consumed)
+            self._flush()
+            if event is not None:
+                self._push(event)
                 return
-            if not self._welcome.is_set():
-                if now - last_heard > self._hb_interval * 4:
-                    self._hello(None)  # maybe lost before the connection was up
-                    last_heard = now
-                continue
-            consumed = self._consumed
-            if consumed - last_ack_sent >= max(1, self._window // 2) or now >= next_ack:
-                self._send([wire.ACK, wire.U64.pack(consumed)])
-                last_ack_sent = consumed
-                next_ack = now + self._hb_interval
-            # Starved while the server has more and we have room: something was lost in transit.
-            if (
-                server_end > self._next
-                and self._next - consumed < self._window
-                and now - last_batch > self._hb_interval * 2
-            ):
-                self._send([wire.NACK, wire.U64.pack(self._next)])
-                last_batch = now
 
-    def _on_frames(self, frames: list[Any]) -> tuple[str, int] | None:
-        kind = frames[0]
-        if kind == wire.BATCH:
-            if self._next < 0:
-                return None
-            first, items = wire.decode_batch(frames[1], frames[2:])
-            if first > self._next:
-                self._send([wire.NACK, wire.U64.pack(self._next)])  # a gap: ask again
-                return None
-            skip = self._next - first
-            if skip < len(items):
-                self._push_batch(first + skip, items[skip:])
-            self._next = max(self._next, first + len(items))
-            return ("batch", 0)
-        if kind == wire.HEARTBEAT:
-            end, _done = wire.U64x2.unpack(frames[1])
-            return ("end", end)
-        if kind == wire.WELCOME:
-            welcome = wire.decode_json(frames[1])
-            start = int(welcome["start"])
-            self._hb_interval = float(welcome["hb_interval"])
-            self._hb_timeout = float(welcome["hb_timeout"])
-            if "window" in welcome:  # a smaller credit than ours: acknowledge at its half, not ours
-                self._window = max(1, min(self._window, int(welcome["window"])))
-            if self._next < 0:
-                self._next = start
-                self._consumed = start
+    def _on_event(self, event: Welcomed | Messages | Lagged | Ended | Refused) -> bool:
+        """Act on one event of the protocol; True when it ends the stream."""
+        if isinstance(event, Messages):
+            self._push_batch(event)
+        elif isinstance(event, Lagged):
+            self._push(event)
+        elif isinstance(event, Welcomed):
+            self._consumed = event.start
             self._welcome.set()
-            return None
-        if kind == wire.LAGGED:
-            from_seq, _missed = wire.U64x2.unpack(frames[1])
-            if from_seq > self._next >= 0:
-                self._push(_LAG, from_seq - self._next, from_seq)
-                self._next = from_seq
-            return None
-        if kind == wire.END:
-            (final,) = wire.U64.unpack(frames[1])
-            if self._next >= final:
-                self._push(_END if frames[2] == b"closed" else _GONE)
-            return None
-        if kind == wire.UNKNOWN:
-            self._hello(self._next if self._next >= 0 else None)  # the server dropped us: resume
-            return None
-        if kind == wire.REFUSED:
-            reason = frames[1].decode("utf-8", "replace")
-            if not self._welcome.is_set():
-                self._welcome_error = f"the writer refused this reader: {reason}"
-                self._welcome.set()
-            else:
-                self._push(_ERROR, f"the writer refused this reader: {reason}")
-            return None
-        raise wire.FrameError(f"unknown frame kind {kind[:8]!r}")
-
-
-def _protocol_error(code: int) -> str:
-    """A ZMTP/ZAP protocol error's name, e.g. ``ZMTP_MECHANISM_MISMATCH``."""
-    for name in dir(zmq):
-        if name.startswith("PROTOCOL_ERROR_") and getattr(zmq, name) == code:
-            return name.removeprefix("PROTOCOL_ERROR_")
-    return f"protocol error {code:#x}"
+        elif isinstance(event, Refused) and not event.welcomed:
+            self._welcome_error = f"the writer refused this reader: {event.reason}"
+            self._welcome.set()
+            return True
+        else:
+            self._push(event)
+            return True
+        return False

@@ -16,38 +16,34 @@ one costs only its sender, and what one client can make the server hold is bound
 
 from __future__ import annotations
 
-import bisect
 import ctypes
 import json
 import logging
 import os
 import signal
-import struct
 import sys
-import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 import zmq.auth.thread
 
-from .._exceptions import BroadcastError, EndOfStream, ReaderLagged, WouldBlock, WriterGone
+from .._exceptions import BroadcastError, EndOfStream, ReaderLagged, TransportError, WouldBlock, WriterGone
 from .._handle import Handle
-from .._ring import NAME_BYTES, W_NEXT_MSG, Segment, attach_segment
+from .._ring import W_NEXT_MSG, Segment, attach_segment
 from .._shm_reader import ShmSource
 from . import wire
+from .errors import zmq_errors
+from .protocol import Rejected, ServerEvent, ServerProtocol, TimedOut
 from .supervisor import remove_quietly, stats_tmp_path
 
 log = logging.getLogger("aiobroadcast")
 
 #: ZeroMQ's queue of frame groups for one remote reader (ZMQ_SNDHWM). The server never queues
 #: more for a reader: a batch ZeroMQ refuses stays in the server's buffer and goes later. With
-#: BATCH_BYTES this bounds what a reader that does not read (or asks for everything again and
+#: protocol.BATCH_BYTES this bounds what a reader that does not read (or asks for everything again and
 #: again) costs the server: docs/design.md, "Remote readers".
 SEND_HWM = 16
-#: a batch takes no more bodies once it holds this many bytes
-BATCH_BYTES = 128 * 1024
 #: frame groups ZeroMQ takes in from one reader before it stops reading that connection
 RECV_HWM = 64
 #: how soon the server tries again to send to a reader whose queue was full
@@ -67,23 +63,6 @@ def _raw(body: Any, oob: bool) -> tuple[bytes | zmq.Frame, int]:
     return bytes(body), 1 if oob else 0
 
 
-@dataclass
-class _Client:
-    ident: bytes
-    name: str
-    pid: int
-    window: int
-    next_send: int
-    acked: int
-    last_heard: float
-    #: when it last had the server send again (HELLO, NACK): at most once a heartbeat
-    resent_at: float = 0.0
-    ended: bool = False
-    host: str = ""  #: where it lives, as it says in HELLO (optional)
-    #: ZeroMQ refused the last send (its queue is full, or it is not connected): try again soon
-    choked: bool = False
-
-
 class _Allow:
     """ZAP credentials check: only the readers' public key gets in."""
 
@@ -95,6 +74,9 @@ class _Allow:
 
 
 class TcpServer:
+    """Moves frames between the ROUTER socket, the ring and a ``ServerProtocol``, which decides
+    everything: what each reader gets, when, and what is refused."""
+
     def __init__(
         self,
         seg: Segment,
@@ -116,17 +98,9 @@ class TcpServer:
         returning: int = 0,
     ) -> None:
         """``take_over`` and ``returning``: this server replaces one that died (pid
-        ``take_over``), which served ``returning`` remote readers; see ``_awaiting_return``."""
-        self._handle = handle
+        ``take_over``), which served ``returning`` remote readers."""
         self._stats_path = stats_path
-        self._window = window
-        self._buffer_max = buffer_max
-        self._hb_interval = hb_interval
-        self._hb_timeout = hb_timeout
         self.drain_timeout = 2 * hb_timeout
-        self._max_remote = max_remote
-        self._block = handle.policy == "block"
-        self._key = hmac_key if insecure else None
         self._ring_words = seg.words
         self._ctx = zmq.Context()
         self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
@@ -138,7 +112,7 @@ class TcpServer:
             r.rcvhwm = RECV_HWM
             r.maxmsgsize = wire.MAX_CONTROL_FRAME
             # A full queue raises Again, an unknown peer EHOSTUNREACH: nothing is dropped silently,
-            # so the server knows what it has sent.
+            # so the protocol knows what was sent.
             r.router_mandatory = True
             if not insecure:
                 assert server_secret is not None and client_public is not None
@@ -148,10 +122,8 @@ class TcpServer:
                 r.zap_domain = b"aiobroadcast"
                 r.curve_server = True
                 r.curve_secretkey = server_secret
-            try:
+            with zmq_errors(TransportError, f"cannot bind {endpoint}"):
                 r.bind(_port_star(endpoint))
-            except zmq.ZMQError as exc:
-                raise BroadcastError(f"cannot bind {endpoint}: {exc}") from exc
             self.endpoint = r.getsockopt_string(zmq.LAST_ENDPOINT)
             self._src = ShmSource(seg, handle, wire.SERVER_RING_NAME, _raw, take_over=take_over)
         except BaseException:
@@ -159,40 +131,26 @@ class TcpServer:
             raise
         self._ctrl_r = stop_fd
         os.set_blocking(self._ctrl_r, False)
-        self._lock = threading.Lock()
-        self._clients: dict[bytes, _Client] = {}
-        self._buf: list[tuple[bytes | zmq.Frame, int]] = []
-        # Message number of each entry of _buf, ascending: the ring's own numbers, so a server
-        # started again (by the writer, after this one died) numbers the stream the same way.
-        # Consecutive but for gaps (policy "lag": the ring overwrote messages before we took
-        # them); a number in [_base, _end) that is not here was lost.
-        self._seqs: list[int] = []
-        self._base = self._src.next_msg  # nothing before it is held
-        self._end = self._base  # next number the server will have
-        self._ring_done: str | None = None  # "closed" or "gone"
-        self._stopping = False
-        self._stop_deadline = 0.0
-        self.dropped = 0
-        self.rejected_frames = 0
+        self.protocol = ServerProtocol(
+            policy=handle.policy,
+            key=hmac_key if insecure else None,
+            window=window,
+            buffer_max=buffer_max,
+            hb_interval=hb_interval,
+            hb_timeout=hb_timeout,
+            max_remote=max_remote,
+            start=self._src.next_msg,
+            now=time.monotonic(),
+            returning=returning,
+        )
         self._complaints: dict[bytes, float] = {}
         self._report_failing = False
-        self._returning = returning
-        self._grace_until = time.monotonic() + 2 * hb_timeout
 
-    def _write_stats(self) -> None:
+    def write_stats(self) -> None:
         """Who is connected, for ``Writer.statistics()`` and ``aiobroadcast stats``. Only a
         report: if it cannot be written (a full /dev/shm), the last one stays and readers are
         served as before."""
-        snapshot = {
-            "pid": os.getpid(),
-            "end": self._end,
-            "dropped": self.dropped,
-            "rejected_frames": self.rejected_frames,
-            "readers": [
-                {"name": c.name, "pid": c.pid, "host": c.host, "received": c.acked, "lag": max(0, self._end - c.acked)}
-                for c in self._clients.values()
-            ],
-        }
+        snapshot = {"pid": os.getpid(), **self.protocol.report()}
         tmp = stats_tmp_path(self._stats_path)
         try:
             with open(tmp, "w") as f:
@@ -235,33 +193,34 @@ class TcpServer:
         self._ctx.term()
 
     def _loop(self) -> None:
+        proto = self.protocol
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._ctrl_r, zmq.POLLIN)
         inbox = self._src.inbox_fd
-        next_hb = time.monotonic() + self._hb_interval
+        stopping = False
         while True:
             pulled = self._pull_ring()
-            self._recv_clients()
-            sent = self._send_clients()
-            self._trim()
             now = time.monotonic()
-            if now >= next_hb:
-                self._heartbeat(now)
-                self._write_stats()
-                next_hb = now + self._hb_interval
-            if self._stopping and (self._all_done() or now >= self._stop_deadline):
+            self._recv_clients(now)
+            sent = proto.transmit(self._send)
+            proto.trim(now)
+            if proto.heartbeat_due(now):
+                for event in proto.heartbeat(now, self._send):
+                    self._on_event(event)
+                self.write_stats()
+            if proto.finished(now):
                 return
             if pulled or sent:
                 continue
-            want_ring = self._ring_done is None and (not self._block or len(self._buf) < self._buffer_max)
+            want_ring = proto.wants_ring()
             ring_sleep = want_ring and not self._src.begin_sleep()
             if want_ring and not ring_sleep:
                 continue  # the ring changed while we announced the sleep
             if ring_sleep:
                 poller.register(inbox, zmq.POLLIN)
-            wait_s = next_hb - time.monotonic()
-            if any(c.choked for c in self._clients.values()):
+            wait_s = proto.next_heartbeat - time.monotonic()
+            if proto.choked:
                 wait_s = min(wait_s, RETRY_S)
             try:
                 poller.poll(int(max(0.0, wait_s) * 1000) + 1)
@@ -269,61 +228,41 @@ class TcpServer:
                 if ring_sleep:
                     poller.unregister(inbox)
                     self._src.end_sleep(self._src.drain_inbox())
-            if not self._stopping:
+            if not stopping:
                 try:
                     if os.read(self._ctrl_r, 64) == b"":  # the writer closed our stdin: drain, then stop
-                        self._stopping = True
-                        self._stop_deadline = time.monotonic() + self.drain_timeout
+                        stopping = True
+                        proto.stop(time.monotonic() + self.drain_timeout)
                         poller.unregister(self._ctrl_r)  # EOF stays readable: stop polling it
                 except BlockingIOError:
                     pass
 
     def _pull_ring(self) -> int:
-        """Take what the ring holds into the buffer (under "block", while the buffer has room)."""
+        """Hand what the ring holds to the protocol (under "block", while it has room)."""
         n = 0
-        buf = self._buf
+        proto = self.protocol
         src = self._src
-        while self._ring_done is None and (not self._block or len(buf) < self._buffer_max) and n < 4096:
+        while n < 4096 and proto.wants_ring():
             try:
                 item = src.get_nowait()
             except WouldBlock:
                 break
             except ReaderLagged:
-                # The ring overwrote messages before we took them (policy "lag"): a gap in the
-                # buffer. Readers still get what we hold before it, then are told exactly what
-                # the gap cost them (_send_clients).
-                with self._lock:
-                    self._end = src.next_msg
+                proto.lost(src.next_msg)
                 continue
             except EndOfStream:
-                self._ring_done = "closed"
+                proto.stream_ended("closed")
                 break
             except WriterGone:
-                self._ring_done = "gone"
+                proto.stream_ended("gone")
                 break
-            seq = src.next_msg - 1
-            if seq < self._base and not self._seqs:
-                # Only the first message after joining can be numbered below what the ring said
-                # then (the writer was between its two stores; docs/design.md, "Joining"). It is
-                # still ours to send: start there.
-                self._base = seq
-            buf.append(item)
-            self._seqs.append(seq)
-            with self._lock:
-                self._end = seq + 1
+            proto.add(src.next_msg - 1, item)
             n += 1
         return n
 
-    def _horizon(self) -> int:
-        """The number of the next message the writer will publish (and this server will have)."""
-        return max(self._end, self._ring_words[W_NEXT_MSG])
-
     def _send(self, ident: bytes, frames: list[Any]) -> bool:
-        return self._send_signed(ident, wire.sign(self._key, frames))
-
-    def _send_signed(self, ident: bytes, frames: list[Any]) -> bool:
-        """Hand ``frames`` to ZeroMQ for ``ident``; False if it refused: the reader's queue is full
-        (SEND_HWM: it is not reading) or it is not connected right now."""
+        """The protocol's ``Sink``: hand ``frames`` to ZeroMQ for ``ident``; False if it refused:
+        the reader's queue is full (SEND_HWM: it is not reading) or it is not connected now."""
         try:
             self._router.send_multipart([ident, *frames], flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -334,269 +273,55 @@ class TcpServer:
             return False
         return True
 
-    def _recv_clients(self) -> None:
+    def _recv_clients(self, now: float) -> None:
         router = self._router
         for _ in range(1024):
             try:
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            ident, rest = frames[0], frames[1:]
-            if len(rest) > wire.MAX_CONTROL_FRAMES:
-                self._reject(ident, f"{len(rest)} frames in one message")
-                continue
-            try:
-                rest = wire.verify(self._key, rest)
-            except wire.FrameError as exc:
-                # Not authentic (insecure mode): nothing says which reader it claims to be, so
-                # nobody is dropped for it.
-                self.rejected_frames += 1
-                self._complain(ident, None, str(exc))
-                continue
-            try:
-                self._handle_frames(ident, rest)
-            except (wire.FrameError, struct.error) as exc:
-                self._reject(ident, str(exc))
-            except Exception as exc:  # a bug: it must not take the other readers down with it
-                log.exception("aiobroadcast: the TCP server failed on a frame from a remote reader")
-                self._reject(ident, f"internal error {type(exc).__name__}")
+            published = self._ring_words[W_NEXT_MSG]
+            event = self.protocol.receive(frames[0], frames[1:], now=now, published=published, send=self._send)
+            if event is not None:
+                self._on_event(event)
 
-    def _reject(self, ident: bytes, reason: str) -> None:
-        """A frame from ``ident`` that the server refuses: count it, drop that reader (only it),
-        tell it why."""
-        self.rejected_frames += 1
-        with self._lock:
-            client = self._clients.pop(ident, None)
-        self._complain(ident, client, reason)
-        self._send(ident, [wire.REFUSED, f"malformed frame: {reason}".encode()[:256]])
-        if client is not None:
-            self._write_stats()
+    def _on_event(self, event: ServerEvent) -> None:
+        if isinstance(event, Rejected):
+            self._complain(event)
+            if event.dropped is not None:
+                self.write_stats()
+        elif isinstance(event, TimedOut):
+            log.warning(
+                "aiobroadcast: remote reader %r (pid %d) silent for %.1f s; dropped it at message %d of %d",
+                event.client.name,
+                event.client.pid,
+                event.silent_s,
+                event.acked,
+                event.end,
+            )
+        else:  # admitted (statistics() lists it as soon as open_reader returns), or departed
+            self.write_stats()
 
-    def _complain(self, ident: bytes, client: _Client | None, reason: str) -> None:
+    def _complain(self, event: Rejected) -> None:
         """Log a refused frame: once per peer per COMPLAIN_EVERY_S, so a flood is a few lines."""
         now = time.monotonic()
-        last = self._complaints.get(ident)
+        last = self._complaints.get(event.ident)
         if last is not None and now - last < COMPLAIN_EVERY_S:
             return
         if len(self._complaints) >= COMPLAINTS_KEPT:
             self._complaints = {k: t for k, t in self._complaints.items() if now - t < COMPLAIN_EVERY_S}
             if len(self._complaints) >= COMPLAINTS_KEPT:
                 return
-        self._complaints[ident] = now
+        self._complaints[event.ident] = now
+        client = event.dropped
         who = f"remote reader {client.name!r} (pid {client.pid})" if client else "a remote peer"
         log.warning(
             "aiobroadcast: the TCP server refused a frame from %s: %s%s (%d refused so far)",
             who,
-            reason[:200],
+            event.reason[:200],
             "; dropped it" if client else "",
-            self.rejected_frames,
+            event.total,
         )
-
-    def _handle_frames(self, ident: bytes, frames: list[bytes]) -> None:
-        """Act on one reader's frame group, each field checked first (raises ``FrameError``)."""
-        if not frames:
-            raise wire.FrameError("empty message")
-        kind = frames[0]
-        now = time.monotonic()
-        client = self._clients.get(ident)
-        if kind == wire.HELLO:
-            _arity(frames, 1)
-            self._hello(ident, client, wire.decode_hello(frames[1]), now)
-            return
-        if kind in (wire.ACK, wire.NACK):
-            _arity(frames, 1)
-            if len(frames[1]) != wire.U64.size:
-                raise wire.FrameError(f"{kind!r} needs a u64, got {len(frames[1])} bytes")
-            (n,) = wire.U64.unpack(frames[1])
-        elif kind == wire.BYE:
-            _arity(frames, 0)
-        else:
-            raise wire.FrameError(f"unknown frame kind {kind[:8]!r}")
-        if client is None:
-            if kind != wire.BYE:
-                self._send(ident, [wire.UNKNOWN])
-            return
-        client.last_heard = now
-        if kind == wire.ACK:
-            if n > client.acked:
-                client.acked = min(n, client.next_send)
-        elif kind == wire.NACK:
-            if now - client.resent_at < self._hb_interval:
-                return  # what it asked for a moment ago is on its way; it asks again if not
-            client.resent_at = now
-            # Send again from n, within its window: what it acknowledged it has, and beyond its
-            # credit it may not ask.
-            client.next_send = max(client.acked, min(n, client.acked + client.window, self._horizon()))
-            client.ended = False
-        else:
-            with self._lock:
-                del self._clients[ident]
-            self._write_stats()
-
-    def _hello(self, ident: bytes, client: _Client | None, hello: wire.Hello, now: float) -> None:
-        if hello.version != wire.PROTOCOL_VERSION:
-            self._send(ident, [wire.REFUSED, b"protocol version mismatch"])
-            return
-        if client is not None and now - client.resent_at < self._hb_interval:
-            return  # it said HELLO a moment ago; it says it again if the WELCOME is lost
-        if client is None and len(self._clients) >= self._max_remote:
-            self._send(ident, [wire.REFUSED, f"all {self._max_remote} remote reader places are taken".encode()])
-            return
-        horizon = self._horizon()
-        if hello.resume is not None and self._returning:
-            self._returning -= 1
-        if hello.resume is not None and hello.resume > horizon:
-            raise wire.FrameError(f"resume at {hello.resume}, beyond the stream's next message {horizon}")
-        # A new reader starts with the next message published, as on shared memory: not with
-        # what the server still holds, nor with what is in the ring and not yet taken (a slow
-        # reader, policy "block"). A returning one resumes where it says; if that is before
-        # what the server holds, _send_clients tells it exactly what it lost.
-        start = horizon if hello.resume is None else hello.resume
-        client = _Client(
-            ident=ident,
-            name=hello.name[:NAME_BYTES],
-            pid=hello.pid,
-            host=hello.host,
-            window=min(hello.window, self._window),
-            next_send=start,
-            acked=start,
-            last_heard=now,
-            resent_at=now,
-        )
-        with self._lock:
-            self._clients[ident] = client
-        self._write_stats()  # statistics() lists it as soon as open_reader returns
-        welcome = {
-            "start": start,
-            "policy": self._handle.policy,
-            "hb_interval": self._hb_interval,
-            "hb_timeout": self._hb_timeout,
-            "window": client.window,  # the credit granted: the reader acknowledges every half of it
-        }
-        self._send(ident, [wire.WELCOME, wire.encode_json(welcome)])
-
-    def _send_clients(self) -> int:
-        sent = 0
-        # Readers that keep pace get the same batch: build and sign it once (the HMAC reads
-        # every byte), keyed by its first seq and count, which fix its content within this call.
-        batches: dict[tuple[int, int], list[Any]] = {}
-        for client in list(self._clients.values()):
-            try:
-                sent += self._send_client(client, batches)
-            except Exception:  # a bug: it must not take the other readers down with it
-                log.exception("aiobroadcast: the TCP server failed to send to %r; dropped it", client.name)
-                with self._lock:
-                    self._clients.pop(client.ident, None)
-        return sent
-
-    def _send_client(self, client: _Client, batches: dict[tuple[int, int], list[Any]]) -> int:
-        """Send ``client`` what its credit allows; the number of messages ZeroMQ took."""
-        if client.next_send < self._base:
-            # It needs what the server no longer holds (policy "lag", a resume after a restart):
-            # say exactly what is lost. Credit is not granted for the gap: the reader acknowledges
-            # it once it has taken the report (it then holds at most `window` messages).
-            if not self._send(client.ident, [wire.LAGGED, wire.U64x2.pack(self._base, self._base - client.next_send)]):
-                client.choked = True
-                return 0
-            client.next_send = self._base
-        limit = min(self._end, client.acked + client.window)
-        if client.next_send < limit:
-            seqs = self._seqs
-            lo = bisect.bisect_left(seqs, client.next_send)
-            if lo == len(seqs) or seqs[lo] != client.next_send:
-                # In a gap of the server's own: say what it holds next, and go on from there.
-                after = seqs[lo] if lo < len(seqs) else self._end
-                if not self._send(client.ident, [wire.LAGGED, wire.U64x2.pack(after, after - client.next_send)]):
-                    client.choked = True
-                    return 0
-                client.next_send = after
-                if after >= limit:
-                    return 0  # no credit beyond the gap until the reader takes the report
-            first = client.next_send
-            hi = lo + min(limit - first, len(seqs) - lo)
-            hi = _run_end(seqs, lo, hi)  # stop before a gap
-            count = 0
-            size = 0
-            for body, _flags in self._buf[lo:hi]:
-                count += 1
-                size += len(body)
-                if size >= BATCH_BYTES:
-                    break
-            key = (first, count)
-            frames = batches.get(key)
-            if frames is None:
-                frames = batches[key] = wire.sign(self._key, wire.encode_batch(first, self._buf[lo : lo + count]))
-            if not self._send_signed(client.ident, frames):
-                client.choked = True
-                return 0
-            client.choked = False
-            client.next_send += count
-            return count
-        if self._ring_done and not client.ended and client.next_send >= self._end:
-            if self._send(client.ident, [wire.END, wire.U64.pack(self._end), self._ring_done.encode()]):
-                client.ended = True
-            else:
-                client.choked = True
-        return 0
-
-    def _awaiting_return(self) -> bool:
-        """Whether readers of the server this one replaces may still come back (for at most
-        two silence timeouts): under "block" it keeps what it takes from the ring for them."""
-        if self._returning and time.monotonic() >= self._grace_until:
-            self._returning = 0
-        return self._returning > 0
-
-    def _trim(self) -> None:
-        buf = self._buf
-        seqs = self._seqs
-        if self._block and self._awaiting_return():
-            return
-        if self._block:
-            # Held until every reader has it (a reader that joined later starts after it).
-            keep_from = min(min((c.acked for c in self._clients.values()), default=self._end), self._end)
-            drop = bisect.bisect_left(seqs, keep_from)
-        else:  # the newest buffer_max entries (gaps do not count)
-            drop = max(0, len(seqs) - self._buffer_max)
-            keep_from = seqs[drop] if drop < len(seqs) else self._end
-        if keep_from > self._base:
-            del buf[:drop]
-            del seqs[:drop]
-            with self._lock:
-                self._base = keep_from
-
-    def _heartbeat(self, now: float) -> None:
-        done = 1 if self._ring_done else 0
-        for ident, client in list(self._clients.items()):
-            if now - client.last_heard > self._hb_timeout:
-                with self._lock:
-                    del self._clients[ident]
-                self.dropped += 1
-                log.warning(
-                    "aiobroadcast: remote reader %r (pid %d) silent for %.1f s; dropped it at message %d of %d",
-                    client.name,
-                    client.pid,
-                    now - client.last_heard,
-                    client.acked,
-                    self._end,
-                )
-                continue
-            self._send(ident, [wire.HEARTBEAT, wire.U64x2.pack(self._end, done)])  # lost if its queue is full
-
-    def _all_done(self) -> bool:
-        # Every remote reader has everything (it says BYE when it has the end) or was dropped.
-        return self._ring_done is not None and all(c.ended and c.acked >= self._end for c in self._clients.values())
-
-
-def _arity(frames: list[bytes], args: int) -> None:
-    if len(frames) != 1 + args:
-        raise wire.FrameError(f"{frames[0][:8]!r} takes {args} argument frame(s), got {len(frames) - 1}")
-
-
-def _run_end(seqs: list[int], lo: int, hi: int) -> int:
-    """The end of the run of consecutive seqs that starts at ``seqs[lo]``, at most ``hi``.
-    ``seqs`` ascends without repeats, so ``seqs[j] - j`` never falls: a binary search."""
-    d = seqs[lo] - lo
-    return lo + bisect.bisect_right(range(lo, hi), d, key=lambda j: seqs[j] - j)
 
 
 def _port_star(endpoint: str) -> str:
@@ -676,7 +401,7 @@ def main() -> int:
         print(json.dumps({"error": str(exc)}), flush=True)
         return 1
     print(json.dumps({"endpoint": server.endpoint}), flush=True)
-    server._write_stats()
+    server.write_stats()
     return 0 if server.run() else 1
 
 

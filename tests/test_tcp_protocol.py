@@ -26,6 +26,7 @@ from aiobroadcast._tcp.protocol import (
     Messages,
     Refused,
     Rejected,
+    ServerConfig,
     ServerProtocol,
     TimedOut,
     Welcomed,
@@ -89,18 +90,8 @@ def server(
     start: int = 0,
     returning: int = 0,
 ) -> ServerProtocol:
-    return ServerProtocol(
-        policy=policy,
-        key=key,
-        window=window,
-        buffer_max=buffer_max,
-        hb_interval=HB,
-        hb_timeout=TIMEOUT,
-        max_remote=max_remote,
-        start=start,
-        now=0.0,
-        returning=returning,
-    )
+    config = ServerConfig(policy, key, window, buffer_max, hb_interval=HB, hb_timeout=TIMEOUT, max_remote=max_remote)
+    return ServerProtocol(config, start=start, now=0.0, returning=returning)
 
 
 def signed(*frames: bytes, key: bytes | None = KEY) -> list[Any]:

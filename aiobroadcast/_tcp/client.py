@@ -53,7 +53,289 @@ _HANDSHAKE_EVENTS = (
 _CLOSED_HANDSHAKES_REFUSED = 3
 
 
+class _Inbox:
+    """The reader's queue, filled by the I/O thread, and the wake-up of a reader asleep on it.
+
+    Bounded by the credit window: the server sends no more than that beyond what the reader
+    acknowledged, and the reader acknowledges only what it took."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.items: collections.deque[_Item] = collections.deque()
+        #: how the stream ended (END, silence, refusal), once queued
+        self.terminal: Ended | Refused | None = None
+        self._sleeping = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+
+    def push(self, item: Lagged | Ended | Refused) -> None:
+        with self.lock:
+            last = self.items[-1] if self.items else None
+            if isinstance(item, Lagged) and isinstance(last, Lagged):
+                # Gaps reported one after another while the user did not read: one report, like
+                # a local reader's (and the queue stays bounded by the window).
+                self.items[-1] = Lagged(last.missed + item.missed, item.resume_at)
+            else:
+                self.items.append(item)
+            if not isinstance(item, Lagged):
+                self.terminal = item
+            wake = self._sleeping
+        if wake:
+            self.wake()
+
+    def push_batch(self, batch: Messages) -> None:
+        """Queue a batch's messages: one lock and at most one wake-up for all of them."""
+        first = batch.first
+        with self.lock:
+            self.items.extend((first + k, flags, body) for k, (body, flags) in enumerate(batch.items))
+            wake = self._sleeping
+        if wake:
+            self.wake()
+
+    def wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except BlockingIOError:
+            pass  # full: the sleeper is being woken already
+
+    def begin_sleep(self) -> bool:
+        """Announce a sleep; True if there is no need (something is queued)."""
+        with self.lock:
+            if self.items:
+                return True
+            self._sleeping = True
+        return False
+
+    def end_sleep(self) -> None:
+        with self.lock:
+            self._sleeping = False
+
+    @property
+    def fd(self) -> int:
+        return self._wake_r.fileno()
+
+    def drain(self) -> bool:
+        got = False
+        try:
+            while self._wake_r.recv(64):
+                got = True
+        except BlockingIOError:
+            pass
+        return got
+
+    def close(self) -> None:
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+class _HandshakeWatch:
+    """Watches the CurveZMQ handshake until it succeeds (then it stops, and the happy path
+    costs nothing more): a refused handshake fails open_reader at once, with the reason,
+    instead of after connect_timeout."""
+
+    def __init__(self, dealer: zmq.Socket[bytes], where: str) -> None:
+        self._dealer = dealer
+        self._where = where
+        self._closed_handshakes = 0
+        self.socket = dealer.get_monitor_socket(_HANDSHAKE_EVENTS)
+        self.socket.linger = 0
+        self.done = False
+
+    def stop(self) -> None:
+        if not self.done:
+            self.done = True
+            self._dealer.disable_monitor()
+            self.socket.close(linger=0)
+
+    def refusal(self) -> str | None:
+        """Take the monitor's events; the reason if the server refused the handshake."""
+        while not self.done:
+            try:
+                event = recv_monitor_message(self.socket, zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            kind, value = event["event"], event["value"]
+            where = self._where
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.stop()
+                return None
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                return (
+                    f"{where} refused this reader's keys at the CurveZMQ handshake (ZAP status {value}): "
+                    "the handle's client key pair is not this channel's"
+                )
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                return (
+                    f"{where} refused this reader's keys: the handshake failed with {protocol_error(value)} "
+                    "(the handle's keys are not that server's, or only one side is insecure=True)"
+                )
+            # EVENT_HANDSHAKE_FAILED_NO_DETAIL: the server closed the connection mid-handshake
+            self._closed_handshakes += 1
+            if self._closed_handshakes >= _CLOSED_HANDSHAKES_REFUSED:
+                return (
+                    f"{where} refused this reader's keys: it closed {self._closed_handshakes} handshakes "
+                    "in a row (the handle's server_key is not that server's key, or only one side is "
+                    "insecure=True)"
+                )
+        return None
+
+
+class _Pump:
+    """The I/O thread of a remote reader: moves frames between the DEALER socket and the
+    ``ClientProtocol``, and what the protocol makes of them into the inbox. It keeps the
+    connection alive (heartbeats, acknowledgements, resend requests) while the reader's event
+    loop is busy."""
+
+    def __init__(self, handle: Handle, proto: ClientProtocol, inbox: _Inbox) -> None:
+        self._proto = proto
+        self._inbox = inbox
+        #: the next message the user has not consumed (written by the user's thread only)
+        self.consumed = 0
+        self.welcome = threading.Event()
+        self.welcome_error: str | None = None
+        self._stop = False
+        self._ctrl_r, self._ctrl_w = socket.socketpair()
+        self._ctrl_r.setblocking(False)
+        self._ctrl_w.setblocking(False)
+        self._ctx = zmq.Context()
+        d = self._dealer = self._ctx.socket(zmq.DEALER)
+        self._watch: _HandshakeWatch | None = None
+        try:
+            # Bad keys, or an endpoint ZeroMQ cannot use, fail here.
+            with zmq_errors(TransportError, f"cannot connect to the writer at {handle.tcp}"):
+                self._configure(d, handle)
+        except BaseException:
+            self._close_sockets()
+            self._ctrl_r.close()
+            self._ctrl_w.close()
+            raise
+        self._thread = threading.Thread(target=self._run, name="aiobroadcast-tcp-reader", daemon=True)
+        self._thread.start()
+
+    def _configure(self, d: zmq.Socket[bytes], handle: Handle) -> None:
+        assert handle.tcp is not None
+        d.linger = 0
+        d.sndhwm = 0
+        d.rcvhwm = 0
+        d.maxmsgsize = wire.DEFAULT_MAX_FRAME
+        d.reconnect_ivl = 100
+        d.reconnect_ivl_max = 1000
+        d.routing_id = os.urandom(16)
+        if not handle.insecure:
+            assert handle.server_key and handle.client_public_key and handle.client_secret_key
+            d.curve_serverkey = handle.server_key.encode()
+            d.curve_publickey = handle.client_public_key.encode()
+            d.curve_secretkey = handle.client_secret_key.encode()
+        self._watch = _HandshakeWatch(d, f"the writer's server at {handle.tcp}")
+        d.connect(handle.tcp)
+
+    def poke(self) -> None:
+        """Make the thread look at its timers now (from the user's thread)."""
+        try:
+            self._ctrl_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    def stop(self) -> None:
+        self._stop = True
+        self.poke()
+        self._thread.join()
+        self._ctrl_r.close()
+        self._ctrl_w.close()
+
+    def _flush(self) -> None:
+        """Send what the protocol has to say; a frame ZeroMQ does not take now is dropped (the
+        protocol repeats whatever matters on a later tick)."""
+        for frames in self._proto.data_to_send():
+            self._send(frames)
+
+    def _send(self, frames: list[Any]) -> None:
+        try:
+            self._dealer.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            try:
+                self._send(self._proto.bye())
+            finally:
+                self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+        self._dealer.close(linger=0)
+        self._ctx.term()
+
+    def _loop(self) -> None:
+        proto = self._proto
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._ctrl_r, zmq.POLLIN)
+        watch = self._watch
+        if watch is not None:
+            poller.register(watch.socket, zmq.POLLIN)
+        self._flush()  # the HELLO
+        while not self._stop:
+            poller.poll(int(proto.hb_interval * 500))
+            try:
+                self._ctrl_r.recv(4096)
+            except BlockingIOError:
+                pass
+            if watch is not None:
+                refusal = watch.refusal()
+                if refusal is not None:
+                    self.welcome_error = refusal
+                    self.welcome.set()
+                    return  # open_reader raises the reason
+                if watch.done:
+                    poller.unregister(watch.socket)
+                    watch = None
+            now = time.monotonic()
+            for _ in range(256):
+                try:
+                    msg = self._dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                # Large frames stay ZeroMQ's buffers (the bodies are views of them, copied once
+                # when decoded); small ones become bytes.
+                event = proto.receive([f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg], now)
+                if event is not None and self._on_event(event):
+                    self._flush()
+                    return  # the stream ended or the server refused us: everything it sent is queued
+            event = proto.tick(now, self.consumed)
+            self._flush()
+            if event is not None:
+                self._inbox.push(event)
+                return
+
+    def _on_event(self, event: Welcomed | Messages | Lagged | Ended | Refused) -> bool:
+        """Act on one event of the protocol; True when it ends the stream."""
+        if isinstance(event, Messages):
+            self._inbox.push_batch(event)
+        elif isinstance(event, Lagged):
+            self._inbox.push(event)
+        elif isinstance(event, Welcomed):
+            self.consumed = event.start
+            self.welcome.set()
+        elif isinstance(event, Refused) and not event.welcomed:
+            self.welcome_error = f"the writer refused this reader: {event.reason}"
+            self.welcome.set()
+            return True
+        else:
+            self._inbox.push(event)
+            return True
+        return False
+
+
 class TcpSource:
+    """A remote reader's ``Source``: the reader's thread takes from the inbox, which the I/O
+    thread (``_Pump``) fills."""
+
     def __init__(
         self,
         handle: Handle,
@@ -81,62 +363,19 @@ class TcpSource:
             now=time.monotonic(),
             gone_timeout=gone_timeout,
         )
-        self._lock = threading.Lock()
-        self._items: collections.deque[_Item] = collections.deque()
-        self._sleeping = False
-        self._consumed = 0  # next seq the user has not consumed (written by the user's thread only)
         self._received = 0
         self._lagged_total = 0
         self._closed = False
-        self._terminal: Ended | Refused | None = None
-        self._welcome = threading.Event()
-        self._welcome_error: str | None = None
-        self._wake_r, self._wake_w = socket.socketpair()
-        self._wake_r.setblocking(False)
-        self._wake_w.setblocking(False)
-        self._ctrl_r, self._ctrl_w = socket.socketpair()
-        self._ctrl_r.setblocking(False)
-        self._ctrl_w.setblocking(False)
-        self._ctx = zmq.Context()
-        d = self._dealer = self._ctx.socket(zmq.DEALER)
-        # Watches the handshake until it succeeds (then it is closed): a refused handshake fails
-        # open_reader at once instead of after connect_timeout.
-        self._monitor: zmq.Socket[bytes] | None = None
-        self._closed_handshakes = 0
+        self._inbox = _Inbox()
         try:
-            # Bad keys, or an endpoint ZeroMQ cannot use, fail here.
-            with zmq_errors(TransportError, f"cannot connect to the writer at {handle.tcp}"):
-                self._configure(d, handle)
+            self._pump = _Pump(handle, self._proto, self._inbox)
         except BaseException:
-            self._close_sockets()
-            for s in (self._wake_r, self._wake_w, self._ctrl_r, self._ctrl_w):
-                s.close()
+            self._inbox.close()
             raise
-        self._thread = threading.Thread(target=self._run, name="aiobroadcast-tcp-reader", daemon=True)
-        self._stop = False
-        self._thread.start()
-
-    def _configure(self, d: zmq.Socket[bytes], handle: Handle) -> None:
-        assert handle.tcp is not None
-        d.linger = 0
-        d.sndhwm = 0
-        d.rcvhwm = 0
-        d.maxmsgsize = wire.DEFAULT_MAX_FRAME
-        d.reconnect_ivl = 100
-        d.reconnect_ivl_max = 1000
-        d.routing_id = os.urandom(16)
-        if not handle.insecure:
-            assert handle.server_key and handle.client_public_key and handle.client_secret_key
-            d.curve_serverkey = handle.server_key.encode()
-            d.curve_publickey = handle.client_public_key.encode()
-            d.curve_secretkey = handle.client_secret_key.encode()
-        self._monitor = d.get_monitor_socket(_HANDSHAKE_EVENTS)
-        self._monitor.linger = 0
-        d.connect(handle.tcp)
 
     async def wait_welcome(self, limit_s: float) -> None:
         try:
-            got = await anyio.to_thread.run_sync(self._welcome.wait, limit_s, abandon_on_cancel=True)
+            got = await anyio.to_thread.run_sync(self._pump.welcome.wait, limit_s, abandon_on_cancel=True)
         except BaseException:  # cancelled while connecting: nobody will use this source
             self.close()
             raise
@@ -145,15 +384,15 @@ class TcpSource:
     def wait_welcome_blocking(self, limit_s: float) -> None:
         """``wait_welcome`` for a thread without an event loop."""
         try:
-            got = self._welcome.wait(limit_s)
+            got = self._pump.welcome.wait(limit_s)
         except BaseException:  # interrupted while connecting: nobody will use this source
             self.close()
             raise
         self._check_welcome(got, limit_s)
 
     def _check_welcome(self, got: bool, limit_s: float) -> None:
-        if self._welcome_error is not None or not got:
-            reason = self._welcome_error or (
+        if self._pump.welcome_error is not None or not got:
+            reason = self._pump.welcome_error or (
                 f"no answer from the writer at {self._handle.tcp} within {limit_s:g} s "
                 "(not reachable, not running, or it does not hold the key in the handle)"
             )
@@ -162,12 +401,13 @@ class TcpSource:
 
     # --- Source ----------------------------------------------------------------------------
     def get_nowait(self) -> Any:
-        with self._lock:
-            if not self._items:
+        inbox = self._inbox
+        with inbox.lock:
+            if not inbox.items:
                 raise WouldBlock
-            item = self._items[0]
+            item = inbox.items[0]
             if isinstance(item, Lagged):
-                self._items.popleft()
+                inbox.items.popleft()
         if isinstance(item, tuple):
             # Taken only once decoded, or found undecodable: a BaseException from decoding (Ctrl-C,
             # SystemExit) leaves it first in the queue for the next get. One consumer at a time
@@ -184,8 +424,8 @@ class TcpSource:
             self._lagged_total += item.missed
             # The gap counts as taken: the server grants credit for what follows once it is
             # acknowledged, so acknowledge at once.
-            self._consumed = max(self._consumed, item.resume_at)
-            self._poke()
+            self._pump.consumed = max(self._pump.consumed, item.resume_at)
+            self._pump.poke()
             raise ReaderLagged(item.missed)
         if isinstance(item, Refused):
             raise TransportError(f"the writer refused this reader: {item.reason}")
@@ -194,25 +434,25 @@ class TcpSource:
         raise WriterGone(self._handle.writer_pid)
 
     def _consume(self, seq: int) -> None:
-        with self._lock:
-            self._items.popleft()
-        self._consumed = seq + 1
+        with self._inbox.lock:
+            self._inbox.items.popleft()
+        self._pump.consumed = seq + 1
         self._received += 1
         # Half the window consumed: wake the I/O thread to acknowledge it now, or the server,
         # out of credit, sends nothing more until the next heartbeat.
-        if self._consumed % max(1, self._proto.window // 2) == 0:
-            self._poke()
+        if self._pump.consumed % max(1, self._proto.window // 2) == 0:
+            self._pump.poke()
 
     def ready(self) -> bool:
-        with self._lock:
-            return bool(self._items)
+        with self._inbox.lock:
+            return bool(self._inbox.items)
 
     async def sleep(self) -> None:
         if self.begin_sleep():
             return
         try:
             with anyio.move_on_after(self.sleep_limit_s):
-                await anyio.wait_readable(self._wake_r)
+                await anyio.wait_readable(self._inbox.fd)
             self.drain_inbox()
         finally:
             self.end_sleep(False)
@@ -220,15 +460,10 @@ class TcpSource:
     # The sleep protocol of ShmSource, for a caller outside an event loop (the blocking reader).
     def begin_sleep(self) -> bool:
         """Announce a sleep; True if there is no need (something is queued)."""
-        with self._lock:
-            if self._items:
-                return True
-            self._sleeping = True
-        return False
+        return self._inbox.begin_sleep()
 
     def end_sleep(self, woken: bool) -> None:
-        with self._lock:
-            self._sleeping = False
+        self._inbox.end_sleep()
 
     @property
     def sleep_limit_s(self) -> float:
@@ -236,20 +471,14 @@ class TcpSource:
 
     @property
     def inbox_fd(self) -> int:
-        return self._wake_r.fileno()
+        return self._inbox.fd
 
     def drain_inbox(self) -> bool:
-        got = False
-        try:
-            while self._wake_r.recv(64):
-                got = True
-        except BlockingIOError:
-            pass
-        return got
+        return self._inbox.drain()
 
     def interrupt(self) -> None:
         """Wake the sleeper (from another thread): it looks at the queue again."""
-        self._wake_sleeper()
+        self._inbox.wake()
 
     def statistics(self, tasks_waiting: int) -> ReaderStatistics:
         return ReaderStatistics(
@@ -257,10 +486,10 @@ class TcpSource:
             place=-1,
             received=self._received,
             lagged=self._lagged_total,
-            lag=len(self._items),
+            lag=len(self._inbox.items),
             tasks_waiting=tasks_waiting,
             writer_pid=self._handle.writer_pid,
-            writer_closed=isinstance(self._terminal, Ended) and self._terminal.how == "closed",
+            writer_closed=isinstance(self._inbox.terminal, Ended) and self._inbox.terminal.how == "closed",
         )
 
     def describe(self) -> str:
@@ -270,172 +499,6 @@ class TcpSource:
         if self._closed:
             return
         self._closed = True
-        self._stop = True
-        self._poke()
-        self._thread.join()
-        for s in (self._wake_r, self._wake_w, self._ctrl_r, self._ctrl_w):
-            s.close()
-        self._welcome.set()  # releases a worker thread left waiting by a cancelled wait_welcome
-
-    # --- the I/O thread ----------------------------------------------------------------------
-    def _poke(self) -> None:
-        try:
-            self._ctrl_w.send(b"\0")
-        except (BlockingIOError, OSError):
-            pass
-
-    def _push(self, item: Lagged | Ended | Refused) -> None:
-        with self._lock:
-            last = self._items[-1] if self._items else None
-            if isinstance(item, Lagged) and isinstance(last, Lagged):
-                # Gaps reported one after another while the user did not read: one report, like
-                # a local reader's (and the queue stays bounded by the window).
-                self._items[-1] = Lagged(last.missed + item.missed, item.resume_at)
-            else:
-                self._items.append(item)
-            if not isinstance(item, Lagged):
-                self._terminal = item
-            wake = self._sleeping
-        if wake:
-            self._wake_sleeper()
-
-    def _push_batch(self, batch: Messages) -> None:
-        """Queue a batch's messages: one lock and at most one wake-up for all of them."""
-        first = batch.first
-        with self._lock:
-            self._items.extend((first + k, flags, body) for k, (body, flags) in enumerate(batch.items))
-            wake = self._sleeping
-        if wake:
-            self._wake_sleeper()
-
-    def _wake_sleeper(self) -> None:
-        try:
-            self._wake_w.send(b"\0")
-        except BlockingIOError:
-            pass  # full: the sleeper is being woken already
-
-    def _flush(self) -> None:
-        """Send what the protocol has to say; a frame ZeroMQ does not take now is dropped (the
-        protocol repeats whatever matters on a later tick)."""
-        for frames in self._proto.data_to_send():
-            self._send(frames)
-
-    def _send(self, frames: list[Any]) -> None:
-        try:
-            self._dealer.send_multipart(frames, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-
-    def _run(self) -> None:
-        try:
-            self._loop()
-        finally:
-            try:
-                self._send(self._proto.bye())
-            finally:
-                self._close_sockets()
-
-    def _close_sockets(self) -> None:
-        self._stop_monitor()
-        self._dealer.close(linger=0)
-        self._ctx.term()
-
-    def _stop_monitor(self) -> None:
-        if self._monitor is None:
-            return
-        self._dealer.disable_monitor()
-        self._monitor.close(linger=0)
-        self._monitor = None
-
-    def _on_handshake_event(self) -> bool:
-        """Handle the monitor's events; True when the handshake was refused (the error is set)."""
-        assert self._monitor is not None
-        while self._monitor is not None:
-            try:
-                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                return False
-            kind, value = event["event"], event["value"]
-            where = f"the writer's server at {self._handle.tcp}"
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self._stop_monitor()  # from here on, the happy path costs nothing more
-                return False
-            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                reason = (
-                    f"{where} refused this reader's keys at the CurveZMQ handshake (ZAP status {value}): "
-                    "the handle's client key pair is not this channel's"
-                )
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
-                reason = (
-                    f"{where} refused this reader's keys: the handshake failed with {protocol_error(value)} "
-                    "(the handle's keys are not that server's, or only one side is insecure=True)"
-                )
-            else:  # EVENT_HANDSHAKE_FAILED_NO_DETAIL: the server closed the connection mid-handshake
-                self._closed_handshakes += 1
-                if self._closed_handshakes < _CLOSED_HANDSHAKES_REFUSED:
-                    continue
-                reason = (
-                    f"{where} refused this reader's keys: it closed {self._closed_handshakes} handshakes "
-                    "in a row (the handle's server_key is not that server's key, or only one side is "
-                    "insecure=True)"
-                )
-            self._welcome_error = reason
-            self._welcome.set()
-            return True
-        return False
-
-    def _loop(self) -> None:
-        proto = self._proto
-        poller = zmq.Poller()
-        poller.register(self._dealer, zmq.POLLIN)
-        poller.register(self._ctrl_r, zmq.POLLIN)
-        if self._monitor is not None:
-            poller.register(self._monitor, zmq.POLLIN)
-        self._flush()  # the HELLO
-        while not self._stop:
-            poller.poll(int(proto.hb_interval * 500))
-            try:
-                self._ctrl_r.recv(4096)
-            except BlockingIOError:
-                pass
-            if self._monitor is not None:
-                monitor = self._monitor
-                if self._on_handshake_event():
-                    return  # refused: open_reader raises the reason
-                if self._monitor is None:
-                    poller.unregister(monitor)
-            now = time.monotonic()
-            for _ in range(256):
-                try:
-                    msg = self._dealer.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                # Large frames stay ZeroMQ's buffers (the bodies are views of them, copied once
-                # when decoded); small ones become bytes.
-                event = proto.receive([f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg], now)
-                if event is not None and self._on_event(event):
-                    self._flush()
-                    return  # the stream ended or the server refused us: everything it sent is queued
-            event = proto.tick(now, self._consumed)
-            self._flush()
-            if event is not None:
-                self._push(event)
-                return
-
-    def _on_event(self, event: Welcomed | Messages | Lagged | Ended | Refused) -> bool:
-        """Act on one event of the protocol; True when it ends the stream."""
-        if isinstance(event, Messages):
-            self._push_batch(event)
-        elif isinstance(event, Lagged):
-            self._push(event)
-        elif isinstance(event, Welcomed):
-            self._consumed = event.start
-            self._welcome.set()
-        elif isinstance(event, Refused) and not event.welcomed:
-            self._welcome_error = f"the writer refused this reader: {event.reason}"
-            self._welcome.set()
-            return True
-        else:
-            self._push(event)
-            return True
-        return False
+        self._pump.stop()
+        self._inbox.close()
+        self._pump.welcome.set()  # releases a worker thread left waiting by a cancelled wait_welcome

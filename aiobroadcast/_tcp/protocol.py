@@ -110,6 +110,24 @@ class _Client:
     choked: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """What a server grants and how long it waits (``open_writer``'s TCP options)."""
+
+    #: "block" or "lag", as the ring's
+    policy: str
+    #: the HMAC key (insecure mode); None under CurveZMQ
+    key: bytes | None
+    #: the most credit a reader gets (it asks for its own, maybe smaller)
+    window: int
+    #: messages held for readers: under "block" the server takes no more from the ring, under
+    #: "lag" it keeps the newest
+    buffer_max: int
+    hb_interval: float
+    hb_timeout: float
+    max_remote: int
+
+
 class _Held:
     """The messages the server holds for its readers: ``items[k]`` is message ``seqs[k]``.
 
@@ -135,7 +153,16 @@ class _Held:
         self.seqs.append(seq)
         self.end = seq + 1
 
-    def drop_before(self, index: int, keep_from: int) -> None:
+    def keep_from(self, seq: int) -> None:
+        """Forget every message numbered below ``seq`` (policy "block": all readers have them)."""
+        self._drop_before(bisect.bisect_left(self.seqs, min(seq, self.end)), min(seq, self.end))
+
+    def keep_newest(self, count: int) -> None:
+        """Keep the newest ``count`` entries (policy "lag"; gaps do not count: entries do)."""
+        drop = max(0, len(self.seqs) - count)
+        self._drop_before(drop, self.seqs[drop] if drop < len(self.seqs) else self.end)
+
+    def _drop_before(self, index: int, keep_from: int) -> None:
         """Forget the first ``index`` entries; ``keep_from``: the first number still held."""
         if keep_from > self.base:
             del self.items[:index]
@@ -160,6 +187,60 @@ class _Held:
         return first, count
 
 
+class _Sender:
+    """What goes to one reader next, from what is held, its place and its credit."""
+
+    def __init__(self, held: _Held, key: bytes | None) -> None:
+        self.held = held
+        self._key = key
+
+    def send_to(self, client: _Client, batches: dict[tuple[int, int], list[Any]], send: Sink) -> int:
+        held = self.held
+        # A reader that needs what the server no longer holds (policy "lag", a resume after a
+        # restart) is told exactly what is lost. No credit is granted for the gap: the reader
+        # acknowledges it once it has taken the report, so it never holds more than `window`.
+        if client.next_send < held.base and not self._report_gap(client, held.base, send):
+            return 0
+        # Credit: the reader may hold `window` messages it has not acknowledged, no more. That
+        # bounds its queue, and under "block" it is what holds the writer back.
+        limit = min(held.end, client.acked + client.window)
+        if client.next_send < limit:
+            seqs = held.seqs
+            lo = bisect.bisect_left(seqs, client.next_send)
+            if lo == len(seqs) or seqs[lo] != client.next_send:
+                # In a gap of the server's own: say what it holds next, and go on from there.
+                if not self._report_gap(client, seqs[lo] if lo < len(seqs) else held.end, send):
+                    return 0
+                if client.next_send >= limit:
+                    return 0  # no credit beyond the gap until the reader takes the report
+            first, count = held.run(lo, limit)
+            frames = batches.get((first, count))
+            if frames is None:
+                frames = wire.sign(self._key, wire.encode_batch(first, held.items[lo : lo + count]))
+                batches[(first, count)] = frames
+            if not send(client.ident, frames):
+                client.choked = True
+                return 0
+            client.choked = False
+            client.next_send += count
+            return count
+        if held.done and not client.ended and client.next_send >= held.end:
+            if send(client.ident, wire.sign(self._key, [wire.END, wire.U64.pack(held.end), held.done.encode()])):
+                client.ended = True
+            else:
+                client.choked = True
+        return 0
+
+    def _report_gap(self, client: _Client, after: int, send: Sink) -> bool:
+        """Tell ``client`` that everything from its place up to ``after`` is lost; move it there."""
+        lagged = [wire.LAGGED, wire.U64x2.pack(after, after - client.next_send)]
+        if not send(client.ident, wire.sign(self._key, lagged)):
+            client.choked = True
+            return False
+        client.next_send = after
+        return True
+
+
 class ServerProtocol:
     """The server's side: what it holds of the stream and what each remote reader may get.
 
@@ -169,38 +250,19 @@ class ServerProtocol:
     forgets what no reader needs, ``heartbeat`` (when ``heartbeat_due``) drops silent readers
     and tells the others how far the stream goes."""
 
-    def __init__(
-        self,
-        *,
-        policy: str,
-        key: bytes | None,
-        window: int,
-        buffer_max: int,
-        hb_interval: float,
-        hb_timeout: float,
-        max_remote: int,
-        start: int,
-        now: float,
-        returning: int = 0,
-    ) -> None:
-        """``key``: the HMAC key (insecure mode), None under CurveZMQ. ``start``: the number of
-        the next message the ring will give. ``returning``: this server replaces one that died,
-        which served that many readers (see ``_awaiting_return``)."""
-        self._policy = policy
-        self._block = policy == "block"
-        self._key = key
-        self._window = window
-        self._buffer_max = buffer_max
-        self._hb_interval = hb_interval
-        self._hb_timeout = hb_timeout
-        self._max_remote = max_remote
+    def __init__(self, config: ServerConfig, *, start: int, now: float, returning: int = 0) -> None:
+        """``start``: the number of the next message the ring will give. ``returning``: this
+        server replaces one that died, which served that many readers (``_awaiting_return``)."""
+        self._cfg = config
+        self._block = config.policy == "block"
         self._returning = returning
-        self._grace_until = now + 2 * hb_timeout
+        self._grace_until = now + 2 * config.hb_timeout
         self._held = _Held(start)
+        self._sender = _Sender(self._held, config.key)
         self._clients: dict[bytes, _Client] = {}
         self._stop_at: float | None = None
         #: when the next heartbeat is due
-        self.next_heartbeat = now + hb_interval
+        self.next_heartbeat = now + config.hb_interval
         self.dropped = 0
         self.rejected_frames = 0
 
@@ -214,7 +276,7 @@ class ServerProtocol:
         """Whether to take more from the ring: not after its end, and under "block" not beyond
         ``buffer_max`` held (the ring then holds the writer back, as a slow local reader would)."""
         held = self._held
-        return held.done is None and (not self._block or len(held.seqs) < self._buffer_max)
+        return held.done is None and (not self._block or len(held.seqs) < self._cfg.buffer_max)
 
     def add(self, seq: int, item: tuple[Any, int]) -> None:
         """Message ``seq`` taken from the ring: ``(body, flags)``."""
@@ -243,7 +305,7 @@ class ServerProtocol:
             # must not get further.
             return self._reject(ident, "a frame larger than a control frame", send)
         try:
-            frames = wire.verify(self._key, frames)
+            frames = wire.verify(self._cfg.key, frames)
         except wire.FrameError as exc:
             self.rejected_frames += 1
             return Rejected(ident, str(exc), None, self.rejected_frames)
@@ -291,7 +353,7 @@ class ServerProtocol:
             if n > client.acked:
                 client.acked = min(n, client.next_send)
         elif kind == wire.NACK:
-            if now - client.resent_at < self._hb_interval:
+            if now - client.resent_at < self._cfg.hb_interval:
                 return None  # what it asked for a moment ago is on its way; it asks again if not
             client.resent_at = now
             # Rewind to n, within what it may ask for: not before what it acknowledged (it has
@@ -311,10 +373,12 @@ class ServerProtocol:
         if hello.version != wire.PROTOCOL_VERSION:
             self._send(send, ident, [wire.REFUSED, b"protocol version mismatch"])
             return None
-        if client is not None and now - client.resent_at < self._hb_interval:
+        if client is not None and now - client.resent_at < self._cfg.hb_interval:
             return None  # it said HELLO a moment ago; it says it again if the WELCOME is lost
-        if client is None and len(self._clients) >= self._max_remote:
-            self._send(send, ident, [wire.REFUSED, f"all {self._max_remote} remote reader places are taken".encode()])
+        if client is None and len(self._clients) >= self._cfg.max_remote:
+            self._send(
+                send, ident, [wire.REFUSED, f"all {self._cfg.max_remote} remote reader places are taken".encode()]
+            )
             return None
         if hello.resume is not None and self._returning:
             self._returning -= 1
@@ -326,13 +390,13 @@ class ServerProtocol:
         # what the server holds, transmit tells it exactly what it lost.
         start = horizon if hello.resume is None else hello.resume
         info = ClientInfo(hello.name[:NAME_BYTES], hello.pid, hello.host)
-        window = min(hello.window, self._window)
+        window = min(hello.window, self._cfg.window)
         self._clients[ident] = _Client(ident, info, window, start, start, now, now)
         welcome = {
             "start": start,
-            "policy": self._policy,
-            "hb_interval": self._hb_interval,
-            "hb_timeout": self._hb_timeout,
+            "policy": self._cfg.policy,
+            "hb_interval": self._cfg.hb_interval,
+            "hb_timeout": self._cfg.hb_timeout,
             "window": window,  # the credit granted: the reader acknowledges every half of it
         }
         self._send(send, ident, [wire.WELCOME, wire.encode_json(welcome)])
@@ -340,7 +404,7 @@ class ServerProtocol:
 
     # --- frames to readers ----------------------------------------------------------------------
     def _send(self, send: Sink, ident: bytes, frames: list[Any]) -> bool:
-        return send(ident, wire.sign(self._key, frames))
+        return send(ident, wire.sign(self._cfg.key, frames))
 
     def transmit(self, send: Sink) -> int:
         """Send every reader what its credit allows; the number of messages the transport took."""
@@ -350,56 +414,11 @@ class ServerProtocol:
         batches: dict[tuple[int, int], list[Any]] = {}
         for client in list(self._clients.values()):
             try:
-                sent += self._transmit_to(client, batches, send)
+                sent += self._sender.send_to(client, batches, send)
             except Exception:  # a bug: it must not take the other readers down with it
                 log.exception("aiobroadcast: the TCP server failed to send to %r; dropped it", client.info.name)
                 self._clients.pop(client.ident, None)
         return sent
-
-    def _transmit_to(self, client: _Client, batches: dict[tuple[int, int], list[Any]], send: Sink) -> int:
-        held = self._held
-        # A reader that needs what the server no longer holds (policy "lag", a resume after a
-        # restart) is told exactly what is lost. No credit is granted for the gap: the reader
-        # acknowledges it once it has taken the report, so it never holds more than `window`.
-        if client.next_send < held.base and not self._report_gap(client, held.base, send):
-            return 0
-        # Credit: the reader may hold `window` messages it has not acknowledged, no more. That
-        # bounds its queue, and under "block" it is what holds the writer back.
-        limit = min(held.end, client.acked + client.window)
-        if client.next_send < limit:
-            seqs = held.seqs
-            lo = bisect.bisect_left(seqs, client.next_send)
-            if lo == len(seqs) or seqs[lo] != client.next_send:
-                # In a gap of the server's own: say what it holds next, and go on from there.
-                if not self._report_gap(client, seqs[lo] if lo < len(seqs) else held.end, send):
-                    return 0
-                if client.next_send >= limit:
-                    return 0  # no credit beyond the gap until the reader takes the report
-            first, count = held.run(lo, limit)
-            frames = batches.get((first, count))
-            if frames is None:
-                frames = wire.sign(self._key, wire.encode_batch(first, held.items[lo : lo + count]))
-                batches[(first, count)] = frames
-            if not send(client.ident, frames):
-                client.choked = True
-                return 0
-            client.choked = False
-            client.next_send += count
-            return count
-        if held.done and not client.ended and client.next_send >= held.end:
-            if self._send(send, client.ident, [wire.END, wire.U64.pack(held.end), held.done.encode()]):
-                client.ended = True
-            else:
-                client.choked = True
-        return 0
-
-    def _report_gap(self, client: _Client, after: int, send: Sink) -> bool:
-        """Tell ``client`` that everything from its place up to ``after`` is lost; move it there."""
-        if not self._send(send, client.ident, [wire.LAGGED, wire.U64x2.pack(after, after - client.next_send)]):
-            client.choked = True
-            return False
-        client.next_send = after
-        return True
 
     @property
     def choked(self) -> bool:
@@ -410,16 +429,10 @@ class ServerProtocol:
     def trim(self, now: float) -> None:
         """Forget what no reader needs: under "block" what every reader acknowledged (a reader
         that joins later starts after it); under "lag" all but the newest ``buffer_max``."""
-        held = self._held
-        if self._block:
-            if self._awaiting_return(now):
-                return
-            keep_from = min(min((c.acked for c in self._clients.values()), default=held.end), held.end)
-            drop = bisect.bisect_left(held.seqs, keep_from)
-        else:  # gaps do not count: entries do
-            drop = max(0, len(held.seqs) - self._buffer_max)
-            keep_from = held.seqs[drop] if drop < len(held.seqs) else held.end
-        held.drop_before(drop, keep_from)
+        if not self._block:
+            self._held.keep_newest(self._cfg.buffer_max)
+        elif not self._awaiting_return(now):
+            self._held.keep_from(min((c.acked for c in self._clients.values()), default=self._held.end))
 
     def _awaiting_return(self, now: float) -> bool:
         """Whether readers of the server this one replaces may still come back (for at most
@@ -434,11 +447,11 @@ class ServerProtocol:
     def heartbeat(self, now: float, send: Sink) -> list[TimedOut]:
         """Drop the readers silent for longer than the timeout; tell the others how far the
         stream goes (lost if a reader's queue is full: the next one goes a heartbeat later)."""
-        self.next_heartbeat = now + self._hb_interval
+        self.next_heartbeat = now + self._cfg.hb_interval
         out: list[TimedOut] = []
         beat = [wire.HEARTBEAT, wire.U64x2.pack(self._held.end, 1 if self._held.done else 0)]
         for ident, client in list(self._clients.items()):
-            if now - client.last_heard > self._hb_timeout:
+            if now - client.last_heard > self._cfg.hb_timeout:
                 del self._clients[ident]
                 self.dropped += 1
                 out.append(TimedOut(ident, client.info, now - client.last_heard, client.acked, self._held.end))
@@ -482,7 +495,7 @@ class ServerProtocol:
     def __repr__(self) -> str:
         h = self._held
         return (
-            f"<ServerProtocol [{self._policy}, held {h.base}..{h.end} ({len(h.seqs)}), "
+            f"<ServerProtocol [{self._cfg.policy}, held {h.base}..{h.end} ({len(h.seqs)}), "
             f"{len(self._clients)} readers{', ' + h.done if h.done else ''}]>"
         )
 

@@ -34,7 +34,7 @@ from .._ring import W_NEXT_MSG, Segment, attach_segment
 from .._shm_reader import ShmSource
 from . import wire
 from .errors import zmq_errors
-from .protocol import Rejected, ServerEvent, ServerProtocol, TimedOut
+from .protocol import Rejected, ServerConfig, ServerEvent, ServerProtocol, TimedOut
 from .supervisor import remove_quietly, stats_tmp_path
 
 log = logging.getLogger("aiobroadcast")
@@ -131,7 +131,7 @@ class TcpServer:
             raise
         self._ctrl_r = stop_fd
         os.set_blocking(self._ctrl_r, False)
-        self.protocol = ServerProtocol(
+        config = ServerConfig(
             policy=handle.policy,
             key=hmac_key if insecure else None,
             window=window,
@@ -139,10 +139,8 @@ class TcpServer:
             hb_interval=hb_interval,
             hb_timeout=hb_timeout,
             max_remote=max_remote,
-            start=self._src.next_msg,
-            now=time.monotonic(),
-            returning=returning,
         )
+        self.protocol = ServerProtocol(config, start=self._src.next_msg, now=time.monotonic(), returning=returning)
         self._complaints: dict[bytes, float] = {}
         self._report_failing = False
 

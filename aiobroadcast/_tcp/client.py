@@ -367,6 +367,8 @@ class TcpSource:
         self._lagged_total = 0
         self._closed = False
         self._inbox = _Inbox()
+        # the inbox's lock and queue, named here for get_nowait (once per message)
+        self._lock, self._items = self._inbox.lock, self._inbox.items
         try:
             self._pump = _Pump(handle, self._proto, self._inbox)
         except BaseException:
@@ -401,13 +403,13 @@ class TcpSource:
 
     # --- Source ----------------------------------------------------------------------------
     def get_nowait(self) -> Any:
-        inbox = self._inbox
-        with inbox.lock:
-            if not inbox.items:
+        items = self._items
+        with self._lock:
+            if not items:
                 raise WouldBlock
-            item = inbox.items[0]
+            item = items[0]
             if isinstance(item, Lagged):
-                inbox.items.popleft()
+                items.popleft()
         if isinstance(item, tuple):
             # Taken only once decoded, or found undecodable: a BaseException from decoding (Ctrl-C,
             # SystemExit) leaves it first in the queue for the next get. One consumer at a time
@@ -434,14 +436,16 @@ class TcpSource:
         raise WriterGone(self._handle.writer_pid)
 
     def _consume(self, seq: int) -> None:
-        with self._inbox.lock:
-            self._inbox.items.popleft()
-        self._pump.consumed = seq + 1
+        with self._lock:
+            self._items.popleft()
+        pump = self._pump
+        pump.consumed = consumed = seq + 1
         self._received += 1
         # Half the window consumed: wake the I/O thread to acknowledge it now, or the server,
-        # out of credit, sends nothing more until the next heartbeat.
-        if self._pump.consumed % max(1, self._proto.window // 2) == 0:
-            self._pump.poke()
+        # out of credit, sends nothing more until the next heartbeat. (The window is final once
+        # welcomed, and nothing is consumed before.)
+        if consumed % max(1, self._proto.window // 2) == 0:
+            pump.poke()
 
     def ready(self) -> bool:
         with self._inbox.lock:

@@ -8,6 +8,8 @@ ones included. tests/test_tcp*.py run the same rules over real sockets and proce
 from __future__ import annotations
 
 import secrets
+import subprocess
+import sys
 from collections import defaultdict
 from typing import Any
 
@@ -695,3 +697,14 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
     assert queue and queue[0] == Ended("closed"), (queue, accounted, seq)
     assert accounted == seq
     assert taken == sorted(set(taken))
+
+
+def test_the_wire_and_the_protocol_load_no_zeromq() -> None:
+    """The CLI takes the server's ring-place name from wire.py, and the protocol is sans-IO:
+    importing either must not load ZeroMQ (a fresh interpreter, so nothing else loaded it)."""
+    code = (
+        "import sys, aiobroadcast._tcp.wire, aiobroadcast._tcp.protocol; "
+        "print(sorted(m for m in sys.modules if m == 'zmq' or m.startswith('zmq.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

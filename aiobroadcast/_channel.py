@@ -33,7 +33,7 @@ from ._shm.wake import Inbox, poll, poll_blocking
 from ._stats import WriterStatistics
 
 if TYPE_CHECKING:
-    from ._tcp_supervisor import ServerProcess
+    from ._tcp.supervisor import ServerProcess
 
 
 class WriterChannel:

@@ -32,7 +32,7 @@ from ._reader import _private as _reader_token
 from ._shm import layout as _layout
 from ._shm import segment as _segment
 from ._shm.subscriber import ShmSource
-from ._tcp_supervisor import SERVER_START_S, ServerProcess, read_answer
+from ._tcp.supervisor import SERVER_START_S, ServerProcess, read_answer
 from ._writer import Writer
 from ._writer import _private as _writer_token
 
@@ -484,7 +484,7 @@ async def _open_source(
 ) -> Source:
     """The transport's side of a reader: the ring when asked for or reachable, else TCP."""
     if _over_tcp(h, transport):
-        from ._tcp_client import TcpSource
+        from ._tcp.client import TcpSource
 
         tcp_source = TcpSource(h, name, decode)
         await tcp_source.wait_welcome(connect_timeout)

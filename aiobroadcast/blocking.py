@@ -525,7 +525,7 @@ def open_reader(
     reader_name, decode = spec.decoder(h)
     source: _Source
     if _over_tcp(h, spec.transport):
-        from ._tcp_client import TcpSource
+        from ._tcp.client import TcpSource
 
         tcp_source = TcpSource(h, reader_name, decode)
         tcp_source.wait_welcome_blocking(spec.connect_timeout)

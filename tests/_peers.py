@@ -21,7 +21,7 @@ import zmq
 from _tcp_workers import ASYNCIO, TRIO, UVLOOP, Backend, Event, check_message, terminal
 
 import aiobroadcast as ab
-from aiobroadcast import _wire as wire
+from aiobroadcast._tcp import wire
 
 LOOPBACK = "tcp://127.0.0.1:0"
 #: heartbeat_s of most TCP tests (the default): a test machine starved for a second must not get
@@ -174,7 +174,7 @@ def server_processes(pid: int) -> list[Any]:
     out = []
     for p in psutil.Process(pid).children(recursive=True):
         try:
-            if "aiobroadcast._tcp_server" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
+            if "aiobroadcast._tcp.server" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p)
         except psutil.NoSuchProcess:
             pass

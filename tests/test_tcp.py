@@ -64,7 +64,7 @@ from _tcp_workers import (
 
 import aiobroadcast as ab
 from aiobroadcast import _tuning
-from aiobroadcast import _wire as wire
+from aiobroadcast._tcp import wire
 
 pytestmark = pytest.mark.anyio
 
@@ -979,100 +979,3 @@ def test_batches_put_large_bodies_in_frames_of_their_own_and_decode_back() -> No
     for parts in ([b"abcd", b"ef"], [b"abc", b"def", b""], [b"abc"], []):  # a body across frames, too many, too few
         with pytest.raises(wire.FrameError):
             wire.decode_batch(head, parts)
-
-
-class _FakeRing:
-    """What TcpServer takes from the ring: messages, and ReaderLagged where the ring lost some."""
-
-    def __init__(self) -> None:
-        self.queue: list[Any] = []
-        self.next_msg = 0  #: as ShmSource: the number of the next message it expects
-
-    def get_nowait(self) -> Any:
-        if not self.queue:
-            raise ab.WouldBlock
-        item = self.queue.pop(0)
-        if isinstance(item, ab.ReaderLagged):
-            self.next_msg += item.missed
-            raise item
-        self.next_msg += 1
-        return item
-
-
-class _FakeRouter:
-    def __init__(self) -> None:
-        self.sent: list[list[Any]] = []
-
-    def send_multipart(self, frames: list[Any], flags: int = 0) -> None:
-        self.sent.append(frames)
-
-
-def _bare_server(policy: str, window: int, buffer_max: int) -> tuple[Any, _FakeRing, _FakeRouter]:
-    """A TcpServer's bookkeeping without its process, sockets or ring."""
-    import threading
-    from types import SimpleNamespace
-
-    from aiobroadcast._tcp_server import TcpServer, _Client
-
-    srv: Any = object.__new__(TcpServer)
-    ring, router = _FakeRing(), _FakeRouter()
-    srv.__dict__.update(
-        _handle=SimpleNamespace(policy=policy, capacity=4), _window=window, _buffer_max=buffer_max,
-        _block=policy == "block", _key=None, _lock=threading.Lock(), _clients={}, _buf=[], _seqs=[], _base=0,
-        _end=0, _ring_done=None, _src=ring, _router=router,
-    )
-    srv._clients[b"r"] = _Client(ident=b"r", name="r", pid=1, window=window, next_send=0, acked=0, last_heard=0.0)
-    return srv, ring, router
-
-
-def _what_it_got(router: _FakeRouter) -> list[tuple[str, int]]:
-    out: list[tuple[str, int]] = []
-    for frames in router.sent:
-        if frames[1] == wire.BATCH:
-            first, items = wire.decode_batch(frames[2], frames[3:])
-            out += [("msg", first + k) for k in range(len(items))]
-        elif frames[1] == wire.LAGGED:
-            _from_seq, missed = wire.U64x2.unpack(frames[2])
-            out.append(("lagged", missed))
-    router.sent.clear()
-    return out
-
-
-def test_server_behind_its_own_ring_keeps_what_it_holds_and_reports_only_the_gap() -> None:
-    """When the server's own ring reader lags (policy "lag"), the messages it already held are
-    still sent; a remote reader is told exactly the gap (here 3), no more."""
-    srv, ring, router = _bare_server("lag", window=4, buffer_max=16)
-    client = srv._clients[b"r"]
-    ring.queue += [(b"m%d" % i, 0) for i in range(6)]
-    srv._pull_ring()
-    srv._send_clients()
-    assert _what_it_got(router) == [("msg", i) for i in range(4)]  # the window
-    ring.queue += [ab.ReaderLagged(3), (b"x", 0), (b"y", 0), (b"big" * wire.FRAME_ALONE, 0)]
-    srv._pull_ring()
-    srv._trim()
-    assert srv._end == 12
-    got: list[tuple[str, int]] = []
-    for _ in range(6):  # the reader acknowledges what it has
-        client.acked = client.next_send
-        srv._send_clients()
-        srv._trim()
-        got += _what_it_got(router)
-    assert got == [("msg", 4), ("msg", 5), ("lagged", 3), ("msg", 9), ("msg", 10), ("msg", 11)]
-
-
-def test_server_buffer_under_lag_keeps_the_newest_entries_across_gaps() -> None:
-    """Trimming counts held entries, not seq numbers: a reader far behind is told what it lost
-    up to the oldest entry kept (gaps included), then gets the rest in order."""
-    srv, ring, router = _bare_server("lag", window=100, buffer_max=4)
-    client = srv._clients[b"r"]
-    client.acked = client.next_send = 0
-    ring.queue += [(b"a", 0), (b"b", 0), ab.ReaderLagged(5), (b"c", 0), (b"d", 0), ab.ReaderLagged(2), (b"e", 0)]
-    srv._pull_ring()
-    srv._trim()
-    assert srv._seqs == [1, 7, 8, 11] and srv._base == 1
-    srv._send_clients()
-    srv._send_clients()
-    srv._send_clients()
-    assert _what_it_got(router) == [
-        ("lagged", 1), ("msg", 1), ("lagged", 5), ("msg", 7), ("msg", 8), ("lagged", 2), ("msg", 11),
-    ]

@@ -27,7 +27,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import aiobroadcast as ab
-from aiobroadcast import _wire as wire
+from aiobroadcast._tcp import wire
 
 pytestmark = pytest.mark.anyio
 

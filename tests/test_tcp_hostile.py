@@ -45,7 +45,7 @@ from _peers import (
 from _tcp_workers import ASYNCIO, fill_until_blocked, message, spawn
 
 import aiobroadcast as ab
-from aiobroadcast import _wire as wire
+from aiobroadcast._tcp import wire
 
 pytestmark = pytest.mark.anyio
 

@@ -68,15 +68,21 @@ def _nbytes(f: Any) -> int:
     return memoryview(f).nbytes
 
 
-def sign(key: bytes | None, frames: list[Any]) -> list[Any]:
-    """``frames``: bytes or any buffer (a ``zmq.Frame``); with a key, the HMAC frame is added."""
-    if key is None:
-        return frames
+def _mac(key: bytes, frames: Sequence[Any]) -> bytes:
+    """HMAC-SHA256 of the frames, each preceded by its length (so no two different frame
+    groups, e.g. ``[b"ab", b"c"]`` and ``[b"a", b"bc"]``, have the same signature)."""
     mac = hmac.new(key, digestmod=hashlib.sha256)
     for f in frames:
         mac.update(U64.pack(_nbytes(f)))
         mac.update(f)
-    return [*frames, mac.digest()]
+    return mac.digest()
+
+
+def sign(key: bytes | None, frames: list[Any]) -> list[Any]:
+    """``frames``: bytes or any buffer (a ``zmq.Frame``); with a key, the HMAC frame is added."""
+    if key is None:
+        return frames
+    return [*frames, _mac(key, frames)]
 
 
 def verify(key: bytes | None, frames: list[Any]) -> list[Any]:
@@ -86,11 +92,7 @@ def verify(key: bytes | None, frames: list[Any]) -> list[Any]:
     if len(frames) < 2 or _nbytes(frames[-1]) != MAC_BYTES:
         raise FrameError("missing signature")
     body = frames[:-1]
-    mac = hmac.new(key, digestmod=hashlib.sha256)
-    for f in body:
-        mac.update(U64.pack(_nbytes(f)))
-        mac.update(f)
-    if not hmac.compare_digest(mac.digest(), bytes(frames[-1])):
+    if not hmac.compare_digest(_mac(key, body), bytes(frames[-1])):
         raise FrameError("bad signature")
     return body
 

@@ -1,6 +1,6 @@
 """The writer's side of its TCP server process: start it, notice when it dies, start it again.
 
-The server (``_tcp_server.py``) is a process of its own. If it dies while the writer lives (a
+The server (``server.py``) is a process of its own. If it dies while the writer lives (a
 bug, the OOM killer, a stray SIGKILL), a thread of the writer's process that waits for it notices
 at once: it logs the death, removes the dead server's report (so ``statistics()`` stops listing
 readers nobody serves) and starts a new server on the same endpoint with the same keys, which
@@ -23,7 +23,7 @@ import threading
 import time
 from typing import Any
 
-from ._stats import ReaderInfo, TcpServerState
+from .._stats import ReaderInfo, TcpServerState
 
 log = logging.getLogger("aiobroadcast")
 
@@ -38,7 +38,8 @@ RESTART_MAX_S = 5.0
 #: a server that ran this long before dying is restarted at once
 STABLE_S = 60.0
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+#: the directory that holds the ``aiobroadcast`` package this module belongs to
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def stats_tmp_path(stats_path: str) -> str:
@@ -107,7 +108,7 @@ class ServerProcess:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "aiobroadcast._tcp_server"],
+            [sys.executable, "-m", "aiobroadcast._tcp.server"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             close_fds=True,

@@ -1,0 +1,508 @@
+"""A remote reader's source: ZeroMQ I/O in a thread, messages handed to the event loop.
+
+The thread keeps the connection alive (heartbeats, acknowledgements, resend requests) even
+while the reader's event loop is busy; the loop only pops decoded-on-demand messages from a
+queue bounded by the credit window.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from .._exceptions import (
+    DeserializationError,
+    EndOfStream,
+    InvalidHandle,
+    ReaderLagged,
+    TransportError,
+    WouldBlock,
+    WriterGone,
+)
+from .._handle import Handle
+from .._shm.layout import host_name
+from .._stats import ReaderStatistics
+from . import wire
+from .errors import protocol_error, zmq_errors
+from .protocol import ClientProtocol, Ended, Lagged, Messages, Refused, Welcomed
+
+#: what the reader's queue holds: messages ``(seq, flags, body)``, and the events it raises
+#: where they fall in the stream (a refusal after the WELCOME is a ``Refused``)
+_Item = tuple[int, int, Any] | Lagged | Ended | Refused
+
+#: What the handshake monitor listens to (nothing else: connects and retries are not its business).
+_HANDSHAKE_EVENTS = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+#: Handshakes the server cut short, in a row and before any succeeded, that mean a refusal. A
+#: CurveZMQ server that cannot decrypt HELLO (the handle's server_key is not its key) closes the
+#: connection without a word: the client only sees it closed, each time it reconnects (0.1 s).
+#: One such close could be a server going away; three in a row are the server refusing.
+_CLOSED_HANDSHAKES_REFUSED = 3
+
+
+class _Inbox:
+    """The reader's queue, filled by the I/O thread, and the wake-up of a reader asleep on it.
+
+    Bounded by the credit window: the server sends no more than that beyond what the reader
+    acknowledged, and the reader acknowledges only what it took."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.items: collections.deque[_Item] = collections.deque()
+        #: how the stream ended (END, silence, refusal), once queued
+        self.terminal: Ended | Refused | None = None
+        self._sleeping = False
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+
+    def push(self, item: Lagged | Ended | Refused) -> None:
+        with self.lock:
+            last = self.items[-1] if self.items else None
+            if isinstance(item, Lagged) and isinstance(last, Lagged):
+                # Gaps reported one after another while the user did not read: one report, like
+                # a local reader's (and the queue stays bounded by the window).
+                self.items[-1] = Lagged(last.missed + item.missed, item.resume_at)
+            else:
+                self.items.append(item)
+            if not isinstance(item, Lagged):
+                self.terminal = item
+            wake = self._sleeping
+        if wake:
+            self.wake()
+
+    def push_batch(self, batch: Messages) -> None:
+        """Queue a batch's messages: one lock and at most one wake-up for all of them."""
+        first = batch.first
+        with self.lock:
+            self.items.extend((first + k, flags, body) for k, (body, flags) in enumerate(batch.items))
+            wake = self._sleeping
+        if wake:
+            self.wake()
+
+    def wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except BlockingIOError:
+            pass  # full: the sleeper is being woken already
+
+    def begin_sleep(self) -> bool:
+        """Announce a sleep; True if there is no need (something is queued)."""
+        with self.lock:
+            if self.items:
+                return True
+            self._sleeping = True
+        return False
+
+    def end_sleep(self) -> None:
+        with self.lock:
+            self._sleeping = False
+
+    @property
+    def fd(self) -> int:
+        return self._wake_r.fileno()
+
+    def drain(self) -> bool:
+        got = False
+        try:
+            while self._wake_r.recv(64):
+                got = True
+        except BlockingIOError:
+            pass
+        return got
+
+    def close(self) -> None:
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+class _HandshakeWatch:
+    """Watches the CurveZMQ handshake until it succeeds (then it stops, and the happy path
+    costs nothing more): a refused handshake fails open_reader at once, with the reason,
+    instead of after connect_timeout."""
+
+    def __init__(self, dealer: zmq.Socket[bytes], where: str) -> None:
+        self._dealer = dealer
+        self._where = where
+        self._closed_handshakes = 0
+        self.socket = dealer.get_monitor_socket(_HANDSHAKE_EVENTS)
+        self.socket.linger = 0
+        self.done = False
+
+    def stop(self) -> None:
+        if not self.done:
+            self.done = True
+            self._dealer.disable_monitor()
+            self.socket.close(linger=0)
+
+    def refusal(self) -> str | None:
+        """Take the monitor's events; the reason if the server refused the handshake."""
+        while not self.done:
+            try:
+                event = recv_monitor_message(self.socket, zmq.NOBLOCK)
+            except zmq.Again:
+                return None
+            kind, value = event["event"], event["value"]
+            where = self._where
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.stop()
+                return None
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                return (
+                    f"{where} refused this reader's keys at the CurveZMQ handshake (ZAP status {value}): "
+                    "the handle's client key pair is not this channel's"
+                )
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
+                return (
+                    f"{where} refused this reader's keys: the handshake failed with {protocol_error(value)} "
+                    "(the handle's keys are not that server's, or only one side is insecure=True)"
+                )
+            # EVENT_HANDSHAKE_FAILED_NO_DETAIL: the server closed the connection mid-handshake
+            self._closed_handshakes += 1
+            if self._closed_handshakes >= _CLOSED_HANDSHAKES_REFUSED:
+                return (
+                    f"{where} refused this reader's keys: it closed {self._closed_handshakes} handshakes "
+                    "in a row (the handle's server_key is not that server's key, or only one side is "
+                    "insecure=True)"
+                )
+        return None
+
+
+class _Pump:
+    """The I/O thread of a remote reader: moves frames between the DEALER socket and the
+    ``ClientProtocol``, and what the protocol makes of them into the inbox. It keeps the
+    connection alive (heartbeats, acknowledgements, resend requests) while the reader's event
+    loop is busy."""
+
+    def __init__(self, handle: Handle, proto: ClientProtocol, inbox: _Inbox) -> None:
+        self._proto = proto
+        self._inbox = inbox
+        #: the next message the user has not consumed (written by the user's thread only)
+        self.consumed = 0
+        self.welcome = threading.Event()
+        self.welcome_error: str | None = None
+        self._stop = False
+        self._ctrl_r, self._ctrl_w = socket.socketpair()
+        self._ctrl_r.setblocking(False)
+        self._ctrl_w.setblocking(False)
+        self._ctx = zmq.Context()
+        d = self._dealer = self._ctx.socket(zmq.DEALER)
+        self._watch: _HandshakeWatch | None = None
+        try:
+            # Bad keys, or an endpoint ZeroMQ cannot use, fail here.
+            with zmq_errors(TransportError, f"cannot connect to the writer at {handle.tcp}"):
+                self._configure(d, handle)
+        except BaseException:
+            self._close_sockets()
+            self._ctrl_r.close()
+            self._ctrl_w.close()
+            raise
+        self._thread = threading.Thread(target=self._run, name="aiobroadcast-tcp-reader", daemon=True)
+        self._thread.start()
+
+    def _configure(self, d: zmq.Socket[bytes], handle: Handle) -> None:
+        assert handle.tcp is not None
+        d.linger = 0
+        d.sndhwm = 0
+        d.rcvhwm = 0
+        d.maxmsgsize = wire.DEFAULT_MAX_FRAME
+        d.reconnect_ivl = 100
+        d.reconnect_ivl_max = 1000
+        d.routing_id = os.urandom(16)
+        if not handle.insecure:
+            assert handle.server_key and handle.client_public_key and handle.client_secret_key
+            d.curve_serverkey = handle.server_key.encode()
+            d.curve_publickey = handle.client_public_key.encode()
+            d.curve_secretkey = handle.client_secret_key.encode()
+        self._watch = _HandshakeWatch(d, f"the writer's server at {handle.tcp}")
+        d.connect(handle.tcp)
+
+    def poke(self) -> None:
+        """Make the thread look at its timers now (from the user's thread)."""
+        try:
+            self._ctrl_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    def stop(self) -> None:
+        self._stop = True
+        self.poke()
+        self._thread.join()
+        self._ctrl_r.close()
+        self._ctrl_w.close()
+
+    def _flush(self) -> None:
+        """Send what the protocol has to say; a frame ZeroMQ does not take now is dropped (the
+        protocol repeats whatever matters on a later tick)."""
+        for frames in self._proto.data_to_send():
+            self._send(frames)
+
+    def _send(self, frames: list[Any]) -> None:
+        try:
+            self._dealer.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:
+            try:
+                self._send(self._proto.bye())
+            finally:
+                self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+        self._dealer.close(linger=0)
+        self._ctx.term()
+
+    def _loop(self) -> None:
+        proto = self._proto
+        poller = zmq.Poller()
+        poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._ctrl_r, zmq.POLLIN)
+        watch = self._watch
+        if watch is not None:
+            poller.register(watch.socket, zmq.POLLIN)
+        self._flush()  # the HELLO
+        while not self._stop:
+            poller.poll(int(proto.hb_interval * 500))
+            try:
+                self._ctrl_r.recv(4096)
+            except BlockingIOError:
+                pass
+            if watch is not None:
+                refusal = watch.refusal()
+                if refusal is not None:
+                    self.welcome_error = refusal
+                    self.welcome.set()
+                    return  # open_reader raises the reason
+                if watch.done:
+                    poller.unregister(watch.socket)
+                    watch = None
+            now = time.monotonic()
+            for _ in range(256):
+                try:
+                    msg = self._dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                # Large frames stay ZeroMQ's buffers (the bodies are views of them, copied once
+                # when decoded); small ones become bytes.
+                event = proto.receive([f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg], now)
+                if event is not None and self._on_event(event):
+                    self._flush()
+                    return  # the stream ended or the server refused us: everything it sent is queued
+            event = proto.tick(now, self.consumed)
+            self._flush()
+            if event is not None:
+                self._inbox.push(event)
+                return
+
+    def _on_event(self, event: Welcomed | Messages | Lagged | Ended | Refused) -> bool:
+        """Act on one event of the protocol; True when it ends the stream."""
+        if isinstance(event, Messages):
+            self._inbox.push_batch(event)
+        elif isinstance(event, Lagged):
+            self._inbox.push(event)
+        elif isinstance(event, Welcomed):
+            self.consumed = event.start
+            self.welcome.set()
+        elif isinstance(event, Refused) and not event.welcomed:
+            self.welcome_error = f"the writer refused this reader: {event.reason}"
+            self.welcome.set()
+            return True
+        else:
+            self._inbox.push(event)
+            return True
+        return False
+
+
+class TcpSource:
+    """A remote reader's ``Source``: the reader's thread takes from the inbox, which the I/O
+    thread (``_Pump``) fills."""
+
+    def __init__(
+        self,
+        handle: Handle,
+        name: str,
+        decode: Callable[[Any, bool], Any],
+        *,
+        window: int = 256,
+        gone_timeout: float | None = None,
+    ) -> None:
+        assert handle.tcp is not None
+        # Never fall back to unauthenticated frames because a handle lost its secrets.
+        if handle.insecure and not handle.hmac_key:
+            raise InvalidHandle("this insecure TCP handle has no hmac_key: frames could not be authenticated")
+        if not handle.insecure and not (handle.server_key and handle.client_public_key and handle.client_secret_key):
+            raise InvalidHandle("this TCP handle lacks the CurveZMQ keys (server_key, client keys)")
+        self._handle = handle
+        self._name = name
+        self._decode = decode
+        self._proto = ClientProtocol(
+            key=handle.hmac_key.encode() if handle.insecure and handle.hmac_key else None,
+            name=name,
+            pid=os.getpid(),
+            host=host_name(),
+            window=window,
+            now=time.monotonic(),
+            gone_timeout=gone_timeout,
+        )
+        self._received = 0
+        self._lagged_total = 0
+        self._closed = False
+        self._inbox = _Inbox()
+        # the inbox's lock and queue, named here for get_nowait (once per message)
+        self._lock, self._items = self._inbox.lock, self._inbox.items
+        try:
+            self._pump = _Pump(handle, self._proto, self._inbox)
+        except BaseException:
+            self._inbox.close()
+            raise
+
+    async def wait_welcome(self, limit_s: float) -> None:
+        try:
+            got = await anyio.to_thread.run_sync(self._pump.welcome.wait, limit_s, abandon_on_cancel=True)
+        except BaseException:  # cancelled while connecting: nobody will use this source
+            self.close()
+            raise
+        self._check_welcome(got, limit_s)
+
+    def wait_welcome_blocking(self, limit_s: float) -> None:
+        """``wait_welcome`` for a thread without an event loop."""
+        try:
+            got = self._pump.welcome.wait(limit_s)
+        except BaseException:  # interrupted while connecting: nobody will use this source
+            self.close()
+            raise
+        self._check_welcome(got, limit_s)
+
+    def _check_welcome(self, got: bool, limit_s: float) -> None:
+        if self._pump.welcome_error is not None or not got:
+            reason = self._pump.welcome_error or (
+                f"no answer from the writer at {self._handle.tcp} within {limit_s:g} s "
+                "(not reachable, not running, or it does not hold the key in the handle)"
+            )
+            self.close()
+            raise TransportError(reason)
+
+    # --- Source ----------------------------------------------------------------------------
+    def get_nowait(self) -> Any:
+        items = self._items
+        with self._lock:
+            if not items:
+                raise WouldBlock
+            item = items[0]
+            if isinstance(item, Lagged):
+                items.popleft()
+        if isinstance(item, tuple):
+            # Taken only once decoded, or found undecodable: a BaseException from decoding (Ctrl-C,
+            # SystemExit) leaves it first in the queue for the next get. One consumer at a time
+            # (Reader), and the I/O thread only appends: the head is still this message after.
+            seq, flags, body = item
+            try:
+                obj = self._decode(body, bool(flags & 1))
+            except Exception as exc:  # consumed, like a local reader's undecodable message
+                self._consume(seq)
+                raise DeserializationError(seq, exc) from exc
+            self._consume(seq)
+            return obj
+        if isinstance(item, Lagged):
+            self._lagged_total += item.missed
+            # The gap counts as taken: the server grants credit for what follows once it is
+            # acknowledged, so acknowledge at once.
+            self._pump.consumed = max(self._pump.consumed, item.resume_at)
+            self._pump.poke()
+            raise ReaderLagged(item.missed)
+        if isinstance(item, Refused):
+            raise TransportError(f"the writer refused this reader: {item.reason}")
+        if item.how == "closed":
+            raise EndOfStream
+        raise WriterGone(self._handle.writer_pid)
+
+    def _consume(self, seq: int) -> None:
+        with self._lock:
+            self._items.popleft()
+        pump = self._pump
+        pump.consumed = consumed = seq + 1
+        self._received += 1
+        # Half the window consumed: wake the I/O thread to acknowledge it now, or the server,
+        # out of credit, sends nothing more until the next heartbeat. (The window is final once
+        # welcomed, and nothing is consumed before.)
+        if consumed % max(1, self._proto.window // 2) == 0:
+            pump.poke()
+
+    def ready(self) -> bool:
+        with self._inbox.lock:
+            return bool(self._inbox.items)
+
+    async def sleep(self) -> None:
+        if self.begin_sleep():
+            return
+        try:
+            with anyio.move_on_after(self.sleep_limit_s):
+                await anyio.wait_readable(self._inbox.fd)
+            self.drain_inbox()
+        finally:
+            self.end_sleep(False)
+
+    # The sleep protocol of ShmSource, for a caller outside an event loop (the blocking reader).
+    def begin_sleep(self) -> bool:
+        """Announce a sleep; True if there is no need (something is queued)."""
+        return self._inbox.begin_sleep()
+
+    def end_sleep(self, woken: bool) -> None:
+        self._inbox.end_sleep()
+
+    @property
+    def sleep_limit_s(self) -> float:
+        return self._proto.hb_interval * 2
+
+    @property
+    def inbox_fd(self) -> int:
+        return self._inbox.fd
+
+    def drain_inbox(self) -> bool:
+        return self._inbox.drain()
+
+    def interrupt(self) -> None:
+        """Wake the sleeper (from another thread): it looks at the queue again."""
+        self._inbox.wake()
+
+    def statistics(self, tasks_waiting: int) -> ReaderStatistics:
+        return ReaderStatistics(
+            name=self._name,
+            place=-1,
+            received=self._received,
+            lagged=self._lagged_total,
+            lag=len(self._inbox.items),
+            tasks_waiting=tasks_waiting,
+            writer_pid=self._handle.writer_pid,
+            writer_closed=isinstance(self._inbox.terminal, Ended) and self._inbox.terminal.how == "closed",
+        )
+
+    def describe(self) -> str:
+        return f"tcp {self._handle.tcp} received={self._received}"
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pump.stop()
+        self._inbox.close()
+        self._pump.welcome.set()  # releases a worker thread left waiting by a cancelled wait_welcome

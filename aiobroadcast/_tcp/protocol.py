@@ -1,0 +1,706 @@
+"""The TCP protocol's two state machines, without sockets, threads or clocks (docs/tcp.md).
+
+``ServerProtocol`` is what the writer's server knows: the messages it holds for remote readers
+and each reader's place, credit and deadlines. ``ClientProtocol`` is what one remote reader
+knows: the next message it expects, what it has acknowledged, when it last heard the server.
+Both take frame groups (as they came off the socket, signature included) and the current time
+as arguments, and answer with typed events and frame groups to send. The I/O pumps
+(``server.py``, ``client.py``) only move frames between sockets and these objects, so every rule
+here is tested by feeding frames (tests/test_tcp_protocol.py).
+
+Frames out: the client's go to a list the pump empties (``data_to_send``), since a client never
+needs to know whether ZeroMQ took one (each is repeated by a later timer if lost). The server's
+go through a ``Sink`` the pump passes in, which says whether the transport took them: a batch
+that ZeroMQ refused (the reader's queue is full) was not sent, so the reader's place must not
+move past it, and the protocol has to know that at once, not after the fact.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .._shm.layout import NAME_BYTES
+from . import wire
+
+log = logging.getLogger("aiobroadcast")
+
+#: hands one frame group (signed) to the transport for the client ``ident``; False if the
+#: transport refused it (that client's queue is full, or it is not connected): nothing was sent
+Sink = Callable[[bytes, list[Any]], bool]
+#: how a stream ended: the writer closed it, or died
+StreamEnd = Literal["closed", "gone"]
+
+#: a batch takes no more bodies once it holds this many bytes
+BATCH_BYTES = 128 * 1024
+
+# --- the server's events -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ClientInfo:
+    """Who a remote reader says it is (in its HELLO)."""
+
+    name: str
+    pid: int
+    host: str
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A reader was welcomed: a new one, or one that comes back after it was dropped."""
+
+    ident: bytes
+    client: ClientInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Departed:
+    """A reader said BYE: it has what it wanted, or is closing."""
+
+    ident: bytes
+    client: ClientInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A frame group the server refused. ``dropped``: the reader it came from, which was dropped
+    and told why (REFUSED); None if the sender was not a reader, or if the frames were not
+    authentic (nothing then says which reader they claim to be, so nobody is dropped for them)."""
+
+    ident: bytes
+    reason: str
+    dropped: ClientInfo | None
+    #: frames refused so far, this one included
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class TimedOut:
+    """A reader was silent longer than the heartbeat timeout: dropped (it may come back)."""
+
+    ident: bytes
+    client: ClientInfo
+    silent_s: float
+    acked: int
+    end: int
+
+
+ServerEvent = Admitted | Departed | Rejected | TimedOut
+
+
+@dataclass(slots=True)
+class _Client:
+    ident: bytes
+    info: ClientInfo
+    #: the credit granted: messages sent beyond ``acked`` never exceed it
+    window: int
+    next_send: int
+    acked: int
+    last_heard: float
+    #: when it last had the server send again (HELLO, NACK): at most once a heartbeat
+    resent_at: float
+    #: END was sent; a NACK that rewinds it clears this, so END goes again after the resend
+    ended: bool = False
+    #: the transport refused the last send (its queue is full, or it is not connected)
+    choked: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """What a server grants and how long it waits (``open_writer``'s TCP options)."""
+
+    #: "block" or "lag", as the ring's
+    policy: str
+    #: the HMAC key (insecure mode); None under CurveZMQ
+    key: bytes | None
+    #: the most credit a reader gets (it asks for its own, maybe smaller)
+    window: int
+    #: messages held for readers: under "block" the server takes no more from the ring, under
+    #: "lag" it keeps the newest
+    buffer_max: int
+    hb_interval: float
+    hb_timeout: float
+    max_remote: int
+
+
+class _Held:
+    """The messages the server holds for its readers: ``items[k]`` is message ``seqs[k]``.
+
+    ``seqs`` ascends; the numbers are the ring's own, so a server started again (after one died)
+    numbers the stream the same way. They are consecutive but for gaps (policy "lag": the ring
+    overwrote messages before the server took them); a number in ``[base, end)`` that is not in
+    ``seqs`` was lost, and a reader that needs it is told so exactly."""
+
+    def __init__(self, start: int) -> None:
+        self.items: list[tuple[Any, int]] = []
+        self.seqs: list[int] = []
+        self.base = start  #: nothing before it is held
+        self.end = start  #: the number of the next message the server will have
+        self.done: StreamEnd | None = None
+
+    def add(self, seq: int, item: tuple[Any, int]) -> None:
+        if seq < self.base and not self.seqs:
+            # Only the first message after joining can be numbered below what the ring said
+            # then (the writer was between its two stores; docs/design.md, "Joining"). It is
+            # still ours to send: start there.
+            self.base = seq
+        self.items.append(item)
+        self.seqs.append(seq)
+        self.end = seq + 1
+
+    def keep_from(self, seq: int) -> None:
+        """Forget every message numbered below ``seq`` (policy "block": all readers have them)."""
+        self._drop_before(bisect.bisect_left(self.seqs, min(seq, self.end)), min(seq, self.end))
+
+    def keep_newest(self, count: int) -> None:
+        """Keep the newest ``count`` entries (policy "lag"; gaps do not count: entries do)."""
+        drop = max(0, len(self.seqs) - count)
+        self._drop_before(drop, self.seqs[drop] if drop < len(self.seqs) else self.end)
+
+    def _drop_before(self, index: int, keep_from: int) -> None:
+        """Forget the first ``index`` entries; ``keep_from``: the first number still held."""
+        if keep_from > self.base:
+            del self.items[:index]
+            del self.seqs[:index]
+            self.base = keep_from
+
+    def run(self, lo: int, limit: int) -> tuple[int, int]:
+        """From entry ``lo``: how many consecutive messages (no gap) below ``limit`` make one
+        batch (at most BATCH_BYTES and one body more), and its first number."""
+        seqs = self.seqs
+        first = seqs[lo]
+        hi = lo + min(limit - first, len(seqs) - lo)
+        # seqs ascends without repeats, so seqs[j] - j never falls: the run without a gap ends
+        # where it rises, found by a binary search.
+        hi = lo + bisect.bisect_right(range(lo, hi), first - lo, key=lambda j: seqs[j] - j)
+        count = size = 0
+        for body, _flags in self.items[lo:hi]:
+            count += 1
+            size += len(body)
+            if size >= BATCH_BYTES:
+                break
+        return first, count
+
+
+class _Sender:
+    """What goes to one reader next, from what is held, its place and its credit."""
+
+    def __init__(self, held: _Held, key: bytes | None) -> None:
+        self.held = held
+        self._key = key
+
+    def send_to(self, client: _Client, batches: dict[tuple[int, int], list[Any]], send: Sink) -> int:
+        held = self.held
+        # A reader that needs what the server no longer holds (policy "lag", a resume after a
+        # restart) is told exactly what is lost. No credit is granted for the gap: the reader
+        # acknowledges it once it has taken the report, so it never holds more than `window`.
+        if client.next_send < held.base and not self._report_gap(client, held.base, send):
+            return 0
+        # Credit: the reader may hold `window` messages it has not acknowledged, no more. That
+        # bounds its queue, and under "block" it is what holds the writer back.
+        limit = min(held.end, client.acked + client.window)
+        if client.next_send < limit:
+            seqs = held.seqs
+            lo = bisect.bisect_left(seqs, client.next_send)
+            if lo == len(seqs) or seqs[lo] != client.next_send:
+                # In a gap of the server's own: say what it holds next, and go on from there.
+                if not self._report_gap(client, seqs[lo] if lo < len(seqs) else held.end, send):
+                    return 0
+                if client.next_send >= limit:
+                    return 0  # no credit beyond the gap until the reader takes the report
+            first, count = held.run(lo, limit)
+            frames = batches.get((first, count))
+            if frames is None:
+                frames = wire.sign(self._key, wire.encode_batch(first, held.items[lo : lo + count]))
+                batches[(first, count)] = frames
+            if not send(client.ident, frames):
+                client.choked = True
+                return 0
+            client.choked = False
+            client.next_send += count
+            return count
+        if held.done and not client.ended and client.next_send >= held.end:
+            if send(client.ident, wire.sign(self._key, [wire.END, wire.U64.pack(held.end), held.done.encode()])):
+                client.ended = True
+            else:
+                client.choked = True
+        return 0
+
+    def _report_gap(self, client: _Client, after: int, send: Sink) -> bool:
+        """Tell ``client`` that everything from its place up to ``after`` is lost; move it there."""
+        lagged = [wire.LAGGED, wire.U64x2.pack(after, after - client.next_send)]
+        if not send(client.ident, wire.sign(self._key, lagged)):
+            client.choked = True
+            return False
+        client.next_send = after
+        return True
+
+
+class ServerProtocol:
+    """The server's side: what it holds of the stream and what each remote reader may get.
+
+    The pump feeds it the ring (``add``, ``lost``, ``stream_ended``, asking ``wants_ring``
+    first), the frame groups readers send (``receive``) and the time; it sends through the
+    ``Sink`` it is given. ``transmit`` sends every reader what its credit allows, ``trim``
+    forgets what no reader needs, ``heartbeat`` (when ``heartbeat_due``) drops silent readers
+    and tells the others how far the stream goes."""
+
+    def __init__(self, config: ServerConfig, *, start: int, now: float, returning: int = 0) -> None:
+        """``start``: the number of the next message the ring will give. ``returning``: this
+        server replaces one that died, which served that many readers (``_awaiting_return``)."""
+        self._cfg = config
+        self._block = config.policy == "block"
+        self._returning = returning
+        self._grace_until = now + 2 * config.hb_timeout
+        self._held = _Held(start)
+        self._sender = _Sender(self._held, config.key)
+        self._clients: dict[bytes, _Client] = {}
+        self._stop_at: float | None = None
+        #: when the next heartbeat is due
+        self.next_heartbeat = now + config.hb_interval
+        self.dropped = 0
+        self.rejected_frames = 0
+
+    # --- the ring's side ------------------------------------------------------------------------
+    @property
+    def end(self) -> int:
+        """The number of the next message the server will have."""
+        return self._held.end
+
+    def wants_ring(self) -> bool:
+        """Whether to take more from the ring: not after its end, and under "block" not beyond
+        ``buffer_max`` held (the ring then holds the writer back, as a slow local reader would)."""
+        held = self._held
+        return held.done is None and (not self._block or len(held.seqs) < self._cfg.buffer_max)
+
+    def add(self, seq: int, item: tuple[Any, int]) -> None:
+        """Message ``seq`` taken from the ring: ``(body, flags)``."""
+        self._held.add(seq, item)
+
+    def lost(self, next_msg: int) -> None:
+        """The ring overwrote messages before the server took them (policy "lag"): the next one
+        it gives is ``next_msg``. Readers still get what is held before the gap, then are told
+        exactly what it cost them (``transmit``)."""
+        self._held.end = max(self._held.end, next_msg)
+
+    def stream_ended(self, how: StreamEnd) -> None:
+        self._held.done = how
+
+    # --- frames from readers --------------------------------------------------------------------
+    def receive(
+        self, ident: bytes, frames: list[bytes], *, now: float, published: int, send: Sink
+    ) -> ServerEvent | None:
+        """A frame group from ``ident`` (its signature still on). ``published``: the number of the
+        next message the writer will publish (read from the ring now). Every field is checked
+        before it is acted on; a bad frame costs only its sender."""
+        if len(frames) > wire.MAX_CONTROL_FRAMES:
+            return self._reject(ident, f"{len(frames)} frames in one message", send)
+        if any(len(f) > wire.MAX_CONTROL_FRAME for f in frames):
+            # ZeroMQ cuts these off (maxmsgsize) before they reach us; a pump without that limit
+            # must not get further.
+            return self._reject(ident, "a frame larger than a control frame", send)
+        try:
+            frames = wire.verify(self._cfg.key, frames)
+        except wire.FrameError as exc:
+            self.rejected_frames += 1
+            return Rejected(ident, str(exc), None, self.rejected_frames)
+        try:
+            return self._on_frames(ident, frames, now, max(self._held.end, published), send)
+        except (wire.FrameError, struct.error) as exc:
+            return self._reject(ident, str(exc), send)
+        except Exception as exc:  # a bug: it must not take the other readers down with it
+            log.exception("aiobroadcast: the TCP server failed on a frame from a remote reader")
+            return self._reject(ident, f"internal error {type(exc).__name__}", send)
+
+    def _reject(self, ident: bytes, reason: str, send: Sink) -> Rejected:
+        """Refuse a frame from ``ident``: count it, drop that reader (only it), tell it why."""
+        self.rejected_frames += 1
+        client = self._clients.pop(ident, None)
+        self._send(send, ident, [wire.REFUSED, f"malformed frame: {reason}".encode()[:256]])
+        return Rejected(ident, reason, client.info if client else None, self.rejected_frames)
+
+    def _on_frames(self, ident: bytes, frames: list[bytes], now: float, horizon: int, send: Sink) -> ServerEvent | None:
+        if not frames:
+            raise wire.FrameError("empty message")
+        kind = frames[0]
+        client = self._clients.get(ident)
+        if kind == wire.HELLO:
+            _arity(frames, 1)
+            return self._hello(ident, client, wire.decode_hello(frames[1]), now, horizon, send)
+        if kind == wire.ACK or kind == wire.NACK:
+            _arity(frames, 1)
+            if len(frames[1]) != wire.U64.size:
+                raise wire.FrameError(f"{kind!r} needs a u64, got {len(frames[1])} bytes")
+            (n,) = wire.U64.unpack(frames[1])
+        elif kind == wire.BYE:
+            _arity(frames, 0)
+        else:
+            raise wire.FrameError(f"unknown frame kind {kind[:8]!r}")
+        if client is None:
+            if kind != wire.BYE:
+                self._send(send, ident, [wire.UNKNOWN])  # "who are you?": it says HELLO again
+            return None
+        client.last_heard = now
+        if kind == wire.ACK:
+            # It consumed everything before n. More than it was sent it cannot have: a larger
+            # number (a bug, or a hostile reader trying to release the writer's backpressure
+            # under "block") counts only up to what was sent.
+            if n > client.acked:
+                client.acked = min(n, client.next_send)
+        elif kind == wire.NACK:
+            if now - client.resent_at < self._cfg.hb_interval:
+                return None  # what it asked for a moment ago is on its way; it asks again if not
+            client.resent_at = now
+            # Rewind to n, within what it may ask for: not before what it acknowledged (it has
+            # that; going back further would let it make the server send its whole buffer again
+            # and again), not beyond its credit nor the stream's end (the place would then run
+            # ahead of what exists). At most one window per heartbeat is sent again.
+            client.next_send = max(client.acked, min(n, client.acked + client.window, horizon))
+            client.ended = False
+        else:
+            del self._clients[ident]
+            return Departed(ident, client.info)
+        return None
+
+    def _hello(
+        self, ident: bytes, client: _Client | None, hello: wire.Hello, now: float, horizon: int, send: Sink
+    ) -> ServerEvent | None:
+        if hello.version != wire.PROTOCOL_VERSION:
+            self._send(send, ident, [wire.REFUSED, b"protocol version mismatch"])
+            return None
+        if client is not None and now - client.resent_at < self._cfg.hb_interval:
+            return None  # it said HELLO a moment ago; it says it again if the WELCOME is lost
+        if client is None and len(self._clients) >= self._cfg.max_remote:
+            self._send(
+                send, ident, [wire.REFUSED, f"all {self._cfg.max_remote} remote reader places are taken".encode()]
+            )
+            return None
+        if hello.resume is not None and self._returning:
+            self._returning -= 1
+        if hello.resume is not None and hello.resume > horizon:
+            raise wire.FrameError(f"resume at {hello.resume}, beyond the stream's next message {horizon}")
+        # A new reader starts with the next message published, as on shared memory: not with
+        # what the server still holds, nor with what is in the ring and not yet taken (a slow
+        # reader, policy "block"). A returning one resumes where it says; if that is before
+        # what the server holds, transmit tells it exactly what it lost.
+        start = horizon if hello.resume is None else hello.resume
+        info = ClientInfo(hello.name[:NAME_BYTES], hello.pid, hello.host)
+        window = min(hello.window, self._cfg.window)
+        self._clients[ident] = _Client(ident, info, window, start, start, now, now)
+        welcome = {
+            "start": start,
+            "policy": self._cfg.policy,
+            "hb_interval": self._cfg.hb_interval,
+            "hb_timeout": self._cfg.hb_timeout,
+            "window": window,  # the credit granted: the reader acknowledges every half of it
+        }
+        self._send(send, ident, [wire.WELCOME, wire.encode_json(welcome)])
+        return Admitted(ident, info)
+
+    # --- frames to readers ----------------------------------------------------------------------
+    def _send(self, send: Sink, ident: bytes, frames: list[Any]) -> bool:
+        return send(ident, wire.sign(self._cfg.key, frames))
+
+    def transmit(self, send: Sink) -> int:
+        """Send every reader what its credit allows; the number of messages the transport took."""
+        sent = 0
+        # Readers that keep pace get the same batch: build and sign it once (the HMAC reads
+        # every byte), keyed by its first number and count, which fix its content within this call.
+        batches: dict[tuple[int, int], list[Any]] = {}
+        for client in list(self._clients.values()):
+            try:
+                sent += self._sender.send_to(client, batches, send)
+            except Exception:  # a bug: it must not take the other readers down with it
+                log.exception("aiobroadcast: the TCP server failed to send to %r; dropped it", client.info.name)
+                self._clients.pop(client.ident, None)
+        return sent
+
+    @property
+    def choked(self) -> bool:
+        """Whether the transport refused a send to some reader (the pump retries soon)."""
+        return any(c.choked for c in self._clients.values())
+
+    # --- time -----------------------------------------------------------------------------------
+    def trim(self, now: float) -> None:
+        """Forget what no reader needs: under "block" what every reader acknowledged (a reader
+        that joins later starts after it); under "lag" all but the newest ``buffer_max``."""
+        if not self._block:
+            self._held.keep_newest(self._cfg.buffer_max)
+        elif not self._awaiting_return(now):
+            self._held.keep_from(min((c.acked for c in self._clients.values()), default=self._held.end))
+
+    def _awaiting_return(self, now: float) -> bool:
+        """Whether readers of the server this one replaces may still come back (for at most
+        two silence timeouts): under "block" it keeps what it takes from the ring for them."""
+        if self._returning and now >= self._grace_until:
+            self._returning = 0
+        return self._returning > 0
+
+    def heartbeat_due(self, now: float) -> bool:
+        return now >= self.next_heartbeat
+
+    def heartbeat(self, now: float, send: Sink) -> list[TimedOut]:
+        """Drop the readers silent for longer than the timeout; tell the others how far the
+        stream goes (lost if a reader's queue is full: the next one goes a heartbeat later)."""
+        self.next_heartbeat = now + self._cfg.hb_interval
+        out: list[TimedOut] = []
+        beat = [wire.HEARTBEAT, wire.U64x2.pack(self._held.end, 1 if self._held.done else 0)]
+        for ident, client in list(self._clients.items()):
+            if now - client.last_heard > self._cfg.hb_timeout:
+                del self._clients[ident]
+                self.dropped += 1
+                out.append(TimedOut(ident, client.info, now - client.last_heard, client.acked, self._held.end))
+            else:
+                self._send(send, ident, beat)
+        return out
+
+    def stop(self, deadline: float) -> None:
+        """Stop once every reader has everything, or at ``deadline``."""
+        self._stop_at = deadline
+
+    def finished(self, now: float) -> bool:
+        if self._stop_at is None:
+            return False
+        # Every reader has everything (it says BYE when it has the end) or was dropped.
+        drained = self._held.done is not None and all(
+            c.ended and c.acked >= self._held.end for c in self._clients.values()
+        )
+        return drained or now >= self._stop_at
+
+    # --- introspection --------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        """Who is served and how far, for the server's report (``Writer.statistics()``)."""
+        end = self._held.end
+        return {
+            "end": end,
+            "dropped": self.dropped,
+            "rejected_frames": self.rejected_frames,
+            "readers": [
+                {
+                    "name": c.info.name,
+                    "pid": c.info.pid,
+                    "host": c.info.host,
+                    "received": c.acked,
+                    "lag": max(0, end - c.acked),
+                }
+                for c in self._clients.values()
+            ],
+        }
+
+    def __repr__(self) -> str:
+        h = self._held
+        return (
+            f"<ServerProtocol [{self._cfg.policy}, held {h.base}..{h.end} ({len(h.seqs)}), "
+            f"{len(self._clients)} readers{', ' + h.done if h.done else ''}]>"
+        )
+
+
+def _arity(frames: Sequence[Any], args: int) -> None:
+    if len(frames) != 1 + args:
+        raise wire.FrameError(f"{bytes(frames[0][:8])!r} takes {args} argument frame(s), got {len(frames) - 1}")
+
+
+# --- the client ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Welcomed:
+    """The server admitted this reader; its first message is ``start``."""
+
+    start: int
+
+
+@dataclass(frozen=True, slots=True)
+class Messages:
+    """Messages ``first``, ``first + 1``, ...: ``(body, flags)``, each body a view of a frame."""
+
+    first: int
+    items: list[tuple[memoryview, int]]
+
+
+@dataclass(frozen=True, slots=True)
+class Lagged:
+    """``missed`` messages are lost to this reader; the next one it gets is ``resume_at``."""
+
+    missed: int
+    resume_at: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """The stream ended: the writer ``closed`` it, is ``gone`` (it died; the server said so),
+    or the server fell ``silent`` for longer than the reader waits."""
+
+    how: Literal["closed", "gone", "silent"]
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The server refused this reader (before or after its WELCOME)."""
+
+    reason: str
+    welcomed: bool
+
+
+ClientEvent = Welcomed | Messages | Lagged | Ended | Refused
+
+#: what a client drops without a word: a frame that is not authentic or not well formed (a
+#: forged or broken server cannot end the stream; a real one repeats what matters)
+_BAD_FRAME = (wire.FrameError, ValueError, KeyError, TypeError, IndexError, struct.error)
+
+
+class ClientProtocol:
+    """A remote reader's side. The pump feeds it the server's frame groups (``receive``) and,
+    at least every half heartbeat, the time and how far the user has consumed (``tick``);
+    frames to send pile up for ``data_to_send``. The first is the HELLO."""
+
+    def __init__(
+        self,
+        *,
+        key: bytes | None,
+        name: str,
+        pid: int,
+        host: str,
+        window: int,
+        now: float,
+        gone_timeout: float | None = None,
+    ) -> None:
+        self._key = key
+        self._name = name[: wire.NAME_CHARS]  # the server refuses longer ones (and shows 64)
+        self._pid = pid
+        self._host = host[: wire.HOST_CHARS]
+        #: the credit: what the server may send beyond what this reader acknowledged
+        self.window = window
+        self._gone_timeout = gone_timeout
+        #: the server's timers, until its WELCOME says
+        self.hb_interval = 0.5
+        self.hb_timeout = 3.0
+        self.welcomed = False
+        #: the next message expected (-1 before WELCOME)
+        self.next = -1
+        #: what the server said it has (its heartbeats)
+        self.server_end = 0
+        self._out: list[list[Any]] = []
+        self._last_heard = now
+        self._last_batch = now
+        self._last_ack_sent = -1
+        self._next_ack = now + self.hb_interval
+        self._hello(None)
+
+    def data_to_send(self) -> list[list[Any]]:
+        """The frame groups to send, signed, oldest first (each is taken once)."""
+        out, self._out = self._out, []
+        return out
+
+    def bye(self) -> list[Any]:
+        """The frame group that says this reader leaves."""
+        return wire.sign(self._key, [wire.BYE])
+
+    def _send(self, frames: list[Any]) -> None:
+        self._out.append(wire.sign(self._key, frames))
+
+    def _hello(self, resume: int | None) -> None:
+        hello = {
+            "version": wire.PROTOCOL_VERSION,
+            "name": self._name,
+            "pid": self._pid,
+            "host": self._host,
+            "window": self.window,
+            "resume": resume,
+        }
+        self._send([wire.HELLO, wire.encode_json(hello)])
+
+    def receive(self, frames: list[Any], now: float) -> ClientEvent | None:
+        """A frame group from the server (signature still on). One that is not authentic or not
+        well formed is dropped: it is not even proof that the server lives."""
+        try:
+            event = self._on_frames(wire.verify(self._key, frames), now)
+        except _BAD_FRAME:
+            return None
+        self._last_heard = now
+        return event
+
+    def _on_frames(self, frames: list[Any], now: float) -> ClientEvent | None:
+        kind = frames[0]
+        if kind == wire.BATCH:
+            if self.next < 0:
+                return None
+            first, items = wire.decode_batch(frames[1], frames[2:])
+            if first > self.next:
+                self._send([wire.NACK, wire.U64.pack(self.next)])  # a gap: ask again from there
+                return None
+            self._last_batch = now
+            skip = self.next - first  # a resend overlaps what it has: only the new part counts
+            self.next = max(self.next, first + len(items))
+            return Messages(first + skip, items[skip:]) if skip < len(items) else None
+        if kind == wire.HEARTBEAT:
+            end, _done = wire.U64x2.unpack(frames[1])
+            self.server_end = max(self.server_end, end)
+            return None
+        if kind == wire.WELCOME:
+            return self._on_welcome(wire.decode_json(frames[1]))
+        if kind == wire.LAGGED:
+            from_seq, _missed = wire.U64x2.unpack(frames[1])
+            if from_seq > self.next >= 0:
+                lagged = Lagged(from_seq - self.next, from_seq)
+                self.next = from_seq
+                return lagged
+            return None
+        if kind == wire.END:
+            (final,) = wire.U64.unpack(frames[1])
+            if self.next >= final:  # not before it has everything the server has
+                return Ended("closed" if frames[2] == b"closed" else "gone")
+            return None
+        if kind == wire.UNKNOWN:
+            self._hello(self.next if self.next >= 0 else None)  # the server dropped us: resume
+            return None
+        if kind == wire.REFUSED:
+            return Refused(bytes(frames[1]).decode("utf-8", "replace"), self.welcomed)
+        raise wire.FrameError(f"unknown frame kind {bytes(kind[:8])!r}")
+
+    def _on_welcome(self, welcome: dict[str, Any]) -> ClientEvent | None:
+        start = int(welcome["start"])
+        self.hb_interval = float(welcome["hb_interval"])
+        self.hb_timeout = float(welcome["hb_timeout"])
+        if "window" in welcome:  # a smaller credit than ours: acknowledge at its half, not ours
+            self.window = max(1, min(self.window, int(welcome["window"])))
+        if self.welcomed:
+            return None  # a repeated WELCOME (our HELLO went twice): the place stays ours
+        self.welcomed = True
+        self.next = start
+        return Welcomed(start)
+
+    def tick(self, now: float, consumed: int) -> Ended | None:
+        """Timers. ``consumed``: the next message the user has not taken (everything before it
+        is consumed): acknowledged every half window, and at least every heartbeat (the ACK is
+        the reader's heartbeat too)."""
+        gone_after = self._gone_timeout if self._gone_timeout is not None else 3 * self.hb_timeout
+        if self.welcomed and now - self._last_heard > gone_after:
+            return Ended("silent")
+        if not self.welcomed:
+            if now - self._last_heard > self.hb_interval * 4:
+                self._hello(None)  # maybe lost before the connection was up
+                self._last_heard = now
+            return None
+        if consumed - self._last_ack_sent >= max(1, self.window // 2) or now >= self._next_ack:
+            self._send([wire.ACK, wire.U64.pack(consumed)])
+            self._last_ack_sent = consumed
+            self._next_ack = now + self.hb_interval
+        # Starved while the server has more and we have room: something was lost in transit.
+        if (
+            self.server_end > self.next
+            and self.next - consumed < self.window
+            and now - self._last_batch > self.hb_interval * 2
+        ):
+            self._send([wire.NACK, wire.U64.pack(self.next)])
+            self._last_batch = now
+        return None
+
+    def __repr__(self) -> str:
+        state = f"next {self.next}" if self.welcomed else "connecting"
+        return f"<ClientProtocol [{self._name!r}, {state}, window {self.window}]>"

@@ -1,0 +1,409 @@
+"""The writer's TCP server: serves remote readers from the ring, with credit flow control,
+heartbeats, resend on loss and CurveZMQ (docs/design.md, "Remote readers").
+
+It runs as its own process (``python -m aiobroadcast._tcp.server``, started by ``open_writer``),
+so it neither competes with the writer for the GIL nor depends on the writer's event loop: heartbeats
+go on while the writer is busy, and it notices the writer's death like any reader. It reads the
+ring as one more local reader (its place is reserved), so under policy "block" a slow remote
+reader holds the writer back exactly like a local one. Closing its stdin asks it to stop once
+remote readers have drained; it publishes who is connected in a small JSON file beside the ring.
+
+Clients hold the keys but are not trusted: every frame is checked before it is acted on, a bad
+one costs only its sender, and what one client can make the server hold is bounded (docs/design.md,
+"Clients that hold the keys"). If the process dies anyway, the writer starts another
+(``supervisor.py``), which takes this one's ring place over.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+import zmq
+import zmq.auth.thread
+
+from .._constants import TCP_SERVER_READER_NAME
+from .._exceptions import BroadcastError, EndOfStream, ReaderLagged, TransportError, WouldBlock, WriterGone
+from .._handle import Handle
+from .._shm.layout import W_NEXT_MSG
+from .._shm.segment import Segment, attach_segment
+from .._shm.subscriber import ShmSource
+from . import wire
+from .errors import zmq_errors
+from .protocol import Rejected, ServerConfig, ServerEvent, ServerProtocol, TimedOut
+from .supervisor import remove_quietly, stats_tmp_path
+
+log = logging.getLogger("aiobroadcast")
+
+#: ZeroMQ's queue of frame groups for one remote reader (ZMQ_SNDHWM). The server never queues
+#: more for a reader: a batch ZeroMQ refuses stays in the server's buffer and goes later. With
+#: protocol.BATCH_BYTES this bounds what a reader that does not read (or asks for everything again and
+#: again) costs the server: docs/design.md, "Remote readers".
+SEND_HWM = 16
+#: frame groups ZeroMQ takes in from one reader before it stops reading that connection
+RECV_HWM = 64
+#: how soon the server tries again to send to a reader whose queue was full
+RETRY_S = 0.005
+#: a remote peer's refused frames are logged at most once in this many seconds
+COMPLAIN_EVERY_S = 60.0
+#: peers remembered for that (a flood of new peers is not logged one by one)
+COMPLAINTS_KEPT = 256
+
+
+def _raw(body: Any, oob: bool) -> tuple[bytes | zmq.Frame, int]:
+    """A body out of the ring, copied once (it is a view of the slot, which the writer reuses
+    as soon as we move on). A large body is copied straight into a ZeroMQ message, which every
+    send then shares (refcounted, never copied again); a small one into bytes, to be joined."""
+    if len(body) >= wire.FRAME_ALONE:
+        return zmq.Frame(body, copy=True), 1 if oob else 0
+    return bytes(body), 1 if oob else 0
+
+
+class _Allow:
+    """ZAP credentials check: only the readers' public key gets in."""
+
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key == self._key
+
+
+class TcpServer:
+    """Moves frames between the ROUTER socket, the ring and a ``ServerProtocol``, which decides
+    everything: what each reader gets, when, and what is refused."""
+
+    def __init__(
+        self,
+        seg: Segment,
+        handle: Handle,
+        endpoint: str,
+        *,
+        insecure: bool,
+        server_secret: bytes | None,
+        client_public: bytes | None,
+        hmac_key: bytes | None,
+        window: int,
+        buffer_max: int,
+        hb_interval: float,
+        hb_timeout: float,
+        max_remote: int,
+        stop_fd: int,
+        stats_path: str,
+        take_over: int | None = None,
+        returning: int = 0,
+    ) -> None:
+        """``take_over`` and ``returning``: this server replaces one that died (pid
+        ``take_over``), which served ``returning`` remote readers."""
+        self._stats_path = stats_path
+        self.drain_timeout = 2 * hb_timeout
+        self._ring_words = seg.words
+        self._ctx = zmq.Context()
+        self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
+        self._router = self._ctx.socket(zmq.ROUTER)
+        try:
+            r = self._router
+            r.linger = 0
+            r.sndhwm = SEND_HWM
+            r.rcvhwm = RECV_HWM
+            r.maxmsgsize = wire.MAX_CONTROL_FRAME
+            # A full queue raises Again, an unknown peer EHOSTUNREACH: nothing is dropped silently,
+            # so the protocol knows what was sent.
+            r.router_mandatory = True
+            if not insecure:
+                assert server_secret is not None and client_public is not None
+                self._auth = zmq.auth.thread.ThreadAuthenticator(self._ctx, log=logging.getLogger("aiobroadcast.zap"))
+                self._auth.start()
+                self._auth.configure_curve_callback("aiobroadcast", credentials_provider=_Allow(client_public))
+                r.zap_domain = b"aiobroadcast"
+                r.curve_server = True
+                r.curve_secretkey = server_secret
+            with zmq_errors(TransportError, f"cannot bind {endpoint}"):
+                r.bind(_port_star(endpoint))
+            self.endpoint = r.getsockopt_string(zmq.LAST_ENDPOINT)
+            self._src = ShmSource(seg, handle, TCP_SERVER_READER_NAME, _raw, take_over=take_over)
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._ctrl_r = stop_fd
+        os.set_blocking(self._ctrl_r, False)
+        config = ServerConfig(
+            policy=handle.policy,
+            key=hmac_key if insecure else None,
+            window=window,
+            buffer_max=buffer_max,
+            hb_interval=hb_interval,
+            hb_timeout=hb_timeout,
+            max_remote=max_remote,
+        )
+        self.protocol = ServerProtocol(config, start=self._src.next_msg, now=time.monotonic(), returning=returning)
+        self._complaints: dict[bytes, float] = {}
+        self._report_failing = False
+
+    def write_stats(self) -> None:
+        """Who is connected, for ``Writer.statistics()`` and ``aiobroadcast stats``. Only a
+        report: if it cannot be written (a full /dev/shm), the last one stays and readers are
+        served as before."""
+        snapshot = {"pid": os.getpid(), **self.protocol.report()}
+        tmp = stats_tmp_path(self._stats_path)
+        try:
+            with open(tmp, "w") as f:
+                json.dump(snapshot, f)
+            os.replace(tmp, self._stats_path)
+        except OSError as exc:
+            remove_quietly(tmp)
+            if not self._report_failing:
+                self._report_failing = True
+                log.warning(
+                    "aiobroadcast: the TCP server cannot write its report %s (%s); remote readers are "
+                    "served as before, statistics() shows the last report until there is room",
+                    self._stats_path,
+                    exc.strerror or exc,
+                )
+            return
+        if self._report_failing:
+            self._report_failing = False
+            log.warning("aiobroadcast: the TCP server writes its report %s again", self._stats_path)
+
+    def run(self) -> bool:
+        """Serve until stopped; False if the server failed (a bug: the writer starts another)."""
+        try:
+            self._loop()
+        except Exception:  # pragma: no cover - a bug
+            log.exception("aiobroadcast: TCP server failed")
+            return False
+        finally:
+            self._src.close()
+            self._close_sockets()
+            # Nobody is served from here on (a writer dropped without aclose leaves it to us).
+            remove_quietly(self._stats_path)
+            remove_quietly(stats_tmp_path(self._stats_path))
+        return True
+
+    def _close_sockets(self) -> None:
+        self._router.close(linger=0)
+        if self._auth is not None:
+            self._auth.stop()
+        self._ctx.term()
+
+    def _loop(self) -> None:
+        proto = self.protocol
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._ctrl_r, zmq.POLLIN)
+        inbox = self._src.inbox_fd
+        stopping = False
+        while True:
+            pulled = self._pull_ring()
+            now = time.monotonic()
+            self._recv_clients(now)
+            sent = proto.transmit(self._send)
+            proto.trim(now)
+            if proto.heartbeat_due(now):
+                for event in proto.heartbeat(now, self._send):
+                    self._on_event(event)
+                self.write_stats()
+            if proto.finished(now):
+                return
+            if pulled or sent:
+                continue
+            want_ring = proto.wants_ring()
+            ring_sleep = want_ring and not self._src.begin_sleep()
+            if want_ring and not ring_sleep:
+                continue  # the ring changed while we announced the sleep
+            if ring_sleep:
+                poller.register(inbox, zmq.POLLIN)
+            wait_s = proto.next_heartbeat - time.monotonic()
+            if proto.choked:
+                wait_s = min(wait_s, RETRY_S)
+            try:
+                poller.poll(int(max(0.0, wait_s) * 1000) + 1)
+            finally:
+                if ring_sleep:
+                    poller.unregister(inbox)
+                    self._src.end_sleep(self._src.drain_inbox())
+            if not stopping:
+                try:
+                    if os.read(self._ctrl_r, 64) == b"":  # the writer closed our stdin: drain, then stop
+                        stopping = True
+                        proto.stop(time.monotonic() + self.drain_timeout)
+                        poller.unregister(self._ctrl_r)  # EOF stays readable: stop polling it
+                except BlockingIOError:
+                    pass
+
+    def _pull_ring(self) -> int:
+        """Hand what the ring holds to the protocol (under "block", while it has room)."""
+        n = 0
+        proto = self.protocol
+        src = self._src
+        while n < 4096 and proto.wants_ring():
+            try:
+                item = src.get_nowait()
+            except WouldBlock:
+                break
+            except ReaderLagged:
+                proto.lost(src.next_msg)
+                continue
+            except EndOfStream:
+                proto.stream_ended("closed")
+                break
+            except WriterGone:
+                proto.stream_ended("gone")
+                break
+            proto.add(src.next_msg - 1, item)
+            n += 1
+        return n
+
+    def _send(self, ident: bytes, frames: list[Any]) -> bool:
+        """The protocol's ``Sink``: hand ``frames`` to ZeroMQ for ``ident``; False if it refused:
+        the reader's queue is full (SEND_HWM: it is not reading) or it is not connected now."""
+        try:
+            self._router.send_multipart([ident, *frames], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            return False
+        return True
+
+    def _recv_clients(self, now: float) -> None:
+        router = self._router
+        for _ in range(1024):
+            try:
+                frames = router.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            published = self._ring_words[W_NEXT_MSG]
+            event = self.protocol.receive(frames[0], frames[1:], now=now, published=published, send=self._send)
+            if event is not None:
+                self._on_event(event)
+
+    def _on_event(self, event: ServerEvent) -> None:
+        if isinstance(event, Rejected):
+            self._complain(event)
+            if event.dropped is not None:
+                self.write_stats()
+        elif isinstance(event, TimedOut):
+            log.warning(
+                "aiobroadcast: remote reader %r (pid %d) silent for %.1f s; dropped it at message %d of %d",
+                event.client.name,
+                event.client.pid,
+                event.silent_s,
+                event.acked,
+                event.end,
+            )
+        else:  # admitted (statistics() lists it as soon as open_reader returns), or departed
+            self.write_stats()
+
+    def _complain(self, event: Rejected) -> None:
+        """Log a refused frame: once per peer per COMPLAIN_EVERY_S, so a flood is a few lines."""
+        now = time.monotonic()
+        last = self._complaints.get(event.ident)
+        if last is not None and now - last < COMPLAIN_EVERY_S:
+            return
+        if len(self._complaints) >= COMPLAINTS_KEPT:
+            self._complaints = {k: t for k, t in self._complaints.items() if now - t < COMPLAIN_EVERY_S}
+            if len(self._complaints) >= COMPLAINTS_KEPT:
+                return
+        self._complaints[event.ident] = now
+        client = event.dropped
+        who = f"remote reader {client.name!r} (pid {client.pid})" if client else "a remote peer"
+        log.warning(
+            "aiobroadcast: the TCP server refused a frame from %s: %s%s (%d refused so far)",
+            who,
+            event.reason[:200],
+            "; dropped it" if client else "",
+            event.total,
+        )
+
+
+def _port_star(endpoint: str) -> str:
+    """``tcp://host:0`` binds an ephemeral port; the real one is read back from the socket."""
+    if endpoint.endswith(":0"):
+        return endpoint[:-2] + ":*"
+    return endpoint
+
+
+#: glibc's mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: free memory glibc may keep at the top of a heap instead of giving it back to the kernel
+KEEP_FREE_BYTES = 64 << 20
+
+
+def _keep_freed_memory() -> None:
+    """Stop glibc from handing freed message buffers back to the kernel at once.
+
+    Large bodies make a ZeroMQ message per body: allocated here, freed by ZeroMQ's I/O thread
+    once sent. With glibc's default (a 128 KiB trim threshold, raised only as large blocks are
+    freed) the freed top of the heap goes back to the kernel, and the next body faults its pages
+    in again: about 5 page faults per 64 KiB message. Keeping up to KEEP_FREE_BYTES free
+    removes them. This process is ours, so the setting affects no one else; elsewhere than
+    glibc it is skipped."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # pragma: no cover - not glibc
+        return
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    mallopt(_M_TRIM_THRESHOLD, KEEP_FREE_BYTES)
+    mallopt(_M_MMAP_THRESHOLD, 4 << 20)  # fixed (it was adaptive): bodies up to 4 MiB reuse the heap
+
+
+def main() -> int:
+    """Entry point of the server process. Reads its configuration (with the keys: never on the
+    command line) as one JSON line on stdin, answers with one JSON line on stdout (the endpoint
+    it bound, or the error), then serves until stdin closes and remote readers have drained."""
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    _keep_freed_memory()
+    # A terminal's Ctrl-C is for the writer: it stops this server by closing our stdin, after
+    # remote readers have drained.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    cfg = json.loads(sys.stdin.readline())
+    handle = Handle.model_validate(cfg["handle"])
+
+    def key(name: str) -> bytes | None:
+        value = cfg.get(name)
+        return value.encode() if value else None
+
+    try:
+        seg = attach_segment(handle.path, handle.token, handle.capacity, handle.slot_bytes, handle.max_readers)
+        try:
+            server = TcpServer(
+                seg,
+                handle,
+                cfg["endpoint"],
+                insecure=cfg["insecure"],
+                server_secret=key("server_secret"),
+                client_public=key("client_public"),
+                hmac_key=key("hmac_key"),
+                window=cfg["window"],
+                buffer_max=cfg["buffer_max"],
+                hb_interval=cfg["hb_interval"],
+                hb_timeout=cfg["hb_timeout"],
+                max_remote=cfg["max_remote"],
+                stop_fd=sys.stdin.fileno(),
+                stats_path=cfg["stats_path"],
+                take_over=cfg.get("take_over"),
+                returning=cfg.get("returning", 0),
+            )
+        except BaseException:
+            seg.close()
+            raise
+    except BroadcastError as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return 1
+    print(json.dumps({"endpoint": server.endpoint}), flush=True)
+    server.write_stats()
+    return 0 if server.run() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

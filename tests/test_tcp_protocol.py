@@ -1,0 +1,710 @@
+"""The TCP protocol's state machines driven directly: frames and times in, events and frames out.
+
+No socket, no process, no clock: every rule of credit, rewind, trim, gaps, END, heartbeats and
+refusal is checked by feeding ``ServerProtocol`` and ``ClientProtocol`` frames, the hostile
+ones included. tests/test_tcp*.py run the same rules over real sockets and processes.
+"""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+from collections import defaultdict
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from aiobroadcast._tcp import wire
+from aiobroadcast._tcp.protocol import (
+    Admitted,
+    ClientEvent,
+    ClientProtocol,
+    Departed,
+    Ended,
+    Lagged,
+    Messages,
+    Refused,
+    Rejected,
+    ServerConfig,
+    ServerProtocol,
+    TimedOut,
+    Welcomed,
+)
+
+KEY = secrets.token_bytes(32)
+HB = 1.0  #: heartbeat interval of these servers
+TIMEOUT = 5.0  #: and their silence timeout
+
+
+class Net:
+    """The server's sink: what each reader was sent, signature checked; a reader whose queue is
+    ``full`` refuses everything (ZeroMQ's Again)."""
+
+    def __init__(self, key: bytes | None = KEY) -> None:
+        self.key = key
+        self.sent: dict[bytes, list[list[Any]]] = defaultdict(list)
+        self.full: set[bytes] = set()
+
+    def __call__(self, ident: bytes, frames: list[Any]) -> bool:
+        if ident in self.full:
+            return False
+        self.sent[ident].append(frames)
+        return True
+
+    def take(self, ident: bytes) -> list[list[Any]]:
+        """The frame groups sent to ``ident`` since the last take, as sent (signed)."""
+        return self.sent.pop(ident, [])
+
+    def seen(self, ident: bytes) -> list[tuple[Any, ...]]:
+        """What ``ident`` was sent, in short: ("msg", seq), ("lagged", from, missed), ("end",
+        final, reason), ("welcome", start, window), ("refused", reason), or the kind."""
+        out: list[tuple[Any, ...]] = []
+        for signed in self.take(ident):
+            frames = wire.verify(self.key, signed)
+            kind = frames[0]
+            if kind == wire.BATCH:
+                first, items = wire.decode_batch(frames[1], frames[2:])
+                out += [("msg", first + k) for k in range(len(items))]
+            elif kind == wire.LAGGED:
+                out.append(("lagged", *wire.U64x2.unpack(frames[1])))
+            elif kind == wire.END:
+                out.append(("end", wire.U64.unpack(frames[1])[0], frames[2]))
+            elif kind == wire.WELCOME:
+                w = wire.decode_json(frames[1])
+                out.append(("welcome", w["start"], w["window"]))
+            elif kind == wire.REFUSED:
+                out.append(("refused", frames[1].decode()))
+            else:
+                out.append((kind,))
+        return out
+
+
+def server(
+    policy: str = "lag",
+    *,
+    window: int = 4,
+    buffer_max: int = 16,
+    key: bytes | None = KEY,
+    max_remote: int = 4,
+    start: int = 0,
+    returning: int = 0,
+) -> ServerProtocol:
+    config = ServerConfig(policy, key, window, buffer_max, hb_interval=HB, hb_timeout=TIMEOUT, max_remote=max_remote)
+    return ServerProtocol(config, start=start, now=0.0, returning=returning)
+
+
+def signed(*frames: bytes, key: bytes | None = KEY) -> list[Any]:
+    return wire.sign(key, list(frames))
+
+
+def hello(window: int = 4, resume: int | None = None, version: int = wire.PROTOCOL_VERSION) -> list[Any]:
+    body = {"version": version, "name": "r", "pid": 7, "host": "h", "window": window, "resume": resume}
+    return signed(wire.HELLO, wire.encode_json(body))
+
+
+def ack(n: int) -> list[Any]:
+    return signed(wire.ACK, wire.U64.pack(n))
+
+
+def nack(n: int) -> list[Any]:
+    return signed(wire.NACK, wire.U64.pack(n))
+
+
+def publish(srv: ServerProtocol, *seqs: int, size: int = 3) -> None:
+    for seq in seqs:
+        srv.add(seq, (b"m" * size, 0))
+
+
+def admit(srv: ServerProtocol, net: Net, ident: bytes = b"r", *, now: float = 0.0, **kw: Any) -> None:
+    assert isinstance(srv.receive(ident, hello(**kw), now=now, published=srv.end, send=net), Admitted)
+    assert net.seen(ident)[0][0] == "welcome"
+
+
+def test_a_new_reader_starts_at_the_next_message_and_gets_at_most_its_window() -> None:
+    srv, net = server(window=4), Net()
+    publish(srv, 0, 1)
+    # the writer has published up to 5; the server took 0 and 1 so far: the reader starts at 5
+    assert isinstance(srv.receive(b"r", hello(window=100), now=0.0, published=5, send=net), Admitted)
+    assert net.seen(b"r") == [("welcome", 5, 4)]  # the credit is the smaller window, the server's
+    publish(srv, *range(2, 12))
+    srv.transmit(net)
+    srv.transmit(net)
+    assert net.seen(b"r") == [("msg", s) for s in range(5, 9)]  # 4, then nothing: no credit
+    srv.receive(b"r", ack(7), now=0.1, published=12, send=net)
+    srv.transmit(net)
+    assert net.seen(b"r") == [("msg", 9), ("msg", 10)]  # acked 7: room up to 10
+
+
+def test_an_ack_beyond_what_was_sent_grants_no_credit_and_old_acks_change_nothing() -> None:
+    """A replayed or forged ACK cannot move the reader past what it was sent (under "block" that
+    would release the writer's backpressure), nor back."""
+    srv, net = server("block", window=4), Net()
+    admit(srv, net)
+    publish(srv, *range(10))
+    srv.transmit(net)
+    assert net.seen(b"r") == [("msg", s) for s in range(4)]
+    for n in (2**64 - 1, 2**63, 1000):
+        srv.receive(b"r", ack(n), now=0.1, published=10, send=net)
+    assert srv.report()["readers"][0]["received"] == 4  # clamped to what was sent
+    srv.receive(b"r", ack(1), now=0.2, published=10, send=net)  # a replay of an old one
+    assert srv.report()["readers"][0]["received"] == 4
+    srv.trim(0.2)
+    assert srv.report()["readers"][0]["lag"] == 6
+
+
+def test_under_block_the_server_takes_no_more_than_its_buffer_and_keeps_what_a_reader_lacks() -> None:
+    srv, net = server("block", window=2, buffer_max=3), Net()
+    admit(srv, net)
+    publish(srv, 0, 1, 2)
+    assert not srv.wants_ring()  # the ring holds the writer back from here on
+    srv.transmit(net)
+    srv.trim(0.0)
+    assert not srv.wants_ring()  # sent, not acknowledged: still held
+    srv.receive(b"r", ack(2), now=0.0, published=3, send=net)
+    srv.trim(0.0)
+    assert srv.wants_ring()
+    assert "held 2..3" in repr(srv)
+
+
+def test_a_refused_batch_is_not_counted_as_sent_and_goes_again_when_there_is_room() -> None:
+    srv, net = server(window=8), Net()
+    admit(srv, net)
+    publish(srv, *range(3))
+    net.full.add(b"r")
+    assert srv.transmit(net) == 0
+    assert srv.choked
+    net.full.clear()
+    assert srv.transmit(net) == 3
+    assert not srv.choked
+    assert net.seen(b"r") == [("msg", 0), ("msg", 1), ("msg", 2)]
+
+
+def test_a_nack_rewinds_within_what_was_acknowledged_the_credit_and_the_stream() -> None:
+    srv, net = server(window=4), Net()
+    admit(srv, net)
+    publish(srv, *range(6))
+    srv.transmit(net)
+    srv.receive(b"r", ack(2), now=0.0, published=6, send=net)
+    srv.transmit(net)
+    assert net.seen(b"r") == [("msg", s) for s in range(6)]
+    srv.receive(b"r", nack(3), now=0.5, published=6, send=net)  # too soon after the HELLO: ignored
+    srv.transmit(net)
+    assert net.seen(b"r") == []
+    srv.receive(b"r", nack(0), now=1.0, published=6, send=net)  # before what it acknowledged: from 2
+    srv.transmit(net)
+    assert net.seen(b"r") == [("msg", s) for s in range(2, 6)]
+    srv.receive(b"r", nack(4), now=1.5, published=6, send=net)  # within a heartbeat of the last
+    srv.transmit(net)
+    assert net.seen(b"r") == []
+    srv.receive(b"r", nack(2**64 - 1), now=2.0, published=6, send=net)  # beyond credit and stream
+    srv.transmit(net)
+    assert net.seen(b"r") == []  # nothing exists there: it waits at the end, not beyond it
+    publish(srv, 6)
+    srv.transmit(net)
+    assert net.seen(b"r") == []  # its credit ends at 2 + 4
+
+
+def test_a_gap_in_the_servers_own_ring_is_reported_exactly_and_what_it_held_still_goes() -> None:
+    """Policy "lag": the server's own ring reader lost 3 messages; a remote reader gets what was
+    held before the gap, then exactly the gap, then what follows."""
+    srv, net = server(window=4), Net()
+    admit(srv, net)
+    publish(srv, *range(6))
+    srv.transmit(net)
+    assert net.seen(b"r") == [("msg", s) for s in range(4)]
+    srv.lost(9)
+    publish(srv, 9, 10)
+    srv.add(11, (b"big" * wire.FRAME_ALONE, 0))
+    srv.trim(0.0)
+    assert srv.end == 12
+    got: list[tuple[Any, ...]] = []
+    for k in range(6):  # the reader acknowledges what it has
+        srv.receive(b"r", ack(srv.report()["end"] if k > 3 else 4 + 2 * k), now=0.0, published=12, send=net)
+        srv.transmit(net)
+        got += net.seen(b"r")
+    assert got == [("msg", 4), ("msg", 5), ("lagged", 9, 3), ("msg", 9), ("msg", 10), ("msg", 11)]
+
+
+def test_under_lag_the_buffer_keeps_the_newest_entries_and_a_late_reader_is_told_each_gap() -> None:
+    srv, net = server(window=100, buffer_max=4), Net()
+    admit(srv, net, window=100, resume=0)
+    publish(srv, 0, 1)
+    srv.lost(7)
+    publish(srv, 7, 8)
+    srv.lost(11)
+    publish(srv, 11)
+    srv.trim(0.0)
+    assert "held 1..12 (4)" in repr(srv)
+    for _ in range(4):
+        srv.transmit(net)
+    assert net.seen(b"r") == [
+        ("lagged", 1, 1),
+        ("msg", 1),
+        ("lagged", 7, 5),
+        ("msg", 7),
+        ("msg", 8),
+        ("lagged", 11, 2),
+        ("msg", 11),
+    ]
+
+
+def test_end_goes_once_after_everything_and_again_after_a_rewind() -> None:
+    srv, net = server(window=8), Net()
+    admit(srv, net)
+    publish(srv, 0, 1)
+    srv.stream_ended("closed")
+    assert not srv.wants_ring()
+    srv.transmit(net)
+    srv.transmit(net)
+    srv.transmit(net)
+    assert net.seen(b"r") == [("msg", 0), ("msg", 1), ("end", 2, b"closed")]
+    srv.receive(b"r", nack(1), now=2.0, published=2, send=net)
+    srv.transmit(net)
+    srv.transmit(net)
+    assert net.seen(b"r") == [("msg", 1), ("end", 2, b"closed")]
+    srv.stop(deadline=100.0)
+    assert not srv.finished(3.0)  # it has not acknowledged the end
+    srv.receive(b"r", ack(2), now=3.0, published=2, send=net)
+    assert srv.finished(3.0)
+
+
+def test_a_stopping_server_gives_up_on_readers_at_its_deadline() -> None:
+    srv, net = server(), Net()
+    admit(srv, net)
+    publish(srv, 0)
+    srv.stream_ended("gone")
+    assert not srv.finished(0.0)  # not asked to stop
+    srv.stop(deadline=10.0)
+    assert not srv.finished(9.9)
+    assert srv.finished(10.0)
+
+
+def test_a_silent_reader_is_dropped_at_a_heartbeat_and_the_others_hear_one() -> None:
+    srv, net = server(), Net()
+    admit(srv, net, b"quiet")
+    admit(srv, net, b"talks")
+    assert not srv.heartbeat_due(0.5)
+    assert srv.heartbeat_due(HB)
+    assert srv.heartbeat(HB, net) == []
+    assert net.seen(b"quiet") == net.seen(b"talks") == [(wire.HEARTBEAT,)]
+    srv.receive(b"talks", ack(0), now=TIMEOUT, published=0, send=net)
+    assert srv.next_heartbeat == 2 * HB
+    (out,) = srv.heartbeat(TIMEOUT + 0.5, net)
+    assert isinstance(out, TimedOut) and out.ident == b"quiet" and out.silent_s == TIMEOUT + 0.5
+    assert srv.dropped == 1 and [r["name"] for r in srv.report()["readers"]] == ["r"]
+    assert net.seen(b"quiet") == [] and net.seen(b"talks") == [(wire.HEARTBEAT,)]
+    # It comes back: "who are you?", then a HELLO with where it was
+    assert srv.receive(b"quiet", ack(0), now=7.0, published=0, send=net) is None
+    assert net.seen(b"quiet") == [(wire.UNKNOWN,)]
+    assert isinstance(srv.receive(b"quiet", hello(resume=0), now=7.0, published=0, send=net), Admitted)
+
+
+def test_bye_leaves_and_a_full_server_refuses_more_readers() -> None:
+    srv, net = server(max_remote=1), Net()
+    admit(srv, net, b"a")
+    assert srv.receive(b"b", hello(), now=0.0, published=0, send=net) is None
+    assert net.seen(b"b") == [("refused", "all 1 remote reader places are taken")]
+    assert isinstance(srv.receive(b"a", signed(wire.BYE), now=0.0, published=0, send=net), Departed)
+    assert srv.receive(b"a", signed(wire.BYE), now=0.0, published=0, send=net) is None  # a replay
+    admit(srv, net, b"b")
+
+
+def test_a_replayed_hello_within_a_heartbeat_gets_no_second_welcome() -> None:
+    srv, net = server(), Net()
+    admit(srv, net)
+    assert srv.receive(b"r", hello(), now=0.5, published=0, send=net) is None
+    assert net.seen(b"r") == []
+    assert isinstance(srv.receive(b"r", hello(resume=0), now=1.5, published=0, send=net), Admitted)
+
+
+def test_a_returning_reader_past_what_a_new_server_holds_is_told_what_it_lost() -> None:
+    srv, net = server(start=10, returning=1), Net()
+    publish(srv, 10, 11)
+    admit(srv, net, resume=7)
+    srv.transmit(net)
+    srv.transmit(net)
+    # the gap takes no credit, but it is not acknowledged yet: one message fits in 7 + 4
+    assert net.seen(b"r") == [("lagged", 10, 3), ("msg", 10)]
+    srv.receive(b"r", ack(10), now=0.1, published=12, send=net)
+    srv.transmit(net)
+    assert net.seen(b"r") == [("msg", 11)]
+
+
+def test_under_block_a_new_server_keeps_everything_for_its_returning_readers_for_a_while() -> None:
+    srv = server("block", start=0, returning=1)
+    publish(srv, 0, 1, 2)
+    srv.trim(1.0)
+    assert "held 0..3 (3)" in repr(srv)  # nobody acknowledged it, but a reader may come back
+    srv.trim(2 * TIMEOUT)  # the grace is over: nobody is there, nothing is kept
+    assert "held 3..3 (0)" in repr(srv)
+
+
+#: reader frame groups that are authentic (signed with the key) and each wrong in its own way
+HOSTILE = {
+    "unknown kind": [b"Z"],
+    "ACK without its number": [wire.ACK],
+    "ACK with 3 bytes": [wire.ACK, b"abc"],
+    "NACK with 9 bytes": [wire.NACK, b"\0" * 9],
+    "ACK with two numbers": [wire.ACK, wire.U64.pack(1), wire.U64.pack(2)],
+    "BYE with an argument": [wire.BYE, b"x"],
+    "HELLO without a body": [wire.HELLO],
+    "HELLO not JSON": [wire.HELLO, b"{version: 3"],
+    "HELLO window 0": [wire.HELLO, b'{"version":3,"window":0}'],
+    "HELLO window a float": [wire.HELLO, b'{"version":3,"window":4.0}'],
+    "HELLO window NaN": [wire.HELLO, b'{"version":3,"window":NaN}'],
+    "HELLO resume negative": [wire.HELLO, b'{"version":3,"window":4,"resume":-1}'],
+    "HELLO resume beyond the stream": [wire.HELLO, b'{"version":3,"window":4,"resume":1000}'],
+    "HELLO name too long": [wire.HELLO, b'{"version":3,"window":4,"name":"' + b"n" * 300 + b'"}'],
+    "HELLO pid a string": [wire.HELLO, b'{"version":3,"window":4,"pid":"1"}'],
+    "HELLO an array": [wire.HELLO, b"[1,2]"],
+}
+
+
+@pytest.mark.parametrize("what", list(HOSTILE))
+def test_a_hostile_frame_from_an_admitted_reader_drops_it_only_and_tells_it_why(what: str) -> None:
+    srv, net = server(), Net()
+    admit(srv, net, b"bad")
+    admit(srv, net, b"good")
+    publish(srv, 0)
+    # (after a heartbeat: a HELLO sooner would be taken for a repeat and ignored)
+    event = srv.receive(b"bad", signed(*HOSTILE[what]), now=1.5, published=1, send=net)
+    assert isinstance(event, Rejected) and event.dropped is not None and event.total == 1, event
+    (refusal,) = net.seen(b"bad")
+    assert refusal[0] == "refused" and refusal[1].startswith("malformed frame")
+    assert srv.rejected_frames == 1
+    assert [r["name"] for r in srv.report()["readers"]] == ["r"]  # only the good one is left
+    srv.transmit(net)
+    assert net.seen(b"good") == [("msg", 0)] and net.seen(b"bad") == []
+
+
+def test_frames_that_are_not_authentic_are_counted_and_drop_nobody() -> None:
+    srv, net = server(), Net()
+    admit(srv, net)
+    wrong = secrets.token_bytes(32)
+    for frames in (
+        [wire.ACK, wire.U64.pack(3)],  # unsigned
+        signed(wire.ACK, wire.U64.pack(3), key=wrong),
+        [*signed(wire.ACK, wire.U64.pack(3))[:-1], b"\0" * wire.MAC_BYTES],
+        [*signed(wire.ACK, wire.U64.pack(3))[:-1], b"short"],
+        [wire.U64.pack(3), *signed(wire.ACK, wire.U64.pack(4))[1:]],  # the kind swapped out
+    ):
+        event = srv.receive(b"r", frames, now=0.1, published=0, send=net)
+        assert isinstance(event, Rejected) and event.dropped is None
+    assert srv.rejected_frames == 5
+    assert net.seen(b"r") == []  # no answer to a forgery
+    assert len(srv.report()["readers"]) == 1
+
+
+def test_too_many_or_too_large_frames_are_refused_before_anything_is_parsed() -> None:
+    srv, net = server(), Net()
+    for frames in (
+        [wire.ACK, b"1", b"2", b"3"],
+        [wire.HELLO, b"{" * (wire.MAX_CONTROL_FRAME + 1)],
+    ):
+        event = srv.receive(b"x", frames, now=0.0, published=0, send=net)
+        assert isinstance(event, Rejected) and event.dropped is None
+        assert net.seen(b"x")[0][0] == "refused"
+
+
+def test_a_version_mismatch_is_refused_without_counting_it_as_hostile() -> None:
+    srv, net = server(), Net()
+    assert srv.receive(b"r", hello(version=2), now=0.0, published=0, send=net) is None
+    assert net.seen(b"r") == [("refused", "protocol version mismatch")]
+    assert srv.rejected_frames == 0
+
+
+def test_a_nack_flood_resends_at_most_one_window_per_heartbeat() -> None:
+    srv, net = server(window=4), Net()
+    admit(srv, net)
+    publish(srv, *range(4), size=1000)
+    srv.transmit(net)
+    net.take(b"r")
+    resent = 0
+    for k in range(1, 1001):  # a NACK every 10 ms for 10 heartbeats
+        srv.receive(b"r", nack(0), now=k * 0.01, published=4, send=net)
+        srv.transmit(net)
+        resent += sum(1 for s in net.seen(b"r") if s[0] == "msg")
+    assert resent <= 4 * 10
+
+
+# --- the client ------------------------------------------------------------------------------
+
+
+def client(window: int = 4, key: bytes | None = KEY, gone_timeout: float | None = None) -> ClientProtocol:
+    return ClientProtocol(key=key, name="c", pid=1, host="h", window=window, now=0.0, gone_timeout=gone_timeout)
+
+
+def welcome(start: int = 0, window: int = 4) -> list[Any]:
+    body = {"start": start, "policy": "lag", "hb_interval": HB, "hb_timeout": TIMEOUT, "window": window}
+    return signed(wire.WELCOME, wire.encode_json(body))
+
+
+def batch(first: int, n: int) -> list[Any]:
+    return wire.sign(KEY, wire.encode_batch(first, [(b"%d" % (first + k), 0) for k in range(n)]))
+
+
+def kinds(c: ClientProtocol) -> list[tuple[bytes, Any]]:
+    out: list[tuple[bytes, Any]] = []
+    for frames in c.data_to_send():
+        body = wire.verify(KEY, frames)
+        out.append((body[0], wire.U64.unpack(body[1])[0] if body[0] in (wire.ACK, wire.NACK) else None))
+    return out
+
+
+def test_the_client_says_hello_then_takes_messages_in_order_and_acknowledges_by_half_windows() -> None:
+    c = client(window=8)
+    (frames,) = c.data_to_send()
+    assert wire.verify(KEY, frames)[0] == wire.HELLO
+    assert c.receive(batch(0, 2), 0.0) is None  # before its WELCOME: not its messages yet
+    assert c.receive(welcome(5, window=4), 0.0) == Welcomed(5)
+    assert c.window == 4  # the server's smaller credit
+    event = c.receive(batch(5, 3), 0.1)
+    assert isinstance(event, Messages) and event.first == 5 and [bytes(b) for b, _ in event.items] == [b"5", b"6", b"7"]
+    assert c.tick(0.1, consumed=6) is None
+    assert kinds(c) == [(wire.ACK, 6)]  # the first tick after the WELCOME
+    c.tick(0.2, consumed=7)
+    assert kinds(c) == []  # 1 more consumed: less than half the window
+    c.tick(0.3, consumed=8)
+    assert kinds(c) == [(wire.ACK, 8)]
+    c.tick(0.3 + HB, consumed=8)
+    assert kinds(c) == [(wire.ACK, 8)]  # once a heartbeat anyway: it is the reader's heartbeat too
+
+
+def test_the_client_asks_again_for_a_gap_and_keeps_only_the_new_part_of_a_resend() -> None:
+    c = client()
+    c.data_to_send()
+    c.receive(welcome(0), 0.0)
+    c.receive(batch(0, 2), 0.0)
+    assert c.receive(batch(3, 1), 0.1) is None  # 2 is missing
+    assert kinds(c) == [(wire.NACK, 2)]
+    event = c.receive(batch(1, 3), 0.2)
+    assert isinstance(event, Messages) and event.first == 2 and len(event.items) == 2
+    assert c.receive(batch(0, 2), 0.3) is None  # all old
+
+
+def test_a_starved_client_asks_again_when_the_server_says_it_has_more() -> None:
+    c = client()
+    c.data_to_send()
+    c.receive(welcome(0), 0.0)
+    c.receive(signed(wire.HEARTBEAT, wire.U64x2.pack(3, 0)), 0.5)
+    c.tick(0.5, consumed=0)
+    c.data_to_send()
+    c.tick(2 * HB + 0.1, consumed=0)
+    assert (wire.NACK, 0) in kinds(c)
+
+
+def test_the_client_reports_gaps_end_refusal_and_silence() -> None:
+    c = client()
+    c.data_to_send()
+    c.receive(welcome(0), 0.0)
+    assert c.receive(signed(wire.LAGGED, wire.U64x2.pack(5, 5)), 0.1) == Lagged(5, 5)
+    assert c.receive(signed(wire.LAGGED, wire.U64x2.pack(3, 3)), 0.1) is None  # behind it: old news
+    assert c.receive(signed(wire.END, wire.U64.pack(7), b"closed"), 0.1) is None  # it lacks 5 and 6
+    c.receive(batch(5, 2), 0.2)
+    assert c.receive(signed(wire.END, wire.U64.pack(7), b"gone"), 0.2) == Ended("gone")
+    assert c.receive(signed(wire.END, wire.U64.pack(7), b"closed"), 0.2) == Ended("closed")
+    assert c.receive(signed(wire.REFUSED, b"why"), 0.3) == Refused("why", welcomed=True)
+    assert c.tick(0.3 + 3 * TIMEOUT, consumed=7) is None
+    assert c.tick(0.31 + 3 * TIMEOUT, consumed=7) == Ended("silent")
+
+
+def test_a_client_the_server_forgot_says_hello_again_with_where_it_is() -> None:
+    c = client()
+    c.data_to_send()
+    c.receive(welcome(0), 0.0)
+    c.receive(batch(0, 3), 0.0)
+    c.receive(signed(wire.UNKNOWN), 0.1)
+    (frames,) = c.data_to_send()
+    body = wire.verify(KEY, frames)
+    assert body[0] == wire.HELLO and wire.decode_hello(body[1]).resume == 3
+    assert c.receive(welcome(3), 0.2) is None  # the same place: no second Welcomed
+
+
+def test_a_client_repeats_its_hello_until_welcomed_and_a_refusal_before_is_final() -> None:
+    c = client()
+    c.data_to_send()
+    c.tick(4 * HB * 0.5, consumed=0)
+    assert c.data_to_send() == []
+    c.tick(2.01, consumed=0)
+    (frames,) = c.data_to_send()
+    assert wire.verify(KEY, frames)[0] == wire.HELLO
+    assert c.receive(signed(wire.REFUSED, b"full"), 2.1) == Refused("full", welcomed=False)
+    assert c.tick(1000.0, consumed=0) is None  # not welcomed: never "silent"
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [wire.BATCH, b"\0" * 5, b""],
+        [wire.BATCH, wire.BATCH_HEAD.pack(0, 1) + wire.ENTRY.pack(10, 0), b"abc"],
+        [wire.BATCH],
+        [wire.HEARTBEAT, b"\1\2\3"],
+        [wire.LAGGED, b"x"],
+        [wire.END],
+        [wire.WELCOME, b"{not json"],
+        [wire.WELCOME, b'{"start": "x"}'],
+        [wire.WELCOME, b"[]"],
+        [b"Q", b""],
+    ],
+)
+def test_a_malformed_server_frame_is_dropped_and_is_no_sign_of_life(frames: list[bytes]) -> None:
+    c = client()
+    c.data_to_send()
+    c.receive(welcome(0), 0.0)
+    assert c.receive(signed(*frames), 10.0) is None
+    assert c.receive(frames, 10.0) is None  # unsigned
+    assert c.tick(3 * TIMEOUT + 0.01, consumed=0) == Ended("silent")  # heard last at 0.0
+    assert c.next == 0
+
+
+def test_a_forged_server_without_the_key_is_never_believed() -> None:
+    c = client()
+    c.data_to_send()
+    wrong = secrets.token_bytes(32)
+    for frames in (wire.sign(wrong, welcome(0)[:-1]), welcome(0)[:-1], [*welcome(0)[:-1], b"\0" * 32]):
+        assert c.receive(frames, 0.1) is None
+    assert not c.welcomed and "connecting" in repr(c)
+
+
+# --- both together, over a lossy link ----------------------------------------------------------
+
+OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("publish"), st.integers(1, 6)),
+        st.tuples(st.just("ring_loses"), st.integers(1, 5)),
+        st.tuples(st.just("to_client"), st.booleans()),  # deliver, or lose in transit
+        st.tuples(st.just("to_server"), st.booleans()),
+        st.tuples(st.just("consume"), st.integers(1, 8)),
+        st.tuples(st.just("time"), st.floats(0.01, 2.5)),
+        st.tuples(st.just("hostile"), st.sampled_from(list(HOSTILE))),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, policy=st.sampled_from(["lag", "block"]), window=st.integers(1, 6), buffer_max=st.integers(2, 8))
+def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact_gap(
+    ops: list[tuple[str, Any]], policy: str, window: int, buffer_max: int
+) -> None:
+    """Random publishing, ring losses, frames lost both ways, time passing and hostile frames
+    from another peer: what the reader takes is always in order, never twice, every number
+    accounted for (a message or a counted gap); the server never sends beyond the credit nor
+    holds more than its bound; once the stream ends and the link is good, the reader ends with
+    everything accounted for."""
+    srv, net = server(policy, window=window, buffer_max=buffer_max), Net()
+    c = ClientProtocol(key=KEY, name="c", pid=1, host="h", window=window, now=0.0, gone_timeout=1e9)
+    now, seq = 0.0, 0
+    queue: list[ClientEvent] = []  # what the reader has not taken yet
+    taken: list[int] = []  # message numbers taken
+    accounted = 0  # next number the reader has accounted for (taken or lost)
+    consumed = 0
+
+    def to_server(deliver: bool) -> None:
+        for frames in c.data_to_send():
+            if deliver:
+                srv.receive(b"c", frames, now=now, published=seq, send=net)
+
+    def to_client(deliver: bool) -> None:
+        nonlocal consumed
+        for frames in net.take(b"c"):
+            if deliver:
+                event = c.receive(frames, now)
+                if isinstance(event, Welcomed):
+                    consumed = event.start
+                elif event is not None:
+                    queue.append(event)
+
+    def take(n: int) -> None:
+        nonlocal accounted, consumed
+        while n > 0 and queue:
+            event = queue[0]
+            if isinstance(event, Messages):
+                assert event.first == accounted
+                taken.append(event.first)
+                accounted += 1
+                consumed = accounted
+                if len(event.items) > 1:
+                    queue[0] = Messages(event.first + 1, event.items[1:])
+                else:
+                    queue.pop(0)
+                n -= 1
+            elif isinstance(event, Lagged):
+                assert event.resume_at == accounted + event.missed
+                accounted = consumed = event.resume_at
+                queue.pop(0)
+            else:
+                assert isinstance(event, Ended)
+                return
+
+    def step() -> None:
+        srv.transmit(net)
+        srv.trim(now)
+        held = repr(srv)
+        if policy == "lag":
+            assert f"({buffer_max + 1})" not in held
+        # The credit: the server sends only below what the reader acknowledged plus its window,
+        # and the reader acknowledges no more than it took, so it never holds more than that.
+        held_by_reader = sum(len(e.items) for e in queue if isinstance(e, Messages))
+        assert held_by_reader <= window
+
+    to_server(True)
+    to_client(True)
+    assert c.welcomed
+    accounted = consumed = c.next
+    for op, arg in ops:
+        if op == "publish":
+            for _ in range(arg):
+                if srv.wants_ring():
+                    srv.add(seq, (b"%d" % seq, 0))
+                    seq += 1
+        elif op == "ring_loses" and policy == "lag":
+            seq += arg
+            srv.lost(seq)
+        elif op == "to_client":
+            to_client(arg)
+        elif op == "to_server":
+            to_server(arg)
+        elif op == "consume":
+            take(arg)
+        elif op == "time":
+            now += arg
+            c.tick(now, consumed)
+            if srv.heartbeat_due(now):
+                # a reader silent too long (its ACKs lost) is dropped: it comes back with a HELLO
+                # that says where it is, and is told exactly what it lost meanwhile
+                srv.heartbeat(now, net)
+        elif op == "hostile":
+            srv.receive(b"other", signed(*HOSTILE[arg]), now=now, published=seq, send=net)
+            net.take(b"other")
+        step()
+    # The stream ends; from here the link is good and the reader reads everything.
+    srv.stream_ended("closed")
+    for _ in range(4 * (seq + 10)):
+        now += 0.6
+        c.tick(now, consumed)
+        if srv.heartbeat_due(now):
+            srv.heartbeat(now, net)
+        to_server(True)
+        step()
+        to_client(True)
+        take(10**6)
+        if queue and isinstance(queue[0], Ended):
+            break
+    assert queue and queue[0] == Ended("closed"), (queue, accounted, seq)
+    assert accounted == seq
+    assert taken == sorted(set(taken))
+
+
+def test_the_wire_and_the_protocol_load_no_zeromq() -> None:
+    """The CLI takes the server's ring-place name from wire.py, and the protocol is sans-IO:
+    importing either must not load ZeroMQ (a fresh interpreter, so nothing else loaded it)."""
+    code = (
+        "import sys, aiobroadcast._tcp.wire, aiobroadcast._tcp.protocol; "
+        "print(sorted(m for m in sys.modules if m == 'zmq' or m.startswith('zmq.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

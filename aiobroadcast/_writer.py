@@ -28,6 +28,7 @@ from ._ring import (
     F_GAP,
     F_LAST,
     F_OOB,
+    R_GENERATION,
     R_NAME_LEN,
     R_PID,
     R_RECEIVED,
@@ -477,6 +478,7 @@ class Writer(Generic[T_contra]):
                 seg.rec_active[i] = 0
                 seg.waiting[i] = 0
                 _ring._unlink_quiet(self._reader_socks[i])
+                self._outbox.forget(self._reader_socks[i])
             finally:
                 _ring.unlock(fd, byte)
             self._dropped += 1
@@ -634,9 +636,10 @@ class Writer(Generic[T_contra]):
     def _wake_all_readers(self) -> None:
         """Wake every attached reader, asleep or not, after a change they must see (closed, gone)."""
         fence()
+        lay = self._seg.layout
         for i, active in enumerate(self._seg.rec_active.tolist()):
             if active:
-                self._outbox.wake(self._reader_socks[i])
+                self._outbox.wake(self._reader_socks[i], self._words[lay.record_word(i, R_GENERATION)])
 
     def _wake_readers(self) -> None:
         """Wake the readers that announced they sleep (and only once per sleep)."""
@@ -647,7 +650,9 @@ class Writer(Generic[T_contra]):
             for i, episode in enumerate(waiting):
                 if episode and episode != notified[i]:
                     notified[i] = episode
-                    self._outbox.wake(self._reader_socks[i])
+                    # An episode carries its reader's generation in its high half (see
+                    # ShmSource._join): the outbox connects again when the place changed hands.
+                    self._outbox.wake(self._reader_socks[i], episode >> 32)
 
     def _readers(self) -> tuple[ReaderInfo, ...]:
         seg = self._seg

@@ -67,7 +67,10 @@ class Reader(Generic[T_co]):
         self._slept_ns = DENSE_NS  # no polling before the first sleep
         self._handle = handle
         self._name = name
-        self._leader: anyio.Event | None = None
+        #: Whether a task sleeps in the source (the leader); and the event the other waiting
+        #: tasks wait on, made only when one comes: a lone task, the usual case, makes none.
+        self._leading = False
+        self._followers: anyio.Event | None = None
         self._tasks_waiting = 0
         self._since_yield = 0
         self._closed = False
@@ -153,8 +156,8 @@ class Reader(Generic[T_co]):
         finally:
             if taken:
                 self._taking.release()
-        if self._leader is not None:
-            self._leader.set()
+        if self._followers is not None:
+            self._followers.set()
 
     def __aiter__(self) -> Reader[T_co]:
         return self
@@ -206,19 +209,24 @@ class Reader(Generic[T_co]):
         every parked task re-checks when anything changes."""
         self._tasks_waiting += 1
         try:
-            leader = self._leader
-            if leader is not None:
-                await leader.wait()
+            if self._leading:
+                followers = self._followers
+                if followers is None:
+                    followers = self._followers = anyio.Event()
+                await followers.wait()
             else:
-                event = self._leader = anyio.Event()
+                self._leading = True
                 try:
                     if not await self._poll():
                         start = perf_counter_ns()
                         await self._src.sleep()
                         self._slept_ns = perf_counter_ns() - start
                 finally:
-                    self._leader = None
-                    event.set()
+                    self._leading = False
+                    followers = self._followers
+                    if followers is not None:
+                        self._followers = None
+                        followers.set()
         finally:
             self._tasks_waiting -= 1
         if self._closed:

@@ -72,6 +72,8 @@ class Inbox:
         #: The watch fired (under asyncio): it is no longer registered, and is dropped at the end
         #: of the current or next sleep.
         self._watch_fired = False
+        #: A sleeper was woken by the datagram still in the socket (see ``_on_datagram``).
+        self._owed = False
         _fork.track(self)
 
     def fileno(self) -> int:
@@ -123,6 +125,10 @@ class Inbox:
         registered with before, if it is still open). False if ``loop`` cannot watch file
         descriptors (then every sleep takes the generic path)."""
         self._unregister()
+        # A datagram left for the previous loop to take (see _on_datagram) may be gone, taken by
+        # the generic path: the new loop must not drop the next one in its stead. (If it is still
+        # there, it wakes the next sleep early, which then looks at the ring and sleeps again.)
+        self._owed = False
         try:
             loop.add_reader(self.sock.fileno(), self._on_datagram)
         except NotImplementedError:
@@ -150,16 +156,20 @@ class Inbox:
             loop.remove_reader(self.watch)
 
     def _on_datagram(self) -> None:
-        """The socket is readable (called by the event loop). Take one datagram (another one
-        left in the socket calls this again) and wake the sleeper, if any: a datagram that
-        comes while nobody sleeps is dropped, as it only meant "look at the ring again"."""
+        """The socket is readable (called by the event loop). A sleeper is woken at once and its
+        datagram left in the socket: taking it is a system call, which the loop's next round
+        (after the woken task has run) makes, calling this again. Any other datagram is taken
+        and dropped: it came while nobody slept, and only meant "look at the ring again"."""
+        waiter = self._waiter
+        if not self._owed and waiter is not None and not waiter.done():
+            waiter.set_result(True)
+            self._owed = True
+            return
+        self._owed = False
         try:
             self.sock.recv(64)
         except OSError:  # BlockingIOError (taken meanwhile), InterruptedError
-            return
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(True)
+            pass
 
     def _on_watch(self) -> None:
         """The watch fired (the writer's process has exited). It stays readable for good, so
@@ -192,6 +202,7 @@ class Inbox:
         """Read every datagram; True if there was one. Without one, a watch that fired is
         dropped (it stays readable: waiting on it again would return at once, forever)."""
         got = False
+        self._owed = False  # whatever was left in the socket is taken now
         while True:
             try:
                 self.sock.recv(64)

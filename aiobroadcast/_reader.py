@@ -43,7 +43,7 @@ class Source(Protocol):
 
     def get_nowait(self) -> Any: ...
     def ready(self) -> bool: ...
-    async def sleep(self) -> None: ...
+    async def sleep(self) -> bool | None: ...
     def statistics(self, tasks_waiting: int) -> ReaderStatistics: ...
     def describe(self) -> str: ...
     def close(self) -> None: ...
@@ -219,8 +219,13 @@ class Reader(Generic[T_co]):
                 try:
                     if not await self._poll():
                         start = perf_counter_ns()
-                        await self._src.sleep()
+                        woken = await self._src.sleep()
                         self._slept_ns = perf_counter_ns() - start
+                        if woken and not self._closed and not self._src.ready():
+                            # Woken as a put began (Writer._wake_early): the message is being
+                            # encoded and published. Poll for it briefly rather than sleep and
+                            # pay a second wake-up; a put that failed costs this poll only.
+                            await self._poll_after_wake()
                 finally:
                     self._leading = False
                     followers = self._followers
@@ -231,6 +236,10 @@ class Reader(Generic[T_co]):
             self._tasks_waiting -= 1
         if self._closed:
             raise ClosedResourceError(self._refusal or "this reader was closed while waiting")
+
+    async def _poll_after_wake(self) -> None:
+        ready = self._src.ready
+        await poll(lambda: self._closed or ready(), POLL_NS)
 
     async def _poll(self) -> bool:
         """Poll the source for a while before sleeping (see ``POLL_NS``). True if it became

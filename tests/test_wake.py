@@ -368,3 +368,30 @@ def test_outbox_sends_nothing_and_raises_nothing_to_a_missing_or_full_inbox(tmp_
             again.close()
     finally:
         out.close()
+
+
+async def test_a_put_that_fails_after_waking_the_readers_leaves_them_to_the_next_put(no_liveness_rescue: None) -> None:
+    """A put wakes the sleeping readers before it encodes; when the encoding fails, nothing is
+    published: the woken readers go back to sleep, and the next put wakes them again."""
+    async with ab.open_writer(capacity=8, slot_bytes=256) as writer:
+        async with ab.open_reader(writer.handle, spin_us=0) as reader:
+            got: list[int] = []
+
+            async def take() -> None:
+                got.append(await reader.get())
+
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(take)
+                    for _ in range(5):
+                        await until_asleep(writer)
+                        episode = list(writer._waiting.tolist())
+                        with pytest.raises(ab.SerializationError):
+                            await writer.put(lambda: None)  # unpicklable
+                        with pytest.raises(ab.SerializationError):
+                            writer.put_nowait(lambda: None)
+                        # The reader was woken, found nothing, and sleeps again (a new episode).
+                        await until(lambda episode=episode: sleeping(writer) and writer._waiting.tolist() != episode)
+                    assert got == []
+                    await writer.put(7)
+            assert got == [7]

@@ -64,7 +64,7 @@ from ._open import (
 from ._reader import poll_budget
 from ._stats import ReaderStatistics, WriterStatistics
 from ._wake import poll_blocking, wait_readable
-from ._writer import DENSE_NS, Writer, _Chunks
+from ._writer import DENSE_NS, POLL_NS, Writer, _Chunks
 
 __all__ = ["BlockingReader", "BlockingWriter", "open_reader", "open_writer"]
 
@@ -476,6 +476,9 @@ class BlockingReader(_Closable, Generic[T_co]):
             finally:
                 src.end_sleep(woken)
             self._slept_ns = perf_counter_ns() - start
+            if woken and not ready():
+                # Woken as a put began (Writer._wake_early): the message is on its way.
+                poll_blocking(ready, POLL_NS)
         finally:
             self._sleep_lock.release()
 

@@ -16,12 +16,19 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 from time import perf_counter_ns
+from typing import Any
 
 import anyio
 import anyio.lowlevel
 
 from . import _fork
 from ._exceptions import BroadcastError
+
+_sniffed: Any
+try:
+    from sniffio import thread_local as _sniffed
+except ImportError:  # then trio is not installed either (it needs sniffio): asyncio is the only loop
+    _sniffed = None
 
 
 class Inbox:
@@ -83,9 +90,12 @@ class Inbox:
         """Sleep until a datagram arrives, the watch fires or ``limit_s`` seconds pass. True if
         a datagram came. Raises ``anyio.ClosedResourceError`` if ``close`` is called meanwhile.
         One task at a time."""
+        if _sniffed is not None and _sniffed.name is not None:
+            # Trio, even as a guest on a running asyncio loop: its tasks cannot await a future.
+            return await self._wait_generic(limit_s)
         try:
             loop = asyncio.get_running_loop()
-        except RuntimeError:  # not asyncio (trio)
+        except RuntimeError:  # not asyncio
             return await self._wait_generic(limit_s)
         if self.sock.fileno() < 0:
             raise anyio.ClosedResourceError

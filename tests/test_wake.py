@@ -395,3 +395,40 @@ async def test_a_put_that_fails_after_waking_the_readers_leaves_them_to_the_next
                     assert got == []
                     await writer.put(7)
             assert got == [7]
+
+
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [("asyncio", {"use_uvloop": False}), ("asyncio", {"use_uvloop": True})],
+    ids=["asyncio", "uvloop"],
+)
+async def test_a_reader_in_trio_guest_mode_on_an_asyncio_loop_takes_the_generic_path(
+    no_liveness_rescue: None,
+) -> None:
+    """Trio can run as a guest of a running asyncio loop (the host): asyncio.get_running_loop()
+    then answers in trio's tasks too, but they cannot await an asyncio future. Their sleeps go
+    through anyio."""
+    import trio
+
+    loop = asyncio.get_running_loop()
+    async with ab.open_writer(capacity=8, slot_bytes=256) as writer:
+        async with ab.open_reader(writer.handle, spin_us=0) as reader:
+            done: asyncio.Future[Any] = loop.create_future()
+
+            async def guest() -> list[int]:
+                return [await reader.get(), await reader.get()]
+
+            trio.lowlevel.start_guest_run(
+                guest,
+                run_sync_soon_threadsafe=loop.call_soon_threadsafe,
+                run_sync_soon_not_threadsafe=loop.call_soon,
+                done_callback=lambda outcome: done.set_result(outcome),
+                host_uses_signal_set_wakeup_fd=True,
+            )
+            with anyio.fail_after(30):
+                await until_asleep(writer)
+                await writer.put(1)
+                await until_asleep(writer)
+                await writer.put(2)
+                outcome = await done
+            assert outcome.unwrap() == [1, 2]

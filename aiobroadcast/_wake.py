@@ -323,16 +323,16 @@ class Outbox:
             try:
                 sock.setblocking(False)
                 sock.connect(path)
-                sock.send(b"\0")
-            except (BlockingIOError, InterruptedError):
-                pass  # connected, but full: it is being woken already
-            except OSError:  # gone (no such file, nobody bound to it): nobody to wake
+            except (ConnectionRefusedError, FileNotFoundError):  # gone: nobody to wake
                 sock.close()
                 return
-            except BaseException:
+            except BaseException:  # anything else (a permission refused) is reported, as sendto did
                 sock.close()
                 raise
             self._links[path] = (sock, generation)
+            # Full: it is being woken already; refused: its socket was closed since.
+            with contextlib.suppress(BlockingIOError, InterruptedError, ConnectionRefusedError):
+                sock.send(b"\0")
 
     def forget(self, path: str) -> None:
         """Close the connection to ``path`` (its inbox is gone for good)."""

@@ -73,6 +73,9 @@ class WriterChannel:
 
     # --- encoding and publishing -------------------------------------------------------------
     def encode(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
+        """Encode a message a put is about to publish (sleeping readers are woken first: see
+        ``Publisher.wake_early``)."""
+        self.pub.wake_early()
         parts, total, oob = self._encode(obj)
         if self._max_message_bytes is not None and total > self._max_message_bytes:
             raise MessageTooLarge(total, self._max_message_bytes)

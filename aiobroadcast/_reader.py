@@ -39,7 +39,7 @@ class Source(Protocol):
 
     def get_nowait(self) -> Any: ...
     def ready(self) -> bool: ...
-    async def sleep(self) -> None: ...
+    async def sleep(self) -> bool | None: ...
     def statistics(self, tasks_waiting: int) -> ReaderStatistics: ...
     def describe(self) -> str: ...
     def close(self) -> None: ...
@@ -63,7 +63,10 @@ class Reader(Generic[T_co]):
         self._slept_ns = _tuning.DENSE_NS  # no polling before the first sleep
         self._handle = handle
         self._name = name
-        self._leader: anyio.Event | None = None
+        #: Whether a task sleeps in the source (the leader); and the event the other waiting
+        #: tasks wait on, made only when one comes: a lone task, the usual case, makes none.
+        self._leading = False
+        self._followers: anyio.Event | None = None
         self._tasks_waiting = 0
         self._since_yield = 0
         self._closed = False
@@ -149,8 +152,8 @@ class Reader(Generic[T_co]):
         finally:
             if taken:
                 self._taking.release()
-        if self._leader is not None:
-            self._leader.set()
+        if self._followers is not None:
+            self._followers.set()
 
     def __aiter__(self) -> Reader[T_co]:
         return self
@@ -202,23 +205,37 @@ class Reader(Generic[T_co]):
         every parked task re-checks when anything changes."""
         self._tasks_waiting += 1
         try:
-            leader = self._leader
-            if leader is not None:
-                await leader.wait()
+            if self._leading:
+                followers = self._followers
+                if followers is None:
+                    followers = self._followers = anyio.Event()
+                await followers.wait()
             else:
-                event = self._leader = anyio.Event()
+                self._leading = True
                 try:
                     if not await self._poll():
                         start = perf_counter_ns()
-                        await self._src.sleep()
+                        woken = await self._src.sleep()
                         self._slept_ns = perf_counter_ns() - start
+                        if woken and not self._closed and not self._src.ready():
+                            # Woken as a put began (Publisher.wake_early): the message is being
+                            # encoded and published. Poll for it briefly rather than sleep and
+                            # pay a second wake-up; a put that failed costs this poll only.
+                            await self._poll_after_wake()
                 finally:
-                    self._leader = None
-                    event.set()
+                    self._leading = False
+                    followers = self._followers
+                    if followers is not None:
+                        self._followers = None
+                        followers.set()
         finally:
             self._tasks_waiting -= 1
         if self._closed:
             raise ClosedResourceError(self._refusal or "this reader was closed while waiting")
+
+    async def _poll_after_wake(self) -> None:
+        ready = self._src.ready
+        await poll(lambda: self._closed or ready(), _tuning.POLL_NS)
 
     async def _poll(self) -> bool:
         """Poll the source for a while before sleeping (see ``_tuning.POLL_NS``). True if it became

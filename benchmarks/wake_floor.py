@@ -1,12 +1,22 @@
 """The floor under any sleeping reader's wake-up latency on this host, without aiobroadcast.
 
     python benchmarks/wake_floor.py [--pause S] [--count N] [--readers R] [--loop blocking|uvloop]
+    python benchmarks/wake_floor.py --paced [--pause 0.001] [--count N] [--readers R]
 
-R reader processes block on a Unix datagram socket (``recv`` in C, or an event loop's
-``add_reader``); a sender sleeps PAUSE seconds, stamps ``perf_counter_ns()`` and sends the stamp
-to each reader. Each reader reports now - stamp. Prints one JSON object: the medians per reader.
-This is what a kernel wake-up costs here (on a virtual machine, an idle vCPU must be woken by the
-hypervisor); a library that sleeps instead of spinning cannot wake faster.
+Default (idle floor): R reader processes block on a Unix datagram socket (``recv`` in C, or an
+event loop's ``add_reader``); a sender sleeps PAUSE seconds, stamps ``perf_counter_ns()`` and sends
+the stamp to each reader. Each reader reports now - stamp.
+
+``--paced`` (the paced floor, beside the ``lat`` cell of the benchmark, which sends one message
+per ms): each reader is a bare uvloop reader parked on a FIFO with one persistent
+``add_reader``; it announces in shared memory that it sleeps. The sender sleeps PAUSE seconds
+(default 1 ms, as the ``lat`` cell), stamps the time into shared memory and writes one byte to
+the FIFO of each reader that announced it sleeps. No serialisation, no ring: this is the least
+an asyncio reader that sleeps (no spinning) can take to see a message here.
+
+Prints one JSON object: the medians (and, paced, the p99) per reader. This is what a kernel
+wake-up costs here (on a virtual machine, an idle vCPU must be woken by the hypervisor); a library
+that sleeps instead of spinning cannot wake faster.
 """
 
 from __future__ import annotations
@@ -14,13 +24,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import mmap
 import multiprocessing as mp
 import os
 import socket
 import statistics
+import struct
 import tempfile
 import time
 from typing import Any
+
+#: Per reader, in the shared page: the word it sets while it sleeps, the stamp of the message, and
+#: the stamp it took last (the sender waits for it before the next message).
+WORD = struct.Struct("=q")
+FLAG, STAMP, TAKEN = 0, 8, 16
+STRIDE = 24
 
 
 def _reader(path: str, count: int, loop: str, q: Any) -> None:
@@ -51,36 +69,134 @@ def _reader(path: str, count: int, loop: str, q: Any) -> None:
     q.put(lat)
 
 
+def _paced_reader(fifo: str, shm: str, rank: int, count: int, q: Any) -> None:
+    import uvloop
+
+    fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # read-write: never sees end of file
+    with open(shm, "r+b") as f:
+        page = mmap.mmap(f.fileno(), 0)
+    flag_at, stamp_at = STRIDE * rank + FLAG, STRIDE * rank + STAMP
+    lat: list[float] = []
+
+    async def main() -> None:
+        ev_loop = asyncio.get_running_loop()
+        waiter: list[asyncio.Future[None]] = []
+
+        def readable() -> None:
+            os.read(fd, 64)
+            if waiter and not waiter[0].done():
+                waiter[0].set_result(None)
+
+        ev_loop.add_reader(fd, readable)  # once: no registration per sleep
+        q.put("ready")
+        seen = 0
+        for _ in range(count):
+            waiter[:] = [ev_loop.create_future()]
+            WORD.pack_into(page, flag_at, 1)
+            if WORD.unpack_from(page, stamp_at)[0] == seen:  # else it came before we announced
+                await waiter[0]
+            WORD.pack_into(page, flag_at, 0)
+            seen = WORD.unpack_from(page, stamp_at)[0]
+            WORD.pack_into(page, STRIDE * rank + TAKEN, seen)
+            lat.append((time.perf_counter_ns() - seen) / 1000)
+        ev_loop.remove_reader(fd)
+
+    uvloop.run(main())
+    q.put(lat)
+
+
+def _run(ctx: Any, procs: list[Any], q: Any, send: Any, count: int) -> list[list[float]]:
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        assert q.get(timeout=30) == "ready"
+    for _ in range(count):
+        send()
+    results = [q.get(timeout=30) for _ in procs]
+    for proc in procs:
+        proc.join()
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    p.add_argument("--pause", type=float, default=1.0, help="seconds between messages (default 1)")
-    p.add_argument("--count", type=int, default=5)
+    p.add_argument("--pause", type=float, default=None, help="seconds between messages (default 1, paced 0.001)")
+    p.add_argument("--count", type=int, default=None, help="messages (default 5, paced 2000)")
     p.add_argument("--readers", type=int, default=2)
     p.add_argument("--loop", choices=("blocking", "uvloop"), default="blocking")
+    p.add_argument("--paced", action="store_true", help="the paced floor: uvloop readers on a FIFO, announced sleeps")
     args = p.parse_args()
+    pause = args.pause if args.pause is not None else (0.001 if args.paced else 1.0)
+    count = args.count if args.count is not None else (2000 if args.paced else 5)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
-        paths = [os.path.join(d, f"r{i}.sock") for i in range(args.readers)]
-        procs = [ctx.Process(target=_reader, args=(path, args.count, args.loop, q)) for path in paths]
-        for proc in procs:
-            proc.start()
-        for _ in procs:
-            assert q.get(timeout=30) == "ready"
-        out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-        for _ in range(args.count):
-            time.sleep(args.pause)
-            stamp = str(time.perf_counter_ns()).encode()
-            for path in paths:
-                out.sendto(stamp, path)
-        results = [q.get(timeout=30) for _ in procs]
-        for proc in procs:
-            proc.join()
-        out.close()
-    print(json.dumps({
-        "pause_s": args.pause, "loop": args.loop, "readers": args.readers, "count": args.count,
+        if args.paced:
+            shm = os.path.join(d, "page")
+            with open(shm, "wb") as f:
+                f.write(b"\0" * mmap.PAGESIZE)
+            with open(shm, "r+b") as f:
+                page = mmap.mmap(f.fileno(), 0)
+            fifos = [os.path.join(d, f"r{i}.fifo") for i in range(args.readers)]
+            for fifo in fifos:
+                os.mkfifo(fifo, 0o600)
+            procs = [ctx.Process(target=_paced_reader, args=(fifo, shm, i, count, q)) for i, fifo in enumerate(fifos)]
+            fds: list[int] = []
+
+            def send() -> None:
+                time.sleep(pause)
+                # Wait (sleeping) until every reader has taken the previous message and sleeps again.
+                while not all(
+                    WORD.unpack_from(page, STRIDE * i + FLAG)[0]
+                    and WORD.unpack_from(page, STRIDE * i + TAKEN)[0] == WORD.unpack_from(page, STRIDE * i + STAMP)[0]
+                    for i in range(args.readers)
+                ):
+                    time.sleep(pause)
+                now = time.perf_counter_ns()
+                for i in range(args.readers):
+                    WORD.pack_into(page, STRIDE * i + STAMP, now)
+                for i, fd in enumerate(fds):
+                    if WORD.unpack_from(page, STRIDE * i + FLAG)[0]:
+                        os.write(fd, b"\0")
+
+            for proc in procs:
+                proc.start()
+            for _ in procs:
+                assert q.get(timeout=30) == "ready"
+            fds = [os.open(fifo, os.O_WRONLY | os.O_NONBLOCK) for fifo in fifos]
+            for _ in range(count):
+                send()
+            results = [q.get(timeout=30) for _ in procs]
+            for proc in procs:
+                proc.join()
+            for fd in fds:
+                os.close(fd)
+            page.close()
+        else:
+            paths = [os.path.join(d, f"r{i}.sock") for i in range(args.readers)]
+            procs = [ctx.Process(target=_reader, args=(path, count, args.loop, q)) for path in paths]
+            out = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+            def send() -> None:
+                time.sleep(pause)
+                stamp = str(time.perf_counter_ns()).encode()
+                for path in paths:
+                    out.sendto(stamp, path)
+
+            results = _run(ctx, procs, q, send, count)
+            out.close()
+    out_json: dict[str, Any] = {
+        "pause_s": pause,
+        "loop": "uvloop" if args.paced else args.loop,
+        "paced": args.paced,
+        "readers": args.readers,
+        "count": count,
         "wake_latency_us_median_per_reader": [round(statistics.median(r), 1) for r in results],
-    }))
+    }
+    if args.paced:
+        out_json["p50_us"] = round(statistics.median(x for r in results for x in r), 1)
+        out_json["p99_us"] = round(statistics.quantiles([x for r in results for x in r], n=100)[98], 1)
+    print(json.dumps(out_json))
 
 
 if __name__ == "__main__":

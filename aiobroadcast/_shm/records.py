@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection
 
 from .._stats import ReaderInfo
 from . import segment as _segment
-from .layout import R_NAME_LEN, R_PID, R_RECEIVED, fence, has_room
+from .layout import R_GENERATION, R_NAME_LEN, R_PID, R_RECEIVED, fence, has_room
 from .segment import Segment
 from .wake import Outbox
 
@@ -18,14 +18,16 @@ log = logging.getLogger("aiobroadcast")
 class ReaderRecords:
     """The reader places of one segment, as the writer reads them."""
 
-    def __init__(self, seg: Segment) -> None:
+    def __init__(self, seg: Segment, outbox: Outbox) -> None:
         self._seg = seg
+        self._outbox = outbox
         self._words = seg.words
         self.capacity = seg.layout.capacity
         #: the slowest active cursor when last scanned (a lower bound: cursors only move on)
         self.min_cursor = 0
         self.dropped = 0
         self._notified = [0] * seg.layout.max_readers
+        self._nobody_waiting = bytes(8 * seg.layout.max_readers)  # the waiting words when no reader sleeps
         self.sock_paths = [seg.sock_path(f"r{i}") for i in range(seg.layout.max_readers)]
 
     def rescan(self, head: int) -> None:
@@ -47,21 +49,29 @@ class ReaderRecords:
         self.rescan(head)
         return has_room(head, self.min_cursor, entries, self.capacity)
 
-    def wake_sleepers(self, outbox: Outbox) -> None:
+    def anyone_sleeps(self) -> bool:
+        """Whether any reader announced a sleep (no fence: a hint, see ``Publisher.wake_early``)."""
+        return self._seg.waiting.tobytes() != self._nobody_waiting
+
+    def wake_sleepers(self) -> None:
         """Wake the readers that announced they sleep, once per sleep (a sleep episode's number
         is what the reader stored in its waiting word). The caller fenced after its stores."""
-        waiting = self._seg.waiting.tolist()
-        if any(waiting):
-            notified = self._notified
-            for i, episode in enumerate(waiting):
-                if episode and episode != notified[i]:
-                    notified[i] = episode
-                    outbox.wake(self.sock_paths[i])
+        waiting = self._seg.waiting
+        if waiting.tobytes() == self._nobody_waiting:  # the usual case of a dense stream: cheap
+            return
+        notified = self._notified
+        for i, episode in enumerate(waiting.tolist()):
+            if episode and episode != notified[i]:
+                notified[i] = episode
+                # An episode carries its reader's generation in its high half (ReaderPlace.join):
+                # the outbox connects again when the place changed hands.
+                self._outbox.wake(self.sock_paths[i], episode >> 32)
 
-    def wake_all(self, outbox: Outbox) -> None:
+    def wake_all(self) -> None:
+        lay = self._seg.layout
         for i, active in enumerate(self._seg.rec_active.tolist()):
             if active:
-                outbox.wake(self.sock_paths[i])
+                self._outbox.wake(self.sock_paths[i], self._words[lay.record_word(i, R_GENERATION)])
 
     def reap(self, target: int, head: int, spare: Callable[[int], bool]) -> None:
         """Drop readers that hold the writer back (cursor below ``target``) and whose process
@@ -84,6 +94,7 @@ class ReaderRecords:
                 seg.rec_active[i] = 0
                 seg.waiting[i] = 0
                 _segment._unlink_quiet(self.sock_paths[i])
+                self._outbox.forget(self.sock_paths[i])
             finally:
                 _segment.unlock(fd, byte)
             self.dropped += 1

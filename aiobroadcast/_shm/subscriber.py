@@ -312,20 +312,23 @@ class ShmSource:
             or self._writer_gone
         )
 
-    async def sleep(self) -> None:
+    async def sleep(self) -> bool:
         """Park until the ring may have changed (one task at a time). Announces the sleep,
-        re-checks, then waits on the socket; on a quiet timeout, checks the writer is alive."""
+        re-checks, then waits on the socket; on a quiet timeout, checks the writer is alive.
+        True if a wake-up came (the writer wakes sleepers as a put begins: the message may be
+        a few microseconds from the ring)."""
         if self.begin_sleep():
-            return
+            return False
         woken = False
         try:
             assert self._inbox is not None
             try:
                 woken = await self._inbox.wait(self.sleep_limit_s)
             except anyio.ClosedResourceError:
-                return  # closed by aclose() meanwhile: Reader raises ClosedResourceError
+                return False  # closed by aclose() meanwhile: Reader raises ClosedResourceError
         finally:
             self.end_sleep(woken)
+        return woken
 
     def begin_sleep(self) -> bool:
         """Announce that this reader sleeps. True if it need not: the ring changed meanwhile

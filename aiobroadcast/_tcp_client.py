@@ -20,6 +20,7 @@ import anyio
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from . import _seal as seal
 from . import _wire as wire
 from ._exceptions import (
     DeserializationError,
@@ -90,8 +91,17 @@ class TcpSource:
         self._ctrl_r, self._ctrl_w = socket.socketpair()
         self._ctrl_r.setblocking(False)
         self._ctrl_w.setblocking(False)
+        # Opens the sealed data frames with the keys WELCOME and KEYS deliver (docs/security.md).
+        self._opener = seal.Opener(handle.token.encode(), secret=self._key)
+        self._credit_base = 0  # the seq the server counts this reader's credit from, at least
+        self._keys_asked = 0.0  # when it last asked for the keys again (UnknownKey)
         self._ctx = zmq.Context()
         d = self._dealer = self._ctx.socket(zmq.DEALER)
+        # The data connection: plain ZeroMQ, every frame sealed. It has the control connection's
+        # routing id, which is how the server knows whose it is; it connects once WELCOME says
+        # where.
+        dd = self._data = self._ctx.socket(zmq.DEALER)
+        self._data_endpoint: str | None = None
         # Watches the handshake until it succeeds (then it is closed): a refused handshake fails
         # open_reader at once instead of after connect_timeout.
         self._monitor: zmq.Socket[bytes] | None = None
@@ -104,6 +114,13 @@ class TcpSource:
             d.reconnect_ivl = 100
             d.reconnect_ivl_max = 1000
             d.routing_id = os.urandom(16)
+            dd.linger = 0
+            dd.sndhwm = 0
+            dd.rcvhwm = 0
+            dd.maxmsgsize = wire.DEFAULT_MAX_FRAME
+            dd.reconnect_ivl = 100
+            dd.reconnect_ivl_max = 1000
+            dd.routing_id = d.routing_id
             if not handle.insecure:
                 assert handle.server_key and handle.client_public_key and handle.client_secret_key
                 d.curve_serverkey = handle.server_key.encode()
@@ -246,7 +263,13 @@ class TcpSource:
             tasks_waiting=tasks_waiting,
             writer_pid=self._handle.writer_pid,
             writer_closed=self._terminal is not None and self._terminal[0] == _END,
+            rejected_frames=sum(self._opener.rejected.values()),
         )
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Data frames refused, by reason (not_authentic, unknown_key, replayed, out_of_window)."""
+        return dict(self._opener.rejected)
 
     def describe(self) -> str:
         return f"tcp {self._handle.tcp} received={self._received}"
@@ -311,6 +334,7 @@ class TcpSource:
             "host": host_name()[: wire.HOST_CHARS],
             "window": self._window,
             "resume": resume,
+            "channel": self._handle.token,
         }
         self._send([wire.HELLO, wire.encode_json(hello)])
 
@@ -326,6 +350,7 @@ class TcpSource:
     def _close_sockets(self) -> None:
         self._stop_monitor()
         self._dealer.close(linger=0)
+        self._data.close(linger=0)
         self._ctx.term()
 
     def _stop_monitor(self) -> None:
@@ -375,6 +400,7 @@ class TcpSource:
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._data, zmq.POLLIN)
         poller.register(self._ctrl_r, zmq.POLLIN)
         if self._monitor is not None:
             poller.register(self._monitor, zmq.POLLIN)
@@ -413,11 +439,21 @@ class TcpSource:
                     continue  # not authentic or malformed: dropped, the stream goes on
                 last_heard = now
                 if got is not None:
-                    kind, value = got
-                    if kind == "batch":
+                    server_end = max(server_end, got[1])
+            for _ in range(256):
+                try:
+                    msg = self._data.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                frames = [f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg]
+                try:
+                    if self._on_data(frames):
                         last_batch = now
-                    elif kind == "end":
-                        server_end = max(server_end, value)
+                    last_heard = now  # authentic: the writer's server is alive
+                except seal.SealError as exc:
+                    self._on_refused(exc, now)
+                except (wire.FrameError, ValueError, KeyError, TypeError, IndexError, struct.error) as exc:
+                    self._on_refused(seal.NotAuthentic(f"malformed: {exc}"), now)  # dropped, asked for again
             if self._terminal is not None:
                 return  # the writer closed or is gone: everything it sent is queued
             gone_after = self._gone_timeout if self._gone_timeout is not None else 3 * self._hb_timeout
@@ -443,20 +479,76 @@ class TcpSource:
                 self._send([wire.NACK, wire.U64.pack(self._next)])
                 last_batch = now
 
+    def _on_refused(self, exc: seal.SealError, now: float) -> None:
+        """A data frame that did not open or is not wanted (counted by the opener): nothing of
+        it was queued. Ask for what follows what we have; the keys again if we lack its key."""
+        self._opener.count(exc)
+        if self._next < 0 or isinstance(exc, seal.Replayed):
+            return  # a copy of what we have: nothing to ask for
+        if isinstance(exc, seal.UnknownKey):
+            if now - self._keys_asked >= self._hb_interval:
+                self._keys_asked = now
+                self._hello(self._next)  # WELCOME brings the keys, and the stream resumes
+            return
+        self._send([wire.NACK, wire.U64.pack(self._next)])  # the server resends (at most once a heartbeat)
+
+    def _on_data(self, frames: list[Any]) -> bool:
+        """A frame of the data connection; True for a batch taken. Raises ``SealError`` (or
+        ``FrameError``) with nothing queued unless every body in it opened."""
+        kind = frames[0]
+        if self._next < 0:
+            return False  # before WELCOME: nothing to open it with
+        if kind == wire.BATCH:
+            first, items = wire.decode_batch(frames[1], frames[2:])
+            limit = max(self._consumed, self._credit_base) + self._window
+            skip = seal.accept_range(first, len(items), self._next, limit)
+            opener = self._opener
+            opened = [
+                (opener.open(first + k, flags, body), flags) for k, (body, flags) in enumerate(items) if k >= skip
+            ]
+            self._push_batch(first + skip, opened)
+            self._next = first + len(items)
+            return True
+        if kind == wire.LAGGED:
+            from_seq, _missed = wire.U64x2.unpack(self._opener.open_control(kind, frames[1]))
+            if from_seq > self._next >= 0:
+                self._push(_LAG, from_seq - self._next, from_seq)
+                self._next = from_seq
+            return False
+        if kind == wire.END:
+            payload = self._opener.open_control(kind, frames[1])
+            (final,) = wire.U64.unpack_from(payload)
+            if self._next >= final:
+                self._push(_END if payload[wire.U64.size :] == b"closed" else _GONE)
+            return False
+        raise wire.FrameError(f"unknown data frame kind {kind[:8]!r}")
+
+    def _install_keys(self, message: bytes) -> None:
+        try:
+            self._opener.install(message)
+        except seal.SealError as exc:
+            raise wire.FrameError(str(exc)) from None
+
+    def _connect_data(self, port: int) -> None:
+        """Connect the data connection to ``port`` of the writer's host (again if a restarted
+        server took another port)."""
+        assert self._handle.tcp is not None
+        endpoint = f"{self._handle.tcp.rsplit(':', 1)[0]}:{port}"
+        if endpoint == self._data_endpoint:
+            return
+        if self._data_endpoint is not None:
+            try:
+                self._data.disconnect(self._data_endpoint)
+            except zmq.ZMQError:
+                pass
+        self._data.connect(endpoint)
+        self._data_endpoint = endpoint
+
     def _on_frames(self, frames: list[Any]) -> tuple[str, int] | None:
         kind = frames[0]
-        if kind == wire.BATCH:
-            if self._next < 0:
-                return None
-            first, items = wire.decode_batch(frames[1], frames[2:])
-            if first > self._next:
-                self._send([wire.NACK, wire.U64.pack(self._next)])  # a gap: ask again
-                return None
-            skip = self._next - first
-            if skip < len(items):
-                self._push_batch(first + skip, items[skip:])
-            self._next = max(self._next, first + len(items))
-            return ("batch", 0)
+        if kind == wire.KEYS:
+            self._install_keys(frames[1])
+            return None
         if kind == wire.HEARTBEAT:
             end, _done = wire.U64x2.unpack(frames[1])
             return ("end", end)
@@ -467,6 +559,9 @@ class TcpSource:
             self._hb_timeout = float(welcome["hb_timeout"])
             if "window" in welcome:  # a smaller credit than ours: acknowledge at its half, not ours
                 self._window = max(1, min(self._window, int(welcome["window"])))
+            self._install_keys(bytes.fromhex(str(welcome["keys"])))
+            self._connect_data(int(welcome["data_port"]))
+            self._credit_base = start
             if self._next < 0:
                 self._next = start
                 self._consumed = start

@@ -32,6 +32,7 @@ from typing import Any
 import zmq
 import zmq.auth.thread
 
+from . import _seal as seal
 from . import _wire as wire
 from ._exceptions import BroadcastError, EndOfStream, ReaderLagged, WouldBlock, WriterGone
 from ._handle import Handle
@@ -60,13 +61,11 @@ COMPLAIN_EVERY_S = 60.0
 COMPLAINTS_KEPT = 256
 
 
-def _raw(body: Any, oob: bool) -> tuple[bytes | zmq.Frame, int]:
-    """A body out of the ring, copied once (it is a view of the slot, which the writer reuses
-    as soon as we move on). A large body is copied straight into a ZeroMQ message, which every
-    send then shares (refcounted, never copied again); a small one into bytes, to be joined."""
-    if len(body) >= wire.FRAME_ALONE:
-        return zmq.Frame(body, copy=True), 1 if oob else 0
-    return bytes(body), 1 if oob else 0
+def _view(body: Any, oob: bool) -> tuple[Any, int]:
+    """A body as the ring hands it: a view of its slot (policy "block"; the slot is held until
+    the next ``get_nowait``) or a checked copy (policy "lag"). ``_pull_ring`` seals it at once,
+    its number known: sealing is the one copy out of the ring."""
+    return body, 1 if oob else 0
 
 
 @dataclass
@@ -116,6 +115,8 @@ class TcpServer:
         stats_path: str,
         take_over: int | None = None,
         returning: int = 0,
+        rekey_messages: int = seal.REKEY_MESSAGES,
+        rekey_bytes: int = seal.REKEY_BYTES,
     ) -> None:
         """``take_over`` and ``returning``: this server replaces one that died (pid
         ``take_over``), which served ``returning`` remote readers; see ``_awaiting_return``."""
@@ -133,6 +134,21 @@ class TcpServer:
         self._ctx = zmq.Context()
         self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
         self._router = self._ctx.socket(zmq.ROUTER)
+        # Sealed data frames (BATCH, LAGGED, END) go on a second socket without CurveZMQ: each
+        # message is sealed once for every reader (_seal.py), instead of CurveZMQ encrypting it
+        # again for each connection. Admission and key delivery stay on the CurveZMQ socket;
+        # docs/security.md says why this split is safe.
+        self._data = self._ctx.socket(zmq.ROUTER)
+        # A body is sealed once, with the group key of this server process (a restarted server
+        # draws another; readers get it in WELCOME). Insecure: authenticated, not encrypted.
+        self._sealer = seal.Sealer(
+            handle.token.encode(),
+            secret=hmac_key if insecure else None,
+            rekey_messages=rekey_messages,
+            rekey_bytes=rekey_bytes,
+        )
+        self._keys_epoch = 0  # the sealer's epoch whose keys every reader was sent
+        self.rekey_requested = False  # SIGUSR1: a new key now
         try:
             r = self._router
             r.linger = 0
@@ -155,7 +171,22 @@ class TcpServer:
             except zmq.ZMQError as exc:
                 raise BroadcastError(f"cannot bind {endpoint}: {exc}") from exc
             self.endpoint = r.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._src = ShmSource(seg, handle, BRIDGE_NAME, _raw, take_over=take_over)
+            d = self._data
+            d.linger = 0
+            d.sndhwm = SEND_HWM
+            d.rcvhwm = 1
+            # Readers send nothing here, and the server never reads it: what a peer sends stops
+            # at one small message (the bound also applies to the handshake, hence not 0).
+            d.maxmsgsize = 1024
+            d.router_mandatory = True
+            try:
+                d.bind(_data_endpoint(self.endpoint))
+            except zmq.ZMQError as exc:
+                raise BroadcastError(f"cannot bind a data port beside {self.endpoint}: {exc}") from exc
+            self.data_port = int(d.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+            # hold: under policy "block" a body is a view of its slot until the next get_nowait,
+            # so _pull_ring seals it straight out of the ring.
+            self._src = ShmSource(seg, handle, BRIDGE_NAME, _view, hold=True, take_over=take_over)
         except BaseException:
             self._close_sockets()
             raise
@@ -163,7 +194,7 @@ class TcpServer:
         os.set_blocking(self._ctrl_r, False)
         self._lock = threading.Lock()
         self._clients: dict[bytes, _Client] = {}
-        self._buf: list[tuple[bytes | zmq.Frame, int]] = []
+        self._buf: list[tuple[bytes | bytearray | zmq.Frame, int]] = []  # sealed bodies, flags
         # Message number of each entry of _buf, ascending: the ring's own numbers, so a server
         # started again (by the writer, after this one died) numbers the stream the same way.
         # Consecutive but for gaps (policy "lag": the ring overwrote messages before we took
@@ -232,6 +263,7 @@ class TcpServer:
 
     def _close_sockets(self) -> None:
         self._router.close(linger=0)
+        self._data.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()
@@ -243,7 +275,11 @@ class TcpServer:
         inbox = self._src.inbox_fd
         next_hb = time.monotonic() + self._hb_interval
         while True:
+            if self.rekey_requested:
+                self.rekey_requested = False
+                self._sealer.rekey()
             pulled = self._pull_ring()
+            self._send_keys()  # before anything sealed under the new key goes out
             self._recv_clients()
             sent = self._send_clients()
             self._trim()
@@ -309,7 +345,11 @@ class TcpServer:
                 # then (the writer was between its two stores; docs/design.md, "Joining"). It is
                 # still ours to send: start there.
                 self._base = seq
-            buf.append(item)
+            body, flags = item
+            # Sealed once here, in the ring's order (the sealer never seals a number twice under
+            # one key), and these bytes go to every reader and again after a loss.
+            sealed = self._sealer.seal(seq, flags, body)
+            buf.append((zmq.Frame(sealed, copy=False) if len(sealed) >= wire.FRAME_ALONE else sealed, flags))
             self._seqs.append(seq)
             with self._lock:
                 self._end = seq + 1
@@ -323,11 +363,30 @@ class TcpServer:
     def _send(self, ident: bytes, frames: list[Any]) -> bool:
         return self._send_signed(ident, wire.sign(self._key, frames))
 
-    def _send_signed(self, ident: bytes, frames: list[Any]) -> bool:
+    def _send_data(self, ident: bytes, frames: list[Any]) -> bool:
+        """``_send_signed`` on the data socket: frames sealed already (bodies by _seal.py; the
+        batch header is checked by them: every body's seq and flags are bound into its seal)."""
+        return self._send_signed(ident, frames, self._data)
+
+    def _send_sealed(self, ident: bytes, kind: bytes, payload: bytes) -> bool:
+        """A data-socket frame that is not a message (LAGGED, END), sealed for this send."""
+        return self._send_data(ident, [kind, self._sealer.seal_control(kind, payload)])
+
+    def _send_keys(self) -> None:
+        """After a rekey: every reader gets the keys (the next one was announced already, so
+        readers open the first frame under it even if this arrives later)."""
+        if self._sealer.epoch == self._keys_epoch:
+            return
+        self._keys_epoch = self._sealer.epoch
+        msg = [wire.KEYS, self._sealer.keys_message()]
+        for ident in list(self._clients):
+            self._send(ident, msg)  # lost if its queue is full: it asks again (UnknownKey)
+
+    def _send_signed(self, ident: bytes, frames: list[Any], sock: zmq.Socket[Any] | None = None) -> bool:
         """Hand ``frames`` to ZeroMQ for ``ident``; False if it refused: the reader's queue is full
         (SEND_HWM: it is not reading) or it is not connected right now."""
         try:
-            self._router.send_multipart([ident, *frames], flags=zmq.NOBLOCK)
+            (sock or self._router).send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
@@ -439,6 +498,11 @@ class TcpServer:
         if hello.version != wire.PROTOCOL_VERSION:
             self._send(ident, [wire.REFUSED, b"protocol version mismatch"])
             return
+        if hello.channel is not None and hello.channel != self._handle.token:
+            # Same endpoint and keys (fixed CurveKeys), but the handle of another writer: its
+            # frames would never open here (the channel id is in every seal).
+            self._send(ident, [wire.REFUSED, b"this handle is of another channel (an earlier writer at this endpoint)"])
+            return
         if client is not None and now - client.resent_at < self._hb_interval:
             return  # it said HELLO a moment ago; it says it again if the WELCOME is lost
         if client is None and len(self._clients) >= self._max_remote:
@@ -474,13 +538,17 @@ class TcpServer:
             "hb_interval": self._hb_interval,
             "hb_timeout": self._hb_timeout,
             "window": client.window,  # the credit granted: the reader acknowledges every half of it
+            # Where the sealed data frames come from, and the keys to open them (secret: this
+            # goes over CurveZMQ only; insecure, it holds salts, not keys).
+            "data_port": self.data_port,
+            "keys": self._sealer.keys_message().hex(),
         }
         self._send(ident, [wire.WELCOME, wire.encode_json(welcome)])
 
     def _send_clients(self) -> int:
         sent = 0
-        # Readers that keep pace get the same batch: build and sign it once (the HMAC reads
-        # every byte), keyed by its first seq and count, which fix its content within this call.
+        # Readers that keep pace get the same batch: build it once (its bodies are sealed
+        # already), keyed by its first seq and count, which fix its content within this call.
         batches: dict[tuple[int, int], list[Any]] = {}
         for client in list(self._clients.values()):
             try:
@@ -497,7 +565,9 @@ class TcpServer:
             # It needs what the server no longer holds (policy "lag", a resume after a restart):
             # say exactly what is lost. Credit is not granted for the gap: the reader acknowledges
             # it once it has taken the report (it then holds at most `window` messages).
-            if not self._send(client.ident, [wire.LAGGED, wire.U64x2.pack(self._base, self._base - client.next_send)]):
+            if not self._send_sealed(
+                client.ident, wire.LAGGED, wire.U64x2.pack(self._base, self._base - client.next_send)
+            ):
                 client.choked = True
                 return 0
             client.next_send = self._base
@@ -508,7 +578,7 @@ class TcpServer:
             if lo == len(seqs) or seqs[lo] != client.next_send:
                 # In a gap of the server's own: say what it holds next, and go on from there.
                 after = seqs[lo] if lo < len(seqs) else self._end
-                if not self._send(client.ident, [wire.LAGGED, wire.U64x2.pack(after, after - client.next_send)]):
+                if not self._send_sealed(client.ident, wire.LAGGED, wire.U64x2.pack(after, after - client.next_send)):
                     client.choked = True
                     return 0
                 client.next_send = after
@@ -527,15 +597,15 @@ class TcpServer:
             key = (first, count)
             frames = batches.get(key)
             if frames is None:
-                frames = batches[key] = wire.sign(self._key, wire.encode_batch(first, self._buf[lo : lo + count]))
-            if not self._send_signed(client.ident, frames):
+                frames = batches[key] = wire.encode_batch(first, self._buf[lo : lo + count])
+            if not self._send_data(client.ident, frames):
                 client.choked = True
                 return 0
             client.choked = False
             client.next_send += count
             return count
         if self._ring_done and not client.ended and client.next_send >= self._end:
-            if self._send(client.ident, [wire.END, wire.U64.pack(self._end), self._ring_done.encode()]):
+            if self._send_sealed(client.ident, wire.END, wire.U64.pack(self._end) + self._ring_done.encode()):
                 client.ended = True
             else:
                 client.choked = True
@@ -565,6 +635,7 @@ class TcpServer:
             del seqs[:drop]
             with self._lock:
                 self._base = keep_from
+            self._sealer.retire(seqs[0] if seqs else self._end)
 
     def _heartbeat(self, now: float) -> None:
         done = 1 if self._ring_done else 0
@@ -599,6 +670,11 @@ def _run_end(seqs: list[int], lo: int, hi: int) -> int:
     ``seqs`` ascends without repeats, so ``seqs[j] - j`` never falls: a binary search."""
     d = seqs[lo] - lo
     return lo + bisect.bisect_right(range(lo, hi), d, key=lambda j: seqs[j] - j)
+
+
+def _data_endpoint(endpoint: str) -> str:
+    """The data socket binds where the control socket did, on a port of its own."""
+    return endpoint.rsplit(":", 1)[0] + ":*"
 
 
 def _port_star(endpoint: str) -> str:
@@ -670,6 +746,8 @@ def main() -> int:
                 stats_path=cfg["stats_path"],
                 take_over=cfg.get("take_over"),
                 returning=cfg.get("returning", 0),
+                rekey_messages=cfg.get("rekey_messages") or seal.REKEY_MESSAGES,
+                rekey_bytes=cfg.get("rekey_bytes") or seal.REKEY_BYTES,
             )
         except BaseException:
             seg.close()
@@ -677,6 +755,11 @@ def main() -> int:
     except BroadcastError as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         return 1
+
+    def rekey_now(signum: int, frame: Any) -> None:
+        server.rekey_requested = True  # taken at the next turn of the loop
+
+    signal.signal(signal.SIGUSR1, rekey_now)  # a new group key on demand
     print(json.dumps({"endpoint": server.endpoint}), flush=True)
     server._write_stats()
     return 0 if server.run() else 1

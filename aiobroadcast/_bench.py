@@ -99,8 +99,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--transport", choices=("shm", "tcp"), default="shm",
                    help="aiobroadcast over shared memory (default), or over TCP on 127.0.0.1")
     p.add_argument("--insecure", action="store_true",
-                   help="with --transport tcp: aiobroadcast's channel without CurveZMQ (plain TCP, frames "
-                        "signed with HMAC-SHA256); default: CurveZMQ")
+                   help="with --transport tcp: aiobroadcast's channel without encryption (frames authenticated "
+                        "with GMAC and HMAC-SHA256); default: sealed with AES-256-GCM, CurveZMQ admission")
     p.add_argument("--peers", action="store_true", help="also run the peers (vllm, pyzmq), alternating")
     p.add_argument("--peer", action="append", choices=(*PEERS, *EXTRA_PEERS), dest="only_peers",
                    help="run this peer (repeatable; implies --peers); pyzmq-curve (pyzmq PUB/SUB with "
@@ -385,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
     progress.say(
         f"aiobroadcast bench: {len(cells)} cell(s) x {args.repeat} run(s) of {', '.join(systems)}; "
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, aiobroadcast over {args.transport}"
-        f"{(' (insecure: HMAC)' if args.insecure else ' (CurveZMQ)') if args.transport == 'tcp' else ''} on "
+        f"{(' (insecure: GMAC)' if args.insecure else ' (AES-256-GCM sealed)') if args.transport == 'tcp' else ''} on "
         f"{'the blocking API' if args.blocking else args.loop}"
     )
     for size in dict.fromkeys(c.size for c in cells):

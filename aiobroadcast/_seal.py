@@ -321,8 +321,10 @@ class Opener(_Keyed):
         return key
 
     def open(self, seq: int, flags: int, sealed: Any) -> Any:
-        """The body of message ``seq`` (bytes, a bytearray, or in insecure mode a view of
-        ``sealed``), or ``SealError``. Nothing of it is to be used before this returns."""
+        """The body of message ``seq`` (bytes, a bytearray, or a view of ``sealed``), or
+        ``SealError``. Nothing of it is to be used before this returns. A large writable
+        ``sealed`` is decrypted in place: afterwards it holds the body (or, if it did not
+        open, garbage), not the sealed bytes."""
         mv = memoryview(sealed).cast("B")
         key = self._key(mv)
         if not 0 <= seq <= MAX_MESSAGE_SEQ:
@@ -334,6 +336,11 @@ class Opener(_Keyed):
             if self.encrypting:
                 if n < LARGE:
                     out: Any = key.aead.decrypt(nonce, mv[4:], aad)
+                elif not mv.readonly:
+                    # In place (a received ZeroMQ frame is writable): no buffer to allocate and
+                    # fill, and the body is a view of the frame, as it was without sealing.
+                    out = mv[4 : 4 + n]
+                    key.aead.decrypt_into(nonce, mv[4:], aad, out)
                 else:
                     out = bytearray(n)
                     key.aead.decrypt_into(nonce, mv[4:], aad, out)

@@ -36,6 +36,8 @@ from ._ring import host_name
 from ._stats import ReaderStatistics
 
 _MSG, _LAG, _END, _GONE, _ERROR = range(5)
+#: bytes of data frames the I/O thread opens before it looks at acknowledgements again
+DATA_TURN_BYTES = 8 << 20
 
 #: What the handshake monitor listens to (nothing else: connects and retries are not its business).
 _HANDSHAKE_EVENTS = (
@@ -440,11 +442,18 @@ class TcpSource:
                 last_heard = now
                 if got is not None:
                     server_end = max(server_end, got[1])
+            # Opening costs time in proportion to the bytes (unlike taking frames in did): after
+            # DATA_TURN_BYTES the loop goes round, so acknowledgements and NACKs are not held
+            # back for seconds behind large bodies (the server would take the reader for silent).
+            budget = DATA_TURN_BYTES
             for _ in range(256):
+                if budget <= 0:
+                    break
                 try:
                     msg = self._data.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
+                budget -= sum(len(f) for f in msg)
                 frames = [f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg]
                 try:
                     if self._on_data(frames):

@@ -63,7 +63,10 @@ MAX_KEYS = 16
 #: insecure mode, without joining associated data and body into one buffer)
 LARGE = 4096
 
-_AAD = struct.Struct("<4sccIQ")  # version tag, kind, flags, key id, counter; then the channel id
+# version tag, kind, key id, then the channel id, then flags and counter (a fixed-size tail, so
+# the head is computed once per key and kind)
+_AAD_HEAD = struct.Struct("<4scI")
+_AAD_TAIL = struct.Struct("<BQ")
 _AAD_TAG = b"abs1"
 _KEYS_HEAD = struct.Struct("<BBIB")  # format version, mode, current key id, count
 _KEYS_ENTRY = struct.Struct("<I32s")  # key id, key (or, insecure, the salt it is derived with)
@@ -106,7 +109,7 @@ class OutOfWindow(SealError):
 
 
 def _aad(channel: bytes, kind: bytes, flags: int, key_id: int, counter: int) -> bytes:
-    return _AAD.pack(_AAD_TAG, kind, bytes((flags & 0xFF,)), key_id, counter) + channel
+    return _AAD_HEAD.pack(_AAD_TAG, kind, key_id) + channel + _AAD_TAIL.pack(flags & 0xFF, counter)
 
 
 def _derive(secret: bytes, salt: bytes, key_id: int) -> bytes:
@@ -120,6 +123,8 @@ class _Key:
     material: bytes  # the key, or in insecure mode the salt it is derived from
     key: bytes
     aead: AESGCM = field(repr=False)
+    kid: bytes = b""  # the key id as it leads a sealed body
+    msg_aad_head: bytes = b""  # the associated data of a message, up to its flags and number
     #: the last message counter sealed (Sealer) or opened (Opener) under it; -1: none yet
     last_seq: int = -1
     #: the last control counter sealed or accepted under it
@@ -128,9 +133,10 @@ class _Key:
     nbytes: int = 0
 
     @classmethod
-    def make(cls, key_id: int, material: bytes, secret: bytes | None) -> _Key:
+    def make(cls, key_id: int, material: bytes, secret: bytes | None, channel: bytes) -> _Key:
         key = material if secret is None else _derive(secret, material, key_id)
-        return cls(key_id, material, key, AESGCM(key))
+        head = _AAD_HEAD.pack(_AAD_TAG, KIND_MESSAGE, key_id) + channel
+        return cls(key_id, material, key, AESGCM(key), KEY_ID.pack(key_id), head)
 
 
 def _gmac_stream(key: bytes, nonce: bytes, parts: tuple[Any, ...]) -> Any:
@@ -181,7 +187,7 @@ class Sealer(_Keyed):
         self.epoch = 0
 
     def _new_key(self, key_id: int) -> _Key:
-        return _Key.make(key_id, self._random(KEY_BYTES), self._secret)
+        return _Key.make(key_id, self._random(KEY_BYTES), self._secret, self._channel)
 
     @property
     def key_id(self) -> int:
@@ -233,6 +239,21 @@ class Sealer(_Keyed):
         """Seal message ``seq`` (``body``: bytes or any buffer, e.g. a view of a ring slot). The
         result is ``key id || sealed body || tag``; a large one is a bytearray written in place
         (the one copy out of the ring), to be handed to ZeroMQ without another copy."""
+        key = self._current
+        n = body.nbytes if isinstance(body, memoryview) else len(body)
+        if (
+            n < LARGE
+            and self.encrypting
+            and key.last_seq < seq <= MAX_MESSAGE_SEQ
+            and key.messages < self.rekey_messages
+            and key.nbytes + n <= self.rekey_bytes
+        ):
+            # The common case of small messages, kept short: it runs once per message.
+            key.last_seq = seq
+            key.messages += 1
+            key.nbytes += n
+            aad = key.msg_aad_head + _AAD_TAIL.pack(flags & 0xFF, seq)
+            return key.kid + key.aead.encrypt(NONCE.pack(key.key_id, seq), body, aad)
         mv = memoryview(body).cast("B")
         n = mv.nbytes
         key = self._take(seq, n)
@@ -305,7 +326,7 @@ class Opener(_Keyed):
             if old is not None and old.material == material:
                 keys[key_id] = old  # keeps its replay state
             else:
-                keys[key_id] = _Key.make(key_id, material, self._secret)
+                keys[key_id] = _Key.make(key_id, material, self._secret, self._channel)
         if current not in keys:
             raise SealError("keys message without its current key")
         self._keys = keys
@@ -325,7 +346,19 @@ class Opener(_Keyed):
         ``SealError``. Nothing of it is to be used before this returns. A large writable
         ``sealed`` is decrypted in place: afterwards it holds the body (or, if it did not
         open, garbage), not the sealed bytes."""
-        mv = memoryview(sealed).cast("B")
+        mv = sealed if type(sealed) is memoryview and sealed.format == "B" else memoryview(sealed).cast("B")
+        if self.encrypting and OVERHEAD <= mv.nbytes < LARGE + OVERHEAD and 0 <= seq <= MAX_MESSAGE_SEQ:
+            # The common case of small messages, kept short: it runs once per message.
+            small = self._keys.get(KEY_ID.unpack_from(mv)[0])
+            if small is not None:
+                aad = small.msg_aad_head + _AAD_TAIL.pack(flags & 0xFF, seq)
+                try:
+                    opened = small.aead.decrypt(NONCE.pack(small.key_id, seq), mv[4:], aad)
+                except InvalidTag:
+                    raise NotAuthentic(f"message {seq} does not open under key id {small.key_id:#x}") from None
+                if seq > small.last_seq:
+                    small.last_seq = seq
+                return opened
         key = self._key(mv)
         if not 0 <= seq <= MAX_MESSAGE_SEQ:
             raise OutOfWindow(f"message seq {seq} out of range")

@@ -313,4 +313,3 @@ async def test_the_old_handle_of_a_restarted_writer_is_refused(same_keys: bool) 
             await second.put(b"x")
             with anyio.fail_after(10):
                 assert await fresh.get() == b"x"
-

@@ -50,3 +50,5 @@ class ReaderStatistics(NamedTuple):
     tasks_waiting: int  #: ``get`` calls parked on this reader
     writer_pid: int
     writer_closed: bool
+    #: remote readers: data frames refused (did not open, replayed, out of window, unknown key)
+    rejected_frames: int = 0

@@ -134,7 +134,7 @@ def test_tcp_insecure_and_the_pyzmq_curve_peer() -> None:
     assert by_system["aiobroadcast"]["security"] == "hmac"
     assert by_system["pyzmq-curve"]["security"] == "curve"
     assert "security" not in by_system["pyzmq"]
-    assert "(insecure: HMAC)" in proc.stderr
+    assert "(insecure: GMAC)" in proc.stderr
     (secure,) = objects(
         bench("--transport", "tcp", "--mode", "tput", "--readers", "1", "--size", "64", "--count", "200", "--json")
     )

@@ -63,6 +63,7 @@ from _tcp_workers import (
 )
 
 import aiobroadcast as ab
+from aiobroadcast import _seal as seal
 from aiobroadcast import _tuning
 from aiobroadcast._tcp import wire
 
@@ -232,7 +233,9 @@ async def test_a_connecting_reader_can_be_cancelled_and_leaves_nothing_behind() 
 
 
 class FakeServer:
-    """A hand-driven ROUTER on loopback that plays a writer's TCP server (a forgery)."""
+    """A hand-driven ROUTER on loopback that plays a writer's TCP server (a forgery), with the
+    data socket beside it. ``use(handle, secret)`` gives it a sealer: that of the real server
+    of ``handle`` if ``secret`` is the handle's (insecure mode), a forger's otherwise."""
 
     def __init__(self, *, curve_secret: bytes | None = None) -> None:
         self.ctx = zmq.Context()
@@ -244,6 +247,45 @@ class FakeServer:
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.peer = b""
+        self.data = self.ctx.socket(zmq.ROUTER)
+        self.data.linger = 0
+        self.data.router_mandatory = True
+        self.data_port = self.data.bind_to_random_port("tcp://127.0.0.1")
+        self.sealer: seal.Sealer | None = None
+
+    def use(self, h: ab.Handle, secret: bytes) -> ab.Handle:
+        self.sealer = seal.Sealer(h.token.encode(), secret=secret)
+        return h
+
+    def welcome(self, hb_interval: float, hb_timeout: float, start: int = 0) -> list[bytes]:
+        """A WELCOME that points the reader at the data socket, with the sealer's keys."""
+        assert self.sealer is not None
+        body = {
+            "start": start,
+            "policy": "block",
+            "hb_interval": hb_interval,
+            "hb_timeout": hb_timeout,
+            "data_port": self.data_port,
+            "keys": self.sealer.keys_message().hex(),
+        }
+        return [wire.WELCOME, wire.encode_json(body)]
+
+    def batch(self, first: int, bodies: list[bytes]) -> list[Any]:
+        """A BATCH of ``bodies`` sealed as the real server seals them."""
+        assert self.sealer is not None
+        return wire.encode_batch(first, [(self.sealer.seal(first + k, 0, b), 0) for k, b in enumerate(bodies)])
+
+    def send_data(self, frames: list[Any], within_s: float = 10.0) -> None:
+        """Send on the data socket, once the reader (which connects after WELCOME) is there."""
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                self.data.send_multipart([self.peer, *frames])
+                return
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EHOSTUNREACH or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
 
     async def recv(self, within_s: float) -> list[bytes] | None:
         """The next frames a client sent (remembering the client), or None."""
@@ -265,6 +307,7 @@ class FakeServer:
 
     def close(self) -> None:
         self.sock.close(linger=0)
+        self.data.close(linger=0)
         self.ctx.term()
 
 
@@ -320,17 +363,13 @@ class Exploit:
         return (os.mkdir, (self.path,))
 
 
-def welcome(hb_interval: float, hb_timeout: float, start: int = 0) -> list[bytes]:
-    body = {"start": start, "policy": "block", "hb_interval": hb_interval, "hb_timeout": hb_timeout}
-    return [wire.WELCOME, wire.encode_json(body)]
-
-
 @ON_ASYNCIO
 async def test_a_pickle_that_would_run_code_never_runs_unless_signed(tmp_path: Path) -> None:
-    """insecure=True: every frame group carries an HMAC under the handle's key, checked before
-    anything is parsed. A forged server (or a man in the middle) that lacks the key sends a
-    pickle whose unpickling would create a directory: it never appears, the reader gets nothing,
-    then WriterGone (the forger never said anything authentic)."""
+    """insecure=True: every control frame group carries an HMAC under the handle's key, and every
+    body on the data connection a GMAC under a key derived from it, checked before anything is
+    parsed. A forged server (or a man in the middle) that lacks the key sends a pickle whose
+    unpickling would create a directory: it never appears, the reader gets nothing, then
+    WriterGone (the forger never said anything authentic)."""
     marker = tmp_path / "pwned"
     payload = pickle.dumps(Exploit(str(marker)))
     pickle.loads(payload)  # the control: this payload does run code when unpickled
@@ -339,28 +378,33 @@ async def test_a_pickle_that_would_run_code_never_runs_unless_signed(tmp_path: P
 
     key = secrets.token_hex(32)
     wrong = secrets.token_bytes(32)
-    exploit_batch = wire.encode_batch(0, [(payload, 0)])
-    tampered = wire.sign(key.encode(), wire.encode_batch(0, [(pickle.dumps("benign"), 0)]))
-    tampered[1:3] = exploit_batch[1:3]  # a man in the middle swaps the body, keeps the MAC
-    truncated_mac = wire.sign(key.encode(), exploit_batch)
-    truncated_mac[-1] = truncated_mac[-1][:-1]
-    forgeries = [
-        wire.sign(wrong, exploit_batch),
-        exploit_batch,  # unsigned
-        tampered,
-        truncated_mac,
-        [*exploit_batch, b"\0" * wire.MAC_BYTES],
-    ]
+
+    def forgeries(h: ab.Handle, fake: FakeServer) -> list[list[Any]]:
+        """Batches carrying the exploit, none sealed with the handle's key."""
+        assert fake.sealer is not None
+        forger = seal.Sealer(h.token.encode(), secret=wrong)
+        exploit = forger.seal(0, 0, payload)
+        benign = bytearray(fake.sealer.seal(0, 0, pickle.dumps("benign")))
+        # a man in the middle swaps the body, keeps the key id and the tag
+        swapped = benign[:4] + payload + benign[-seal.TAG_BYTES :]
+        return [
+            wire.encode_batch(0, [(exploit, 0)]),  # sealed under the forger's key
+            wire.encode_batch(0, [(payload, 0)]),  # not sealed at all
+            wire.encode_batch(0, [(swapped, 0)]),
+            wire.encode_batch(0, [(bytes(swapped[:-1]), 0)]),  # a truncated tag
+            wire.encode_batch(0, [(bytes(benign[:4]) + payload + b"\0" * seal.TAG_BYTES, 0)]),
+        ]
+
     async with fake_server() as fake:
-        h = fake_handle(fake.endpoint, insecure=True, hmac_key=key)
+        h = fake.use(fake_handle(fake.endpoint, insecure=True, hmac_key=key), wrong)
         # 1. The forger cannot even sign its WELCOME: open_reader fails.
         async with anyio.create_task_group() as tg:
 
             async def forge_welcome() -> None:
                 await fake.recv_hello()
-                fake.send(wire.sign(wrong, welcome(0.1, 0.5)))
-                fake.send(welcome(0.1, 0.5))
-                for frames in forgeries:
+                fake.send(wire.sign(wrong, fake.welcome(0.1, 0.5)))
+                fake.send(fake.welcome(0.1, 0.5))
+                for frames in forgeries(h, fake):
                     fake.send(frames)
 
             tg.start_soon(forge_welcome)
@@ -370,18 +414,18 @@ async def test_a_pickle_that_would_run_code_never_runs_unless_signed(tmp_path: P
 
     # 2. Even after an authentic WELCOME, forged batches are dropped unread.
     async with fake_server() as fake:
-        h = fake_handle(fake.endpoint, insecure=True, hmac_key=key)
+        h = fake.use(fake_handle(fake.endpoint, insecure=True, hmac_key=key), key.encode())
         async with anyio.create_task_group() as tg:
 
             async def authentic_welcome() -> None:
                 await fake.recv_hello()
-                fake.send(wire.sign(key.encode(), welcome(0.1, 0.5)))
+                fake.send(wire.sign(key.encode(), fake.welcome(0.1, 0.5)))
 
             tg.start_soon(authentic_welcome)
             reader = await ab.open_reader(h, transport="tcp", name="victim-2")
         async with reader:
-            for frames in forgeries:
-                fake.send(frames)
+            for frames in forgeries(h, fake):
+                fake.send_data(frames)
             await anyio.sleep(0.5)
             with pytest.raises(ab.WouldBlock):
                 reader.get_nowait()
@@ -395,43 +439,52 @@ async def test_a_pickle_that_would_run_code_never_runs_unless_signed(tmp_path: P
 async def test_signed_but_malformed_frames_are_rejected_and_the_stream_goes_on() -> None:
     """A server frame that is authentic but not well formed (truncated or inconsistent batch,
     short heartbeat, unknown kind, ...) is dropped; the next good frame is delivered. A
-    truncated *body* in a good batch is one undecodable message (DeserializationError)."""
+    truncated *body* in a good batch (sealed as it is) is one undecodable message
+    (DeserializationError)."""
     key = secrets.token_hex(32).encode()
 
     def signed(frames: list[bytes]) -> list[bytes]:
         return wire.sign(key, frames)
 
     head, entry = wire.BATCH_HEAD.pack, wire.ENTRY.pack
-    malformed = [
+    malformed_control = [
+        [wire.HEARTBEAT, b"\1\2\3"],  # short numbers
+        [wire.KEYS, b"\1\0"],  # a truncated keys message
+        [wire.WELCOME, b"{not json"],
+        [b"Z", b"?"],  # unknown kind
+        [],
+    ]
+    malformed_data = [
         [wire.BATCH, b"\0" * 5, b""],  # truncated header
         [wire.BATCH, head(0, 2) + entry(3, 0), b"abc"],  # count does not match the header
         [wire.BATCH, head(0, 1) + entry(10, 0), b"abc"],  # body shorter than announced
         [wire.BATCH, head(0, 1) + entry(1, 0), b"abc"],  # body longer than announced
         [wire.BATCH, head(0, 1) + entry(3, 0)],  # no body frame
         [wire.BATCH],
-        [wire.HEARTBEAT, b"\1\2\3"],  # short numbers
         [wire.LAGGED, b"x"],
         [wire.END],
-        [wire.WELCOME, b"{not json"],
         [b"Z", b"?"],  # unknown kind
-        [],
+        [b""],
     ]
     async with fake_server() as fake:
-        h = fake_handle(fake.endpoint, insecure=True, hmac_key=key.decode())
+        h = fake.use(fake_handle(fake.endpoint, insecure=True, hmac_key=key.decode()), key)
         async with anyio.create_task_group() as tg:
 
             async def greet() -> None:
                 await fake.recv_hello()
-                fake.send(signed(welcome(0.1, 5.0)))
+                fake.send(signed(fake.welcome(0.1, 5.0)))
 
             tg.start_soon(greet)
             reader = await ab.open_reader(h, transport="tcp", name="sturdy")
         async with reader:
-            for frames in malformed:
+            assert fake.sealer is not None
+            for frames in malformed_control:
                 fake.send(signed(frames))
-            fake.send(signed(wire.encode_batch(0, [(pickle.dumps("cut short")[:-3], 0)])))
-            fake.send(signed(wire.encode_batch(1, [(pickle.dumps("hello"), 0), (pickle.dumps("world"), 0)])))
-            fake.send(signed([wire.END, wire.U64.pack(3), b"closed"]))
+            for frames in malformed_data:
+                fake.send_data(frames)
+            fake.send_data(fake.batch(0, [pickle.dumps("cut short")[:-3]]))
+            fake.send_data(fake.batch(1, [pickle.dumps("hello"), pickle.dumps("world")]))
+            fake.send_data([wire.END, fake.sealer.seal_control(wire.END, wire.U64.pack(3) + b"closed")])
             with anyio.fail_after(10):
                 with pytest.raises(ab.DeserializationError):
                     await reader.get()

@@ -2,7 +2,9 @@
 
 No socket, no process, no clock: every rule of credit, rewind, trim, gaps, END, heartbeats and
 refusal is checked by feeding ``ServerProtocol`` and ``ClientProtocol`` frames, the hostile
-ones included. tests/test_tcp*.py run the same rules over real sockets and processes.
+ones included. Control frames (signed) and data frames (sealed, ``_seal.py``) go through sinks
+of their own, as they go through sockets of their own. tests/test_tcp*.py and
+tests/test_seal_wire.py run the same rules over real sockets and processes.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from aiobroadcast import _seal as seal
 from aiobroadcast._tcp import wire
 from aiobroadcast._tcp.protocol import (
     Admitted,
@@ -35,45 +38,66 @@ from aiobroadcast._tcp.protocol import (
 )
 
 KEY = secrets.token_bytes(32)
+CHANNEL = secrets.token_hex(16)  #: the channel id (a handle's token) of these servers and clients
 HB = 1.0  #: heartbeat interval of these servers
 TIMEOUT = 5.0  #: and their silence timeout
+DATA_KINDS = (wire.BATCH, wire.LAGGED, wire.END)
 
 
 class Net:
-    """The server's sink: what each reader was sent, signature checked; a reader whose queue is
-    ``full`` refuses everything (ZeroMQ's Again)."""
+    """The server's sinks: itself for control frames, ``data`` for data frames; what each
+    reader was sent, in order. A reader whose queue is ``full`` refuses everything (ZeroMQ's
+    Again). ``seen`` checks each frame group's signature or seal, and that it came through the
+    sink of its kind."""
 
     def __init__(self, key: bytes | None = KEY) -> None:
         self.key = key
-        self.sent: dict[bytes, list[list[Any]]] = defaultdict(list)
+        self.sent: dict[bytes, list[tuple[bool, list[Any]]]] = defaultdict(list)
         self.full: set[bytes] = set()
+        #: opens data frames as a reader does, with the keys of the WELCOME and KEYS it saw
+        self.opener = seal.Opener(CHANNEL.encode(), secret=key)
 
     def __call__(self, ident: bytes, frames: list[Any]) -> bool:
+        return self._put(ident, frames, data=False)
+
+    def data(self, ident: bytes, frames: list[Any]) -> bool:
+        return self._put(ident, frames, data=True)
+
+    def _put(self, ident: bytes, frames: list[Any], *, data: bool) -> bool:
         if ident in self.full:
             return False
-        self.sent[ident].append(frames)
+        self.sent[ident].append((data, frames))
         return True
 
-    def take(self, ident: bytes) -> list[list[Any]]:
-        """The frame groups sent to ``ident`` since the last take, as sent (signed)."""
+    def take(self, ident: bytes) -> list[tuple[bool, list[Any]]]:
+        """The frame groups sent to ``ident`` since the last take, as sent: (on the data
+        connection, frames)."""
         return self.sent.pop(ident, [])
 
     def seen(self, ident: bytes) -> list[tuple[Any, ...]]:
         """What ``ident`` was sent, in short: ("msg", seq), ("lagged", from, missed), ("end",
         final, reason), ("welcome", start, window), ("refused", reason), or the kind."""
         out: list[tuple[Any, ...]] = []
-        for signed in self.take(ident):
-            frames = wire.verify(self.key, signed)
+        for data, sent in self.take(ident):
+            assert data == (sent[0] in DATA_KINDS), sent[0]  # each kind on its own connection
+            frames = sent if data else wire.verify(self.key, sent)
             kind = frames[0]
             if kind == wire.BATCH:
                 first, items = wire.decode_batch(frames[1], frames[2:])
+                for k, (body, flags) in enumerate(items):
+                    self.opener.open(first + k, flags, body)  # sealed, under a key it was given
                 out += [("msg", first + k) for k in range(len(items))]
             elif kind == wire.LAGGED:
-                out.append(("lagged", *wire.U64x2.unpack(frames[1])))
+                out.append(("lagged", *wire.U64x2.unpack(self.opener.open_control(kind, frames[1]))))
             elif kind == wire.END:
-                out.append(("end", wire.U64.unpack(frames[1])[0], frames[2]))
+                payload = self.opener.open_control(kind, frames[1])
+                out.append(("end", wire.U64.unpack_from(payload)[0], payload[wire.U64.size :]))
+            elif kind == wire.KEYS:
+                self.opener.install(frames[1])
+                out.append((kind,))
             elif kind == wire.WELCOME:
                 w = wire.decode_json(frames[1])
+                self.opener.install(bytes.fromhex(w["keys"]))
                 out.append(("welcome", w["start"], w["window"]))
             elif kind == wire.REFUSED:
                 out.append(("refused", frames[1].decode()))
@@ -92,7 +116,17 @@ def server(
     start: int = 0,
     returning: int = 0,
 ) -> ServerProtocol:
-    config = ServerConfig(policy, key, window, buffer_max, hb_interval=HB, hb_timeout=TIMEOUT, max_remote=max_remote)
+    config = ServerConfig(
+        policy,
+        key,
+        window,
+        buffer_max,
+        hb_interval=HB,
+        hb_timeout=TIMEOUT,
+        max_remote=max_remote,
+        channel=CHANNEL,
+        data_port=5555,
+    )
     return ServerProtocol(config, start=start, now=0.0, returning=returning)
 
 
@@ -100,8 +134,18 @@ def signed(*frames: bytes, key: bytes | None = KEY) -> list[Any]:
     return wire.sign(key, list(frames))
 
 
-def hello(window: int = 4, resume: int | None = None, version: int = wire.PROTOCOL_VERSION) -> list[Any]:
-    body = {"version": version, "name": "r", "pid": 7, "host": "h", "window": window, "resume": resume}
+def hello(
+    window: int = 4, resume: int | None = None, version: int = wire.PROTOCOL_VERSION, channel: str | None = CHANNEL
+) -> list[Any]:
+    body = {
+        "version": version,
+        "name": "r",
+        "pid": 7,
+        "host": "h",
+        "window": window,
+        "resume": resume,
+        "channel": channel,
+    }
     return signed(wire.HELLO, wire.encode_json(body))
 
 
@@ -130,11 +174,11 @@ def test_a_new_reader_starts_at_the_next_message_and_gets_at_most_its_window() -
     assert isinstance(srv.receive(b"r", hello(window=100), now=0.0, published=5, send=net), Admitted)
     assert net.seen(b"r") == [("welcome", 5, 4)]  # the credit is the smaller window, the server's
     publish(srv, *range(2, 12))
-    srv.transmit(net)
-    srv.transmit(net)
+    srv.transmit(net.data)
+    srv.transmit(net.data)
     assert net.seen(b"r") == [("msg", s) for s in range(5, 9)]  # 4, then nothing: no credit
     srv.receive(b"r", ack(7), now=0.1, published=12, send=net)
-    srv.transmit(net)
+    srv.transmit(net.data)
     assert net.seen(b"r") == [("msg", 9), ("msg", 10)]  # acked 7: room up to 10
 
 
@@ -144,7 +188,7 @@ def test_an_ack_beyond_what_was_sent_grants_no_credit_and_old_acks_change_nothin
     srv, net = server("block", window=4), Net()
     admit(srv, net)
     publish(srv, *range(10))
-    srv.transmit(net)
+    srv.transmit(net.data)
     assert net.seen(b"r") == [("msg", s) for s in range(4)]
     for n in (2**64 - 1, 2**63, 1000):
         srv.receive(b"r", ack(n), now=0.1, published=10, send=net)
@@ -160,7 +204,7 @@ def test_under_block_the_server_takes_no_more_than_its_buffer_and_keeps_what_a_r
     admit(srv, net)
     publish(srv, 0, 1, 2)
     assert not srv.wants_ring()  # the ring holds the writer back from here on
-    srv.transmit(net)
+    srv.transmit(net.data)
     srv.trim(0.0)
     assert not srv.wants_ring()  # sent, not acknowledged: still held
     srv.receive(b"r", ack(2), now=0.0, published=3, send=net)
@@ -174,10 +218,10 @@ def test_a_refused_batch_is_not_counted_as_sent_and_goes_again_when_there_is_roo
     admit(srv, net)
     publish(srv, *range(3))
     net.full.add(b"r")
-    assert srv.transmit(net) == 0
+    assert srv.transmit(net.data) == 0
     assert srv.choked
     net.full.clear()
-    assert srv.transmit(net) == 3
+    assert srv.transmit(net.data) == 3
     assert not srv.choked
     assert net.seen(b"r") == [("msg", 0), ("msg", 1), ("msg", 2)]
 
@@ -186,24 +230,24 @@ def test_a_nack_rewinds_within_what_was_acknowledged_the_credit_and_the_stream()
     srv, net = server(window=4), Net()
     admit(srv, net)
     publish(srv, *range(6))
-    srv.transmit(net)
+    srv.transmit(net.data)
     srv.receive(b"r", ack(2), now=0.0, published=6, send=net)
-    srv.transmit(net)
+    srv.transmit(net.data)
     assert net.seen(b"r") == [("msg", s) for s in range(6)]
     srv.receive(b"r", nack(3), now=0.5, published=6, send=net)  # too soon after the HELLO: ignored
-    srv.transmit(net)
+    srv.transmit(net.data)
     assert net.seen(b"r") == []
     srv.receive(b"r", nack(0), now=1.0, published=6, send=net)  # before what it acknowledged: from 2
-    srv.transmit(net)
+    srv.transmit(net.data)
     assert net.seen(b"r") == [("msg", s) for s in range(2, 6)]
     srv.receive(b"r", nack(4), now=1.5, published=6, send=net)  # within a heartbeat of the last
-    srv.transmit(net)
+    srv.transmit(net.data)
     assert net.seen(b"r") == []
     srv.receive(b"r", nack(2**64 - 1), now=2.0, published=6, send=net)  # beyond credit and stream
-    srv.transmit(net)
+    srv.transmit(net.data)
     assert net.seen(b"r") == []  # nothing exists there: it waits at the end, not beyond it
     publish(srv, 6)
-    srv.transmit(net)
+    srv.transmit(net.data)
     assert net.seen(b"r") == []  # its credit ends at 2 + 4
 
 
@@ -213,7 +257,7 @@ def test_a_gap_in_the_servers_own_ring_is_reported_exactly_and_what_it_held_stil
     srv, net = server(window=4), Net()
     admit(srv, net)
     publish(srv, *range(6))
-    srv.transmit(net)
+    srv.transmit(net.data)
     assert net.seen(b"r") == [("msg", s) for s in range(4)]
     srv.lost(9)
     publish(srv, 9, 10)
@@ -223,7 +267,7 @@ def test_a_gap_in_the_servers_own_ring_is_reported_exactly_and_what_it_held_stil
     got: list[tuple[Any, ...]] = []
     for k in range(6):  # the reader acknowledges what it has
         srv.receive(b"r", ack(srv.report()["end"] if k > 3 else 4 + 2 * k), now=0.0, published=12, send=net)
-        srv.transmit(net)
+        srv.transmit(net.data)
         got += net.seen(b"r")
     assert got == [("msg", 4), ("msg", 5), ("lagged", 9, 3), ("msg", 9), ("msg", 10), ("msg", 11)]
 
@@ -239,7 +283,7 @@ def test_under_lag_the_buffer_keeps_the_newest_entries_and_a_late_reader_is_told
     srv.trim(0.0)
     assert "held 1..12 (4)" in repr(srv)
     for _ in range(4):
-        srv.transmit(net)
+        srv.transmit(net.data)
     assert net.seen(b"r") == [
         ("lagged", 1, 1),
         ("msg", 1),
@@ -257,13 +301,13 @@ def test_end_goes_once_after_everything_and_again_after_a_rewind() -> None:
     publish(srv, 0, 1)
     srv.stream_ended("closed")
     assert not srv.wants_ring()
-    srv.transmit(net)
-    srv.transmit(net)
-    srv.transmit(net)
+    srv.transmit(net.data)
+    srv.transmit(net.data)
+    srv.transmit(net.data)
     assert net.seen(b"r") == [("msg", 0), ("msg", 1), ("end", 2, b"closed")]
     srv.receive(b"r", nack(1), now=2.0, published=2, send=net)
-    srv.transmit(net)
-    srv.transmit(net)
+    srv.transmit(net.data)
+    srv.transmit(net.data)
     assert net.seen(b"r") == [("msg", 1), ("end", 2, b"closed")]
     srv.stop(deadline=100.0)
     assert not srv.finished(3.0)  # it has not acknowledged the end
@@ -324,12 +368,12 @@ def test_a_returning_reader_past_what_a_new_server_holds_is_told_what_it_lost() 
     srv, net = server(start=10, returning=1), Net()
     publish(srv, 10, 11)
     admit(srv, net, resume=7)
-    srv.transmit(net)
-    srv.transmit(net)
+    srv.transmit(net.data)
+    srv.transmit(net.data)
     # the gap takes no credit, but it is not acknowledged yet: one message fits in 7 + 4
     assert net.seen(b"r") == [("lagged", 10, 3), ("msg", 10)]
     srv.receive(b"r", ack(10), now=0.1, published=12, send=net)
-    srv.transmit(net)
+    srv.transmit(net.data)
     assert net.seen(b"r") == [("msg", 11)]
 
 
@@ -352,15 +396,20 @@ HOSTILE = {
     "BYE with an argument": [wire.BYE, b"x"],
     "HELLO without a body": [wire.HELLO],
     "HELLO not JSON": [wire.HELLO, b"{version: 3"],
-    "HELLO window 0": [wire.HELLO, b'{"version":3,"window":0}'],
-    "HELLO window a float": [wire.HELLO, b'{"version":3,"window":4.0}'],
-    "HELLO window NaN": [wire.HELLO, b'{"version":3,"window":NaN}'],
-    "HELLO resume negative": [wire.HELLO, b'{"version":3,"window":4,"resume":-1}'],
-    "HELLO resume beyond the stream": [wire.HELLO, b'{"version":3,"window":4,"resume":1000}'],
-    "HELLO name too long": [wire.HELLO, b'{"version":3,"window":4,"name":"' + b"n" * 300 + b'"}'],
-    "HELLO pid a string": [wire.HELLO, b'{"version":3,"window":4,"pid":"1"}'],
+    "HELLO window 0": [wire.HELLO, b'{"version":4,"window":0}'],
+    "HELLO window a float": [wire.HELLO, b'{"version":4,"window":4.0}'],
+    "HELLO window NaN": [wire.HELLO, b'{"version":4,"window":NaN}'],
+    "HELLO resume negative": [wire.HELLO, b'{"version":4,"window":4,"resume":-1}'],
+    "HELLO resume beyond the stream": [wire.HELLO, b'{"version":4,"window":4,"resume":1000}'],
+    "HELLO name too long": [wire.HELLO, b'{"version":4,"window":4,"name":"' + b"n" * 300 + b'"}'],
+    "HELLO pid a string": [wire.HELLO, b'{"version":4,"window":4,"pid":"1"}'],
     "HELLO an array": [wire.HELLO, b"[1,2]"],
+    "HELLO channel a number": [wire.HELLO, b'{"version":4,"window":4,"channel":7}'],
+    "HELLO channel too long": [wire.HELLO, b'{"version":4,"window":4,"channel":"' + b"c" * 300 + b'"}'],
+    "a data frame sent back": [wire.BATCH, wire.BATCH_HEAD.pack(0, 0)],
+    "KEYS from a reader": [wire.KEYS, b"\1\0"],
 }
+assert wire.PROTOCOL_VERSION == 4  # the HELLOs above are of this version: refused for what they hold
 
 
 @pytest.mark.parametrize("what", list(HOSTILE))
@@ -376,7 +425,7 @@ def test_a_hostile_frame_from_an_admitted_reader_drops_it_only_and_tells_it_why(
     assert refusal[0] == "refused" and refusal[1].startswith("malformed frame")
     assert srv.rejected_frames == 1
     assert [r["name"] for r in srv.report()["readers"]] == ["r"]  # only the good one is left
-    srv.transmit(net)
+    srv.transmit(net.data)
     assert net.seen(b"good") == [("msg", 0)] and net.seen(b"bad") == []
 
 
@@ -411,21 +460,82 @@ def test_too_many_or_too_large_frames_are_refused_before_anything_is_parsed() ->
 
 def test_a_version_mismatch_is_refused_without_counting_it_as_hostile() -> None:
     srv, net = server(), Net()
-    assert srv.receive(b"r", hello(version=2), now=0.0, published=0, send=net) is None
-    assert net.seen(b"r") == [("refused", "protocol version mismatch")]
+    for version in (2, 3):  # 3: data frames on the control connection, not sealed
+        assert srv.receive(b"r", hello(version=version), now=0.0, published=0, send=net) is None
+        assert net.seen(b"r") == [("refused", "protocol version mismatch")]
     assert srv.rejected_frames == 0
+
+
+def test_a_hello_with_the_handle_of_another_channel_is_refused_by_name() -> None:
+    """A handle of an earlier writer at this endpoint (same keys): its reader could open no
+    frame here, so it is told why at once."""
+    srv, net = server(), Net()
+    assert srv.receive(b"r", hello(channel="another"), now=0.0, published=0, send=net) is None
+    ((what, reason),) = net.seen(b"r")
+    assert what == "refused" and "another channel" in reason
+    assert srv.rejected_frames == 0 and srv.report()["readers"] == []
+    admit(srv, net, b"r", channel=None)  # a HELLO that names none is checked by the seals alone
+
+
+def test_the_welcome_names_the_data_port_and_holds_the_keys_that_open_the_data_frames() -> None:
+    srv, net = server(), Net()
+    assert isinstance(srv.receive(b"r", hello(), now=0.0, published=0, send=net), Admitted)
+    ((_, welcome_frames),) = net.take(b"r")
+    body = wire.decode_json(wire.verify(KEY, welcome_frames)[1])
+    assert body["data_port"] == 5555
+    opener = seal.Opener(CHANNEL.encode(), secret=KEY)
+    opener.install(bytes.fromhex(body["keys"]))
+    publish(srv, 0, 1)
+    srv.transmit(net.data)
+    ((data, frames),) = net.take(b"r")
+    assert data and frames[0] == wire.BATCH  # not signed: the seals authenticate it
+    first, items = wire.decode_batch(frames[1], frames[2:])
+    assert [bytes(opener.open(first + k, f, b)) for k, (b, f) in enumerate(items)] == [b"mmm", b"mmm"]
+    with pytest.raises(seal.NotAuthentic):  # a body moved to another place in the stream
+        opener.open(first + 1, items[0][1], items[0][0])
+
+
+def test_after_a_rekey_every_reader_gets_the_keys_once_and_later_messages_open_with_them() -> None:
+    srv, net = server(window=8), Net()
+    admit(srv, net, b"a")
+    admit(srv, net, b"b")
+    publish(srv, 0)
+    srv.send_keys(net)
+    assert net.seen(b"a") == []  # nothing new to say
+    srv.transmit(net.data)
+    srv.rekey()
+    publish(srv, 1)
+    srv.send_keys(net)
+    srv.send_keys(net)
+    srv.transmit(net.data)
+    # the keys before what is sealed under the new key (seen() opens every message)
+    assert net.seen(b"a") == [("msg", 0), (wire.KEYS,), ("msg", 1)]
+    assert net.seen(b"b") == [("msg", 0), (wire.KEYS,), ("msg", 1)]
+
+
+def test_the_sealers_rekey_policy_sends_the_keys_too() -> None:
+    config = ServerConfig("lag", KEY, 8, 16, hb_interval=HB, hb_timeout=TIMEOUT, max_remote=4, channel=CHANNEL)
+    sealer = seal.Sealer(CHANNEL.encode(), secret=KEY, rekey_messages=2)
+    srv, net = ServerProtocol(config, start=0, now=0.0, sealer=sealer), Net()
+    admit(srv, net, window=8)
+    for k in range(5):
+        publish(srv, k)
+        srv.send_keys(net)
+    srv.transmit(net.data)
+    seen = net.seen(b"r")
+    assert seen.count((wire.KEYS,)) == 2 and [s for s in seen if s[0] == "msg"] == [("msg", k) for k in range(5)]
 
 
 def test_a_nack_flood_resends_at_most_one_window_per_heartbeat() -> None:
     srv, net = server(window=4), Net()
     admit(srv, net)
     publish(srv, *range(4), size=1000)
-    srv.transmit(net)
+    srv.transmit(net.data)
     net.take(b"r")
     resent = 0
     for k in range(1, 1001):  # a NACK every 10 ms for 10 heartbeats
         srv.receive(b"r", nack(0), now=k * 0.01, published=4, send=net)
-        srv.transmit(net)
+        srv.transmit(net.data)
         resent += sum(1 for s in net.seen(b"r") if s[0] == "msg")
     assert resent <= 4 * 10
 
@@ -434,16 +544,51 @@ def test_a_nack_flood_resends_at_most_one_window_per_heartbeat() -> None:
 
 
 def client(window: int = 4, key: bytes | None = KEY, gone_timeout: float | None = None) -> ClientProtocol:
-    return ClientProtocol(key=key, name="c", pid=1, host="h", window=window, now=0.0, gone_timeout=gone_timeout)
+    return ClientProtocol(
+        key=key, channel=CHANNEL, name="c", pid=1, host="h", window=window, now=0.0, gone_timeout=gone_timeout
+    )
 
 
-def welcome(start: int = 0, window: int = 4) -> list[Any]:
-    body = {"start": start, "policy": "lag", "hb_interval": HB, "hb_timeout": TIMEOUT, "window": window}
+class Stream:
+    """A server's sealer for the client tests: every message sealed once (a resend is the same
+    sealed bytes, as the server sends it)."""
+
+    def __init__(self, secret: bytes | None = KEY, channel: str = CHANNEL, presealed: int = 0) -> None:
+        self.sealer = seal.Sealer(channel.encode(), secret=secret)
+        self._sealed: dict[int, Any] = {}
+        for seq in range(presealed):  # in order: tests may then ask for them in any order
+            self.body(seq)
+
+    def body(self, seq: int) -> Any:
+        if seq not in self._sealed:
+            self._sealed[seq] = self.sealer.seal(seq, 0, b"%d" % seq)
+        return self._sealed[seq]
+
+    def batch(self, first: int, n: int) -> list[Any]:
+        return wire.encode_batch(first, [(self.body(first + k), 0) for k in range(n)])
+
+    def control(self, kind: bytes, payload: bytes) -> list[Any]:
+        return [kind, self.sealer.seal_control(kind, payload)]
+
+
+STREAM = Stream(presealed=64)
+
+
+def welcome(start: int = 0, window: int = 4, stream: Stream = STREAM, port: int = 5555) -> list[Any]:
+    body = {
+        "start": start,
+        "policy": "lag",
+        "hb_interval": HB,
+        "hb_timeout": TIMEOUT,
+        "window": window,
+        "data_port": port,
+        "keys": stream.sealer.keys_message().hex(),
+    }
     return signed(wire.WELCOME, wire.encode_json(body))
 
 
 def batch(first: int, n: int) -> list[Any]:
-    return wire.sign(KEY, wire.encode_batch(first, [(b"%d" % (first + k), 0) for k in range(n)]))
+    return STREAM.batch(first, n)
 
 
 def kinds(c: ClientProtocol) -> list[tuple[bytes, Any]]:
@@ -457,11 +602,14 @@ def kinds(c: ClientProtocol) -> list[tuple[bytes, Any]]:
 def test_the_client_says_hello_then_takes_messages_in_order_and_acknowledges_by_half_windows() -> None:
     c = client(window=8)
     (frames,) = c.data_to_send()
-    assert wire.verify(KEY, frames)[0] == wire.HELLO
-    assert c.receive(batch(0, 2), 0.0) is None  # before its WELCOME: not its messages yet
+    body = wire.verify(KEY, frames)
+    assert body[0] == wire.HELLO and wire.decode_hello(body[1]).channel == CHANNEL
+    assert c.receive_data(batch(0, 2), 0.0, consumed=0) is None  # before its WELCOME: not its messages yet
+    assert c.data_port is None
     assert c.receive(welcome(5, window=4), 0.0) == Welcomed(5)
     assert c.window == 4  # the server's smaller credit
-    event = c.receive(batch(5, 3), 0.1)
+    assert c.data_port == 5555  # where the pump connects the data connection
+    event = c.receive_data(batch(5, 3), 0.1, consumed=5)
     assert isinstance(event, Messages) and event.first == 5 and [bytes(b) for b, _ in event.items] == [b"5", b"6", b"7"]
     assert c.tick(0.1, consumed=6) is None
     assert kinds(c) == [(wire.ACK, 6)]  # the first tick after the WELCOME
@@ -471,18 +619,35 @@ def test_the_client_says_hello_then_takes_messages_in_order_and_acknowledges_by_
     assert kinds(c) == [(wire.ACK, 8)]
     c.tick(0.3 + HB, consumed=8)
     assert kinds(c) == [(wire.ACK, 8)]  # once a heartbeat anyway: it is the reader's heartbeat too
+    assert c.rejected_frames == 0
 
 
 def test_the_client_asks_again_for_a_gap_and_keeps_only_the_new_part_of_a_resend() -> None:
     c = client()
     c.data_to_send()
     c.receive(welcome(0), 0.0)
-    c.receive(batch(0, 2), 0.0)
-    assert c.receive(batch(3, 1), 0.1) is None  # 2 is missing
+    c.receive_data(batch(0, 2), 0.0, consumed=0)
+    assert c.receive_data(batch(3, 1), 0.1, consumed=0) is None  # 2 is missing
     assert kinds(c) == [(wire.NACK, 2)]
-    event = c.receive(batch(1, 3), 0.2)
+    event = c.receive_data(batch(1, 3), 0.2, consumed=0)
     assert isinstance(event, Messages) and event.first == 2 and len(event.items) == 2
-    assert c.receive(batch(0, 2), 0.3) is None  # all old
+    assert c.receive_data(batch(0, 2), 0.3, consumed=0) is None  # all old: a replay, nothing asked
+    assert kinds(c) == []
+    assert c.rejected == {"out_of_window": 1, "replayed": 1}
+
+
+def test_a_batch_beyond_the_credit_is_refused_whole() -> None:
+    """The server may send no more than the window beyond what the reader consumed: a frame
+    that reaches past it (a replay of an old stream, a broken server) is not queued at all."""
+    c = client(window=4)
+    c.data_to_send()
+    c.receive(welcome(0), 0.0)
+    assert c.receive_data(batch(0, 5), 0.1, consumed=0) is None
+    assert c.next == 0 and c.rejected == {"out_of_window": 1}
+    event = c.receive_data(batch(0, 4), 0.2, consumed=0)
+    assert isinstance(event, Messages) and len(event.items) == 4
+    event = c.receive_data(batch(4, 3), 0.3, consumed=3)  # room up to 3 + 4
+    assert isinstance(event, Messages) and event.first == 4
 
 
 def test_a_starved_client_asks_again_when_the_server_says_it_has_more() -> None:
@@ -500,27 +665,51 @@ def test_the_client_reports_gaps_end_refusal_and_silence() -> None:
     c = client()
     c.data_to_send()
     c.receive(welcome(0), 0.0)
-    assert c.receive(signed(wire.LAGGED, wire.U64x2.pack(5, 5)), 0.1) == Lagged(5, 5)
-    assert c.receive(signed(wire.LAGGED, wire.U64x2.pack(3, 3)), 0.1) is None  # behind it: old news
-    assert c.receive(signed(wire.END, wire.U64.pack(7), b"closed"), 0.1) is None  # it lacks 5 and 6
-    c.receive(batch(5, 2), 0.2)
-    assert c.receive(signed(wire.END, wire.U64.pack(7), b"gone"), 0.2) == Ended("gone")
-    assert c.receive(signed(wire.END, wire.U64.pack(7), b"closed"), 0.2) == Ended("closed")
+    lagged = STREAM.control(wire.LAGGED, wire.U64x2.pack(5, 5))
+    assert c.receive_data(lagged, 0.1, consumed=0) == Lagged(5, 5)
+    assert c.receive_data(lagged, 0.1, consumed=5) is None  # a replay of it
+    assert c.receive_data(STREAM.control(wire.LAGGED, wire.U64x2.pack(3, 3)), 0.1, consumed=5) is None  # old news
+    closed = wire.U64.pack(7) + b"closed"
+    assert c.receive_data(STREAM.control(wire.END, closed), 0.1, consumed=5) is None  # it lacks 5 and 6
+    c.receive_data(batch(5, 2), 0.2, consumed=5)
+    assert c.receive_data(STREAM.control(wire.END, wire.U64.pack(7) + b"gone"), 0.2, consumed=5) == Ended("gone")
+    assert c.receive_data(STREAM.control(wire.END, closed), 0.2, consumed=5) == Ended("closed")
     assert c.receive(signed(wire.REFUSED, b"why"), 0.3) == Refused("why", welcomed=True)
     assert c.tick(0.3 + 3 * TIMEOUT, consumed=7) is None
     assert c.tick(0.31 + 3 * TIMEOUT, consumed=7) == Ended("silent")
+    assert c.rejected == {"replayed": 1}
 
 
 def test_a_client_the_server_forgot_says_hello_again_with_where_it_is() -> None:
     c = client()
     c.data_to_send()
     c.receive(welcome(0), 0.0)
-    c.receive(batch(0, 3), 0.0)
+    c.receive_data(batch(0, 3), 0.0, consumed=0)
     c.receive(signed(wire.UNKNOWN), 0.1)
     (frames,) = c.data_to_send()
     body = wire.verify(KEY, frames)
     assert body[0] == wire.HELLO and wire.decode_hello(body[1]).resume == 3
     assert c.receive(welcome(3), 0.2) is None  # the same place: no second Welcomed
+
+
+def test_a_client_takes_the_keys_of_a_rekey_and_asks_again_for_a_key_it_lacks() -> None:
+    stream = Stream()
+    c = client(window=16)
+    c.data_to_send()
+    c.receive(welcome(0, window=16, stream=stream), 0.0)
+    assert isinstance(c.receive_data(stream.batch(0, 1), 0.1, consumed=0), Messages)
+    stream.sealer.rekey()  # the next key was announced: it opens without the KEYS
+    assert isinstance(c.receive_data(stream.batch(1, 1), 0.2, consumed=0), Messages)
+    stream.sealer.rekey()  # a key it was never told of
+    assert c.receive_data(stream.batch(2, 1), 0.3, consumed=0) is None
+    (frames,) = c.data_to_send()  # it asks for the keys again: a HELLO that resumes where it is
+    body = wire.verify(KEY, frames)
+    assert body[0] == wire.HELLO and wire.decode_hello(body[1]).resume == 2
+    assert c.receive_data(stream.batch(2, 1), 0.4, consumed=0) is None
+    assert c.data_to_send() == []  # at most once a heartbeat
+    assert c.receive(signed(wire.KEYS, stream.sealer.keys_message()), 0.5) is None
+    assert isinstance(c.receive_data(stream.batch(2, 1), 0.6, consumed=0), Messages)
+    assert c.rejected == {"unknown_key": 2}
 
 
 def test_a_client_repeats_its_hello_until_welcomed_and_a_refusal_before_is_final() -> None:
@@ -538,16 +727,16 @@ def test_a_client_repeats_its_hello_until_welcomed_and_a_refusal_before_is_final
 @pytest.mark.parametrize(
     "frames",
     [
-        [wire.BATCH, b"\0" * 5, b""],
-        [wire.BATCH, wire.BATCH_HEAD.pack(0, 1) + wire.ENTRY.pack(10, 0), b"abc"],
-        [wire.BATCH],
         [wire.HEARTBEAT, b"\1\2\3"],
-        [wire.LAGGED, b"x"],
-        [wire.END],
+        [wire.KEYS, b"\1\0"],  # a truncated keys message
+        [wire.KEYS],
         [wire.WELCOME, b"{not json"],
         [wire.WELCOME, b'{"start": "x"}'],
         [wire.WELCOME, b"[]"],
         [b"Q", b""],
+        # data frames have no place on the control connection
+        [wire.LAGGED, wire.U64x2.pack(5, 5)],
+        [wire.END, wire.U64.pack(0), b"closed"],
     ],
 )
 def test_a_malformed_server_frame_is_dropped_and_is_no_sign_of_life(frames: list[bytes]) -> None:
@@ -560,6 +749,49 @@ def test_a_malformed_server_frame_is_dropped_and_is_no_sign_of_life(frames: list
     assert c.next == 0
 
 
+def test_a_welcome_with_keys_of_the_other_mode_or_no_data_port_is_dropped() -> None:
+    encrypting = Stream(secret=None)  # a key message of the CurveZMQ mode, to an insecure reader
+    c = client()
+    c.data_to_send()
+    bad = [
+        welcome(0, stream=encrypting),
+        welcome(0, port=0),
+        welcome(0, port=70000),
+        signed(wire.WELCOME, wire.encode_json({"start": 0, "hb_interval": HB, "hb_timeout": TIMEOUT})),
+    ]
+    for frames in bad:
+        assert c.receive(frames, 0.1) is None
+    assert not c.welcomed and c.data_port is None
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [wire.BATCH, b"\0" * 5, b""],
+        [wire.BATCH, wire.BATCH_HEAD.pack(0, 1) + wire.ENTRY.pack(10, 0), b"abc"],
+        [wire.BATCH, wire.BATCH_HEAD.pack(0, 2) + wire.ENTRY.pack(3, 0), b"abc"],
+        [wire.BATCH, wire.BATCH_HEAD.pack(0, 1) + wire.ENTRY.pack(3, 0)],
+        [wire.BATCH],
+        [wire.BATCH, wire.BATCH_HEAD.pack(0, 1) + wire.ENTRY.pack(3, 0), b"abc"],  # not sealed
+        [wire.LAGGED, b"x"],
+        [wire.LAGGED, wire.U64x2.pack(5, 5)],  # not sealed
+        [wire.END],
+        [wire.END, wire.U64.pack(0), b"closed"],  # not sealed
+        [wire.HEARTBEAT, wire.U64x2.pack(3, 0)],  # a control frame on the data connection
+        [b"Q", b""],
+        [],
+    ],
+)
+def test_a_malformed_data_frame_is_refused_counted_and_is_no_sign_of_life(frames: list[bytes]) -> None:
+    c = client()
+    c.data_to_send()
+    c.receive(welcome(0), 0.0)
+    assert c.receive_data(frames, 10.0, consumed=0) is None
+    assert c.rejected_frames == 1
+    assert c.tick(3 * TIMEOUT + 0.01, consumed=0) == Ended("silent")  # heard last at 0.0
+    assert c.next == 0
+
+
 def test_a_forged_server_without_the_key_is_never_believed() -> None:
     c = client()
     c.data_to_send()
@@ -567,6 +799,24 @@ def test_a_forged_server_without_the_key_is_never_believed() -> None:
     for frames in (wire.sign(wrong, welcome(0)[:-1]), welcome(0)[:-1], [*welcome(0)[:-1], b"\0" * 32]):
         assert c.receive(frames, 0.1) is None
     assert not c.welcomed and "connecting" in repr(c)
+    # Welcomed by the real server, the reader opens nothing a forger sealed, with its own key
+    # id or with the real one, nor a real body moved or tampered with.
+    c.receive(welcome(0), 0.2)
+    forger = Stream(secret=wrong)
+    real = bytearray(STREAM.body(0))
+    tampered = bytes(real[:-1]) + bytes([real[-1] ^ 1])
+    for frames in (
+        forger.batch(0, 1),
+        wire.encode_batch(0, [(bytes(real[:4]) + bytes(forger.body(0))[4:], 0)]),  # the real key id
+        wire.encode_batch(0, [(tampered, 0)]),
+        wire.encode_batch(1, [(STREAM.body(0), 0)]),  # message 0 shown as 1
+        wire.encode_batch(0, [(STREAM.body(0), 1)]),  # other flags
+        forger.control(wire.END, wire.U64.pack(0) + b"closed"),
+    ):
+        assert c.receive_data(frames, 0.3, consumed=0) is None
+    assert c.next == 0 and c.rejected_frames == 6
+    event = c.receive_data(batch(0, 1), 0.4, consumed=0)
+    assert isinstance(event, Messages) and bytes(event.items[0][0]) == b"0"
 
 
 # --- both together, over a lossy link ----------------------------------------------------------
@@ -596,7 +846,7 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
     holds more than its bound; once the stream ends and the link is good, the reader ends with
     everything accounted for."""
     srv, net = server(policy, window=window, buffer_max=buffer_max), Net()
-    c = ClientProtocol(key=KEY, name="c", pid=1, host="h", window=window, now=0.0, gone_timeout=1e9)
+    c = ClientProtocol(key=KEY, channel=CHANNEL, name="c", pid=1, host="h", window=window, now=0.0, gone_timeout=1e9)
     now, seq = 0.0, 0
     queue: list[ClientEvent] = []  # what the reader has not taken yet
     taken: list[int] = []  # message numbers taken
@@ -610,9 +860,9 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
 
     def to_client(deliver: bool) -> None:
         nonlocal consumed
-        for frames in net.take(b"c"):
+        for data, frames in net.take(b"c"):
             if deliver:
-                event = c.receive(frames, now)
+                event = c.receive_data(frames, now, consumed) if data else c.receive(frames, now)
                 if isinstance(event, Welcomed):
                     consumed = event.start
                 elif event is not None:
@@ -641,7 +891,8 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
                 return
 
     def step() -> None:
-        srv.transmit(net)
+        srv.send_keys(net)
+        srv.transmit(net.data)
         srv.trim(now)
         held = repr(srv)
         if policy == "lag":

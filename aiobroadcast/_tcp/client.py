@@ -35,6 +35,9 @@ from . import wire
 from .errors import protocol_error, zmq_errors
 from .protocol import ClientProtocol, Ended, Lagged, Messages, Refused, Welcomed
 
+#: bytes of data frames the I/O thread opens before it looks at acknowledgements again
+DATA_TURN_BYTES = 8 << 20
+
 #: what the reader's queue holds: messages ``(seq, flags, body)``, and the events it raises
 #: where they fall in the stream (a refusal after the WELCOME is a ``Refused``)
 _Item = tuple[int, int, Any] | Lagged | Ended | Refused
@@ -200,6 +203,12 @@ class _Pump:
         self._ctrl_w.setblocking(False)
         self._ctx = zmq.Context()
         d = self._dealer = self._ctx.socket(zmq.DEALER)
+        # The data connection: plain ZeroMQ, every frame sealed. It has the control connection's
+        # routing id, which is how the server knows whose it is; it connects once WELCOME says
+        # where.
+        self._data = self._ctx.socket(zmq.DEALER)
+        self._data_endpoint: str | None = None
+        self._tcp = handle.tcp
         self._watch: _HandshakeWatch | None = None
         try:
             # Bad keys, or an endpoint ZeroMQ cannot use, fail here.
@@ -222,6 +231,14 @@ class _Pump:
         d.reconnect_ivl = 100
         d.reconnect_ivl_max = 1000
         d.routing_id = os.urandom(16)
+        dd = self._data
+        dd.linger = 0
+        dd.sndhwm = 0
+        dd.rcvhwm = 0
+        dd.maxmsgsize = wire.DEFAULT_MAX_FRAME
+        dd.reconnect_ivl = 100
+        dd.reconnect_ivl_max = 1000
+        dd.routing_id = d.routing_id
         if not handle.insecure:
             assert handle.server_key and handle.client_public_key and handle.client_secret_key
             d.curve_serverkey = handle.server_key.encode()
@@ -269,12 +286,14 @@ class _Pump:
         if self._watch is not None:
             self._watch.stop()
         self._dealer.close(linger=0)
+        self._data.close(linger=0)
         self._ctx.term()
 
     def _loop(self) -> None:
         proto = self._proto
         poller = zmq.Poller()
         poller.register(self._dealer, zmq.POLLIN)
+        poller.register(self._data, zmq.POLLIN)
         poller.register(self._ctrl_r, zmq.POLLIN)
         watch = self._watch
         if watch is not None:
@@ -304,14 +323,48 @@ class _Pump:
                 # Large frames stay ZeroMQ's buffers (the bodies are views of them, copied once
                 # when decoded); small ones become bytes.
                 event = proto.receive([f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg], now)
+                if proto.data_port is not None:
+                    self._connect_data(proto.data_port)
                 if event is not None and self._on_event(event):
                     self._flush()
                     return  # the stream ended or the server refused us: everything it sent is queued
+            # Opening costs time in proportion to the bytes (unlike taking frames in did): after
+            # DATA_TURN_BYTES the loop goes round, so acknowledgements and NACKs are not held
+            # back for seconds behind large bodies (the server would take the reader for silent).
+            budget = DATA_TURN_BYTES
+            for _ in range(256):
+                if budget <= 0:
+                    break
+                try:
+                    msg = self._data.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                budget -= sum(len(f) for f in msg)
+                frames = [f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg]
+                event = proto.receive_data(frames, now, self.consumed)
+                if event is not None and self._on_event(event):
+                    self._flush()
+                    return  # the stream ended: everything it sent is queued
             event = proto.tick(now, self.consumed)
             self._flush()
             if event is not None:
                 self._inbox.push(event)
                 return
+
+    def _connect_data(self, port: int) -> None:
+        """Connect the data connection to ``port`` of the writer's host (again if a restarted
+        server took another port)."""
+        assert self._tcp is not None
+        endpoint = f"{self._tcp.rsplit(':', 1)[0]}:{port}"
+        if endpoint == self._data_endpoint:
+            return
+        if self._data_endpoint is not None:
+            try:
+                self._data.disconnect(self._data_endpoint)
+            except zmq.ZMQError:
+                pass
+        self._data.connect(endpoint)
+        self._data_endpoint = endpoint
 
     def _on_event(self, event: Welcomed | Messages | Lagged | Ended | Refused) -> bool:
         """Act on one event of the protocol; True when it ends the stream."""
@@ -356,6 +409,7 @@ class TcpSource:
         self._decode = decode
         self._proto = ClientProtocol(
             key=handle.hmac_key.encode() if handle.insecure and handle.hmac_key else None,
+            channel=handle.token,
             name=name,
             pid=os.getpid(),
             host=host_name(),
@@ -494,7 +548,13 @@ class TcpSource:
             tasks_waiting=tasks_waiting,
             writer_pid=self._handle.writer_pid,
             writer_closed=isinstance(self._inbox.terminal, Ended) and self._inbox.terminal.how == "closed",
+            rejected_frames=self._proto.rejected_frames,
         )
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Data frames refused, by reason (not_authentic, unknown_key, replayed, out_of_window)."""
+        return self._proto.rejected
 
     def describe(self) -> str:
         return f"tcp {self._handle.tcp} received={self._received}"

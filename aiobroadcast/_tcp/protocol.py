@@ -13,6 +13,12 @@ needs to know whether ZeroMQ took one (each is repeated by a later timer if lost
 go through a ``Sink`` the pump passes in, which says whether the transport took them: a batch
 that ZeroMQ refused (the reader's queue is full) was not sent, so the reader's place must not
 move past it, and the protocol has to know that at once, not after the fact.
+
+Two connections per reader (wire.py): the control frames (signed in insecure mode, CurveZMQ
+otherwise) and the data frames (BATCH, LAGGED, END), each sealed by ``_seal.py`` under the
+group key that WELCOME and KEYS deliver. The server protocol seals every message once, as it
+takes it from the ring, and sends data frames through the sink ``transmit`` is given; the
+client protocol opens them (``receive_data``) and counts what it refuses.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from .. import _seal as seal
 from .._shm.layout import NAME_BYTES
 from . import wire
 
@@ -126,6 +133,10 @@ class ServerConfig:
     hb_interval: float
     hb_timeout: float
     max_remote: int
+    #: the channel id (the handle's token): a HELLO that names another channel is refused
+    channel: str | None = None
+    #: the port of the data socket, for WELCOME
+    data_port: int = 0
 
 
 class _Held:
@@ -190,9 +201,13 @@ class _Held:
 class _Sender:
     """What goes to one reader next, from what is held, its place and its credit."""
 
-    def __init__(self, held: _Held, key: bytes | None) -> None:
+    def __init__(self, held: _Held, sealer: seal.Sealer) -> None:
         self.held = held
-        self._key = key
+        self._sealer = sealer
+
+    def _sealed(self, kind: bytes, payload: bytes) -> list[Any]:
+        """A data frame that is not a message (LAGGED, END), sealed for this send."""
+        return [kind, self._sealer.seal_control(kind, payload)]
 
     def send_to(self, client: _Client, batches: dict[tuple[int, int], list[Any]], send: Sink) -> int:
         held = self.held
@@ -216,7 +231,9 @@ class _Sender:
             first, count = held.run(lo, limit)
             frames = batches.get((first, count))
             if frames is None:
-                frames = wire.sign(self._key, wire.encode_batch(first, held.items[lo : lo + count]))
+                # Not signed: every body is sealed already, its number and flags bound into
+                # its seal, so the header cannot move it either.
+                frames = wire.encode_batch(first, held.items[lo : lo + count])
                 batches[(first, count)] = frames
             if not send(client.ident, frames):
                 client.choked = True
@@ -225,7 +242,7 @@ class _Sender:
             client.next_send += count
             return count
         if held.done and not client.ended and client.next_send >= held.end:
-            if send(client.ident, wire.sign(self._key, [wire.END, wire.U64.pack(held.end), held.done.encode()])):
+            if send(client.ident, self._sealed(wire.END, wire.U64.pack(held.end) + held.done.encode())):
                 client.ended = True
             else:
                 client.choked = True
@@ -233,8 +250,8 @@ class _Sender:
 
     def _report_gap(self, client: _Client, after: int, send: Sink) -> bool:
         """Tell ``client`` that everything from its place up to ``after`` is lost; move it there."""
-        lagged = [wire.LAGGED, wire.U64x2.pack(after, after - client.next_send)]
-        if not send(client.ident, wire.sign(self._key, lagged)):
+        lagged = self._sealed(wire.LAGGED, wire.U64x2.pack(after, after - client.next_send))
+        if not send(client.ident, lagged):
             client.choked = True
             return False
         client.next_send = after
@@ -246,19 +263,37 @@ class ServerProtocol:
 
     The pump feeds it the ring (``add``, ``lost``, ``stream_ended``, asking ``wants_ring``
     first), the frame groups readers send (``receive``) and the time; it sends through the
-    ``Sink`` it is given. ``transmit`` sends every reader what its credit allows, ``trim``
-    forgets what no reader needs, ``heartbeat`` (when ``heartbeat_due``) drops silent readers
-    and tells the others how far the stream goes."""
+    ``Sink`` it is given. ``transmit`` sends every reader what its credit allows (through the
+    data connection's sink), ``trim`` forgets what no reader needs, ``heartbeat`` (when
+    ``heartbeat_due``) drops silent readers and tells the others how far the stream goes,
+    ``send_keys`` tells every reader the keys after a rekey."""
 
-    def __init__(self, config: ServerConfig, *, start: int, now: float, returning: int = 0) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        start: int,
+        now: float,
+        returning: int = 0,
+        sealer: seal.Sealer | None = None,
+        large: Callable[[bytes | bytearray], Any] | None = None,
+    ) -> None:
         """``start``: the number of the next message the ring will give. ``returning``: this
-        server replaces one that died, which served that many readers (``_awaiting_return``)."""
+        server replaces one that died, which served that many readers (``_awaiting_return``).
+        ``sealer``: seals the data plane (by default one of its own, for ``config.channel``,
+        insecure if ``config.key``). ``large``: what a large sealed body is held as (the pump
+        makes it a ZeroMQ message, shared by every send without a copy)."""
         self._cfg = config
         self._block = config.policy == "block"
         self._returning = returning
         self._grace_until = now + 2 * config.hb_timeout
         self._held = _Held(start)
-        self._sender = _Sender(self._held, config.key)
+        if sealer is None:
+            sealer = seal.Sealer((config.channel or "").encode(), secret=config.key)
+        self.sealer = sealer
+        self._keys_epoch = sealer.epoch  # the sealer's epoch whose keys every reader was sent
+        self._large = large
+        self._sender = _Sender(self._held, sealer)
         self._clients: dict[bytes, _Client] = {}
         self._stop_at: float | None = None
         #: when the next heartbeat is due
@@ -279,8 +314,30 @@ class ServerProtocol:
         return held.done is None and (not self._block or len(held.seqs) < self._cfg.buffer_max)
 
     def add(self, seq: int, item: tuple[Any, int]) -> None:
-        """Message ``seq`` taken from the ring: ``(body, flags)``."""
-        self._held.add(seq, item)
+        """Message ``seq`` taken from the ring: ``(body, flags)``; the body may be a view of its
+        slot, valid until the next message is taken. Sealed once here, in the ring's order (the
+        sealer never seals a number twice under one key): the sealed bytes go to every reader,
+        and again after a loss. Sealing is the one copy out of the ring."""
+        body, flags = item
+        sealed: Any = self.sealer.seal(seq, flags, body)
+        if self._large is not None and len(sealed) >= wire.FRAME_ALONE:
+            sealed = self._large(sealed)
+        self._held.add(seq, (sealed, flags))
+
+    def rekey(self) -> None:
+        """A new group key now (on demand); ``send_keys`` tells the readers."""
+        self.sealer.rekey()
+
+    def send_keys(self, send: Sink) -> None:
+        """After a rekey (on demand, or by the sealer's policy): every reader gets the keys.
+        The next key was announced already, so readers open the first frame under it even if
+        this arrives later; one whose queue was full asks again (it meets an unknown key)."""
+        if self.sealer.epoch == self._keys_epoch:
+            return
+        self._keys_epoch = self.sealer.epoch
+        msg = [wire.KEYS, self.sealer.keys_message()]
+        for ident in list(self._clients):
+            self._send(send, ident, msg)
 
     def lost(self, next_msg: int) -> None:
         """The ring overwrote messages before the server took them (policy "lag"): the next one
@@ -373,6 +430,13 @@ class ServerProtocol:
         if hello.version != wire.PROTOCOL_VERSION:
             self._send(send, ident, [wire.REFUSED, b"protocol version mismatch"])
             return None
+        if hello.channel is not None and self._cfg.channel is not None and hello.channel != self._cfg.channel:
+            # Same endpoint and keys (fixed CurveKeys), but the handle of another writer: its
+            # frames would never open here (the channel id is in every seal).
+            self._send(
+                send, ident, [wire.REFUSED, b"this handle is of another channel (an earlier writer at this endpoint)"]
+            )
+            return None
         if client is not None and now - client.resent_at < self._cfg.hb_interval:
             return None  # it said HELLO a moment ago; it says it again if the WELCOME is lost
         if client is None and len(self._clients) >= self._cfg.max_remote:
@@ -398,6 +462,10 @@ class ServerProtocol:
             "hb_interval": self._cfg.hb_interval,
             "hb_timeout": self._cfg.hb_timeout,
             "window": window,  # the credit granted: the reader acknowledges every half of it
+            # Where the sealed data frames come from, and the keys to open them (secret: this
+            # goes over CurveZMQ only; insecure, it holds salts, not keys).
+            "data_port": self._cfg.data_port,
+            "keys": self.sealer.keys_message().hex(),
         }
         self._send(send, ident, [wire.WELCOME, wire.encode_json(welcome)])
         return Admitted(ident, info)
@@ -407,10 +475,11 @@ class ServerProtocol:
         return send(ident, wire.sign(self._cfg.key, frames))
 
     def transmit(self, send: Sink) -> int:
-        """Send every reader what its credit allows; the number of messages the transport took."""
+        """Send every reader what its credit allows (``send``: the data connection's sink); the
+        number of messages the transport took."""
         sent = 0
-        # Readers that keep pace get the same batch: build and sign it once (the HMAC reads
-        # every byte), keyed by its first number and count, which fix its content within this call.
+        # Readers that keep pace get the same batch: build it once (its bodies are sealed
+        # already), keyed by its first number and count, which fix its content within this call.
         batches: dict[tuple[int, int], list[Any]] = {}
         for client in list(self._clients.values()):
             try:
@@ -429,10 +498,14 @@ class ServerProtocol:
     def trim(self, now: float) -> None:
         """Forget what no reader needs: under "block" what every reader acknowledged (a reader
         that joins later starts after it); under "lag" all but the newest ``buffer_max``."""
+        held = self._held
+        base = held.base
         if not self._block:
-            self._held.keep_newest(self._cfg.buffer_max)
+            held.keep_newest(self._cfg.buffer_max)
         elif not self._awaiting_return(now):
-            self._held.keep_from(min((c.acked for c in self._clients.values()), default=self._held.end))
+            held.keep_from(min((c.acked for c in self._clients.values()), default=held.end))
+        if held.base > base:  # the keys nothing held is sealed under any more are forgotten
+            self.sealer.retire(held.seqs[0] if held.seqs else held.end)
 
     def _awaiting_return(self, now: float) -> bool:
         """Whether readers of the server this one replaces may still come back (for at most
@@ -517,10 +590,11 @@ class Welcomed:
 
 @dataclass(frozen=True, slots=True)
 class Messages:
-    """Messages ``first``, ``first + 1``, ...: ``(body, flags)``, each body a view of a frame."""
+    """Messages ``first``, ``first + 1``, ...: ``(body, flags)``, each body opened (bytes, or a
+    view of the frame it was opened in place in)."""
 
     first: int
-    items: list[tuple[memoryview, int]]
+    items: list[tuple[Any, int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -555,14 +629,17 @@ _BAD_FRAME = (wire.FrameError, ValueError, KeyError, TypeError, IndexError, stru
 
 
 class ClientProtocol:
-    """A remote reader's side. The pump feeds it the server's frame groups (``receive``) and,
-    at least every half heartbeat, the time and how far the user has consumed (``tick``);
-    frames to send pile up for ``data_to_send``. The first is the HELLO."""
+    """A remote reader's side. The pump feeds it the server's frame groups (``receive`` for
+    the control connection, ``receive_data`` for the data connection) and, at least every half
+    heartbeat, the time and how far the user has consumed (``tick``); frames to send pile up
+    for ``data_to_send``. The first is the HELLO. ``data_port``: where the data connection
+    goes, as the last WELCOME said (None before one)."""
 
     def __init__(
         self,
         *,
         key: bytes | None,
+        channel: str,
         name: str,
         pid: int,
         host: str,
@@ -571,6 +648,13 @@ class ClientProtocol:
         gone_timeout: float | None = None,
     ) -> None:
         self._key = key
+        self._channel = channel
+        # Opens the sealed data frames with the keys WELCOME and KEYS deliver (docs/security.md).
+        self._opener = seal.Opener(channel.encode(), secret=key)
+        #: the port of the server's data socket (a restarted server may take another)
+        self.data_port: int | None = None
+        self._credit_base = 0  # the number the server counts this reader's credit from, at least
+        self._keys_asked: float | None = None  # when it last asked for the keys again (UnknownKey)
         self._name = name[: wire.NAME_CHARS]  # the server refuses longer ones (and shows 64)
         self._pid = pid
         self._host = host[: wire.HOST_CHARS]
@@ -612,8 +696,18 @@ class ClientProtocol:
             "host": self._host,
             "window": self.window,
             "resume": resume,
+            "channel": self._channel,
         }
         self._send([wire.HELLO, wire.encode_json(hello)])
+
+    @property
+    def rejected(self) -> dict[str, int]:
+        """Data frames refused, by reason (not_authentic, unknown_key, replayed, out_of_window)."""
+        return dict(self._opener.rejected)
+
+    @property
+    def rejected_frames(self) -> int:
+        return sum(self._opener.rejected.values())
 
     def receive(self, frames: list[Any], now: float) -> ClientEvent | None:
         """A frame group from the server (signature still on). One that is not authentic or not
@@ -627,35 +721,16 @@ class ClientProtocol:
 
     def _on_frames(self, frames: list[Any], now: float) -> ClientEvent | None:
         kind = frames[0]
-        if kind == wire.BATCH:
-            if self.next < 0:
-                return None
-            first, items = wire.decode_batch(frames[1], frames[2:])
-            if first > self.next:
-                self._send([wire.NACK, wire.U64.pack(self.next)])  # a gap: ask again from there
-                return None
-            self._last_batch = now
-            skip = self.next - first  # a resend overlaps what it has: only the new part counts
-            self.next = max(self.next, first + len(items))
-            return Messages(first + skip, items[skip:]) if skip < len(items) else None
+        if kind == wire.KEYS:
+            _arity(frames, 1)
+            self._install_keys(frames[1])
+            return None
         if kind == wire.HEARTBEAT:
             end, _done = wire.U64x2.unpack(frames[1])
             self.server_end = max(self.server_end, end)
             return None
         if kind == wire.WELCOME:
             return self._on_welcome(wire.decode_json(frames[1]))
-        if kind == wire.LAGGED:
-            from_seq, _missed = wire.U64x2.unpack(frames[1])
-            if from_seq > self.next >= 0:
-                lagged = Lagged(from_seq - self.next, from_seq)
-                self.next = from_seq
-                return lagged
-            return None
-        if kind == wire.END:
-            (final,) = wire.U64.unpack(frames[1])
-            if self.next >= final:  # not before it has everything the server has
-                return Ended("closed" if frames[2] == b"closed" else "gone")
-            return None
         if kind == wire.UNKNOWN:
             self._hello(self.next if self.next >= 0 else None)  # the server dropped us: resume
             return None
@@ -669,11 +744,87 @@ class ClientProtocol:
         self.hb_timeout = float(welcome["hb_timeout"])
         if "window" in welcome:  # a smaller credit than ours: acknowledge at its half, not ours
             self.window = max(1, min(self.window, int(welcome["window"])))
+        keys = bytes.fromhex(str(welcome["keys"]))
+        data_port = int(welcome["data_port"])
+        if not 0 < data_port < 65536:
+            raise wire.FrameError(f"data port {data_port}")
+        self._install_keys(keys)
+        self.data_port = data_port  # again after a restart: that server may have another
+        self._credit_base = start
         if self.welcomed:
             return None  # a repeated WELCOME (our HELLO went twice): the place stays ours
         self.welcomed = True
         self.next = start
         return Welcomed(start)
+
+    def _install_keys(self, message: Any) -> None:
+        try:
+            self._opener.install(bytes(message))
+        except seal.SealError as exc:
+            raise wire.FrameError(str(exc)) from None
+
+    def receive_data(self, frames: list[Any], now: float, consumed: int) -> ClientEvent | None:
+        """A frame group of the data connection; ``consumed`` as for ``tick``. Nothing of it is
+        delivered unless all of it opened: a frame that did not open, is a replay, lies outside
+        the reader's window or is malformed is counted (``rejected``) and dropped, and what
+        follows what the reader has is asked for again."""
+        try:
+            event = self._on_data(frames, now, consumed)
+        except seal.SealError as exc:
+            self._refused(exc, now)
+            return None
+        except _BAD_FRAME as exc:
+            self._refused(seal.NotAuthentic(f"malformed: {exc}"), now)
+            return None
+        self._last_heard = now  # authentic: the writer's server is alive
+        return event
+
+    def _on_data(self, frames: list[Any], now: float, consumed: int) -> ClientEvent | None:
+        if not frames:
+            raise wire.FrameError("empty message")
+        kind = frames[0]
+        if self.next < 0:
+            return None  # before WELCOME: nothing to open it with
+        if kind == wire.BATCH:
+            first, items = wire.decode_batch(frames[1], frames[2:])
+            limit = max(consumed, self._credit_base) + self.window
+            skip = seal.accept_range(first, len(items), self.next, limit)
+            opener = self._opener
+            opened = [
+                (opener.open(first + k, flags, body), flags) for k, (body, flags) in enumerate(items) if k >= skip
+            ]
+            self._last_batch = now
+            self.next = first + len(items)
+            return Messages(first + skip, opened)
+        if kind == wire.LAGGED:
+            _arity(frames, 1)
+            from_seq, _missed = wire.U64x2.unpack(self._opener.open_control(kind, frames[1]))
+            if from_seq > self.next >= 0:
+                lagged = Lagged(from_seq - self.next, from_seq)
+                self.next = from_seq
+                return lagged
+            return None
+        if kind == wire.END:
+            _arity(frames, 1)
+            payload = self._opener.open_control(kind, frames[1])
+            (final,) = wire.U64.unpack_from(payload)
+            if self.next >= final:  # not before it has everything the server has
+                return Ended("closed" if payload[wire.U64.size :] == b"closed" else "gone")
+            return None
+        raise wire.FrameError(f"unknown data frame kind {bytes(kind[:8])!r}")
+
+    def _refused(self, exc: seal.SealError, now: float) -> None:
+        """A data frame that did not open or is not wanted: nothing of it was delivered. Ask
+        for what follows what we have; the keys again if we lack its key."""
+        self._opener.count(exc)
+        if self.next < 0 or isinstance(exc, seal.Replayed):
+            return  # a copy of what we have: nothing to ask for
+        if isinstance(exc, seal.UnknownKey):
+            if self._keys_asked is None or now - self._keys_asked >= self.hb_interval:
+                self._keys_asked = now
+                self._hello(self.next)  # WELCOME brings the keys, and the stream resumes
+            return
+        self._send([wire.NACK, wire.U64.pack(self.next)])  # the server resends (at most once a heartbeat)
 
     def tick(self, now: float, consumed: int) -> Ended | None:
         """Timers. ``consumed``: the next message the user has not taken (everything before it

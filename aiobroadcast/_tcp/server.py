@@ -28,6 +28,7 @@ from typing import Any
 import zmq
 import zmq.auth.thread
 
+from .. import _seal as seal
 from .._constants import TCP_SERVER_READER_NAME
 from .._exceptions import BroadcastError, EndOfStream, ReaderLagged, TransportError, WouldBlock, WriterGone
 from .._handle import Handle
@@ -56,13 +57,17 @@ COMPLAIN_EVERY_S = 60.0
 COMPLAINTS_KEPT = 256
 
 
-def _raw(body: Any, oob: bool) -> tuple[bytes | zmq.Frame, int]:
-    """A body out of the ring, copied once (it is a view of the slot, which the writer reuses
-    as soon as we move on). A large body is copied straight into a ZeroMQ message, which every
-    send then shares (refcounted, never copied again); a small one into bytes, to be joined."""
-    if len(body) >= wire.FRAME_ALONE:
-        return zmq.Frame(body, copy=True), 1 if oob else 0
-    return bytes(body), 1 if oob else 0
+def _view(body: Any, oob: bool) -> tuple[Any, int]:
+    """A body as the ring hands it: a view of its slot (policy "block"; the slot is held until
+    the next ``get_nowait``) or a checked copy (policy "lag"). The protocol seals it at once,
+    its number known: sealing is the one copy out of the ring."""
+    return body, 1 if oob else 0
+
+
+def _frame(sealed: bytes | bytearray) -> zmq.Frame:
+    """A large sealed body as a ZeroMQ message, which every send then shares (refcounted, never
+    copied again)."""
+    return zmq.Frame(sealed, copy=False)
 
 
 class _Allow:
@@ -98,15 +103,32 @@ class TcpServer:
         stats_path: str,
         take_over: int | None = None,
         returning: int = 0,
+        rekey_messages: int = seal.REKEY_MESSAGES,
+        rekey_bytes: int = seal.REKEY_BYTES,
     ) -> None:
         """``take_over`` and ``returning``: this server replaces one that died (pid
-        ``take_over``), which served ``returning`` remote readers."""
+        ``take_over``), which served ``returning`` remote readers. ``rekey_messages`` and
+        ``rekey_bytes``: the data plane's rekey policy (``_seal.py``)."""
         self._stats_path = stats_path
         self.drain_timeout = 2 * hb_timeout
         self._ring_words = seg.words
         self._ctx = zmq.Context()
         self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
         self._router = self._ctx.socket(zmq.ROUTER)
+        # Sealed data frames (BATCH, LAGGED, END) go on a second socket without CurveZMQ: each
+        # message is sealed once for every reader (_seal.py), instead of CurveZMQ encrypting it
+        # again for each connection. Admission and key delivery stay on the CurveZMQ socket;
+        # docs/security.md says why this split is safe.
+        self._data = self._ctx.socket(zmq.ROUTER)
+        # A body is sealed once, with the group key of this server process (a restarted server
+        # draws another; readers get it in WELCOME). Insecure: authenticated, not encrypted.
+        sealer = seal.Sealer(
+            handle.token.encode(),
+            secret=hmac_key if insecure else None,
+            rekey_messages=rekey_messages,
+            rekey_bytes=rekey_bytes,
+        )
+        self.rekey_requested = False  # SIGUSR1: a new key now
         try:
             r = self._router
             r.linger = 0
@@ -127,7 +149,20 @@ class TcpServer:
             with zmq_errors(TransportError, f"cannot bind {endpoint}"):
                 r.bind(_port_star(endpoint))
             self.endpoint = r.getsockopt_string(zmq.LAST_ENDPOINT)
-            self._src = ShmSource(seg, handle, TCP_SERVER_READER_NAME, _raw, take_over=take_over)
+            d = self._data
+            d.linger = 0
+            d.sndhwm = SEND_HWM
+            d.rcvhwm = 1
+            # Readers send nothing here, and the server never reads it: what a peer sends stops
+            # at one small message (the bound also applies to the handshake, hence not 0).
+            d.maxmsgsize = 1024
+            d.router_mandatory = True
+            with zmq_errors(TransportError, f"cannot bind a data port beside {self.endpoint}"):
+                d.bind(_data_endpoint(self.endpoint))
+            self.data_port = int(d.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
+            # hold: under policy "block" a body is a view of its slot until the next get_nowait,
+            # so the protocol seals it straight out of the ring.
+            self._src = ShmSource(seg, handle, TCP_SERVER_READER_NAME, _view, hold=True, take_over=take_over)
         except BaseException:
             self._close_sockets()
             raise
@@ -141,8 +176,17 @@ class TcpServer:
             hb_interval=hb_interval,
             hb_timeout=hb_timeout,
             max_remote=max_remote,
+            channel=handle.token,
+            data_port=self.data_port,
         )
-        self.protocol = ServerProtocol(config, start=self._src.next_msg, now=time.monotonic(), returning=returning)
+        self.protocol = ServerProtocol(
+            config,
+            start=self._src.next_msg,
+            now=time.monotonic(),
+            returning=returning,
+            sealer=sealer,
+            large=_frame,
+        )
         self._complaints: dict[bytes, float] = {}
         self._report_failing = False
 
@@ -188,6 +232,7 @@ class TcpServer:
 
     def _close_sockets(self) -> None:
         self._router.close(linger=0)
+        self._data.close(linger=0)
         if self._auth is not None:
             self._auth.stop()
         self._ctx.term()
@@ -200,10 +245,14 @@ class TcpServer:
         inbox = self._src.inbox_fd
         stopping = False
         while True:
+            if self.rekey_requested:
+                self.rekey_requested = False
+                proto.rekey()
             pulled = self._pull_ring()
+            proto.send_keys(self._send)  # before anything sealed under the new key goes out
             now = time.monotonic()
             self._recv_clients(now)
-            sent = proto.transmit(self._send)
+            sent = proto.transmit(self._send_data)
             proto.trim(now)
             if proto.heartbeat_due(now):
                 for event in proto.heartbeat(now, self._send):
@@ -261,10 +310,19 @@ class TcpServer:
         return n
 
     def _send(self, ident: bytes, frames: list[Any]) -> bool:
-        """The protocol's ``Sink``: hand ``frames`` to ZeroMQ for ``ident``; False if it refused:
-        the reader's queue is full (SEND_HWM: it is not reading) or it is not connected now."""
+        """The protocol's ``Sink`` for control frames."""
+        return self._send_on(self._router, ident, frames)
+
+    def _send_data(self, ident: bytes, frames: list[Any]) -> bool:
+        """The protocol's ``Sink`` for data frames (sealed already)."""
+        return self._send_on(self._data, ident, frames)
+
+    def _send_on(self, sock: zmq.Socket[Any], ident: bytes, frames: list[Any]) -> bool:
+        """Hand ``frames`` to ZeroMQ for ``ident``; False if it refused: the reader's queue is
+        full (SEND_HWM: it is not reading) or it is not connected now. Not copied: large
+        bodies are ZeroMQ messages shared by every send."""
         try:
-            self._router.send_multipart([ident, *frames], flags=zmq.NOBLOCK)
+            sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:
@@ -322,6 +380,11 @@ class TcpServer:
             "; dropped it" if client else "",
             event.total,
         )
+
+
+def _data_endpoint(endpoint: str) -> str:
+    """The data socket binds where the control socket did, on a port of its own."""
+    return endpoint.rsplit(":", 1)[0] + ":*"
 
 
 def _port_star(endpoint: str) -> str:
@@ -393,6 +456,8 @@ def main() -> int:
                 stats_path=cfg["stats_path"],
                 take_over=cfg.get("take_over"),
                 returning=cfg.get("returning", 0),
+                rekey_messages=cfg.get("rekey_messages") or seal.REKEY_MESSAGES,
+                rekey_bytes=cfg.get("rekey_bytes") or seal.REKEY_BYTES,
             )
         except BaseException:
             seg.close()
@@ -400,6 +465,11 @@ def main() -> int:
     except BroadcastError as exc:
         print(json.dumps({"error": str(exc)}), flush=True)
         return 1
+
+    def rekey_now(signum: int, frame: Any) -> None:
+        server.rekey_requested = True  # taken at the next turn of the loop
+
+    signal.signal(signal.SIGUSR1, rekey_now)  # a new group key on demand
     print(json.dumps({"endpoint": server.endpoint}), flush=True)
     server.write_stats()
     return 0 if server.run() else 1

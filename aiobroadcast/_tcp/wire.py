@@ -1,8 +1,13 @@
-"""The TCP wire protocol between a writer's server and remote readers (docs/design.md).
+"""The TCP wire protocol between a writer's server and remote readers (docs/design.md,
+docs/security.md).
 
-Every frame group starts with a one-byte kind. With CurveZMQ every frame is encrypted and
-authenticated by the transport; in insecure mode a last frame carries an HMAC-SHA256 of the
-others, checked with ``compare_digest`` before anything else is parsed.
+Every frame group starts with a one-byte kind. Two connections per reader:
+
+- the control connection (HELLO, ACK, NACK, BYE; WELCOME, KEYS, HEARTBEAT, UNKNOWN, REFUSED):
+  CurveZMQ encrypts and authenticates it; in insecure mode a last frame carries an HMAC-SHA256
+  of the others, checked with ``compare_digest`` before anything else is parsed;
+- the data connection (BATCH, LAGGED, END, server to reader only): plain ZeroMQ, each body and
+  each frame sealed by ``_seal.py`` under the group key that WELCOME and KEYS deliver.
 """
 
 from __future__ import annotations
@@ -18,19 +23,23 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 #: 2: a batch carries its bodies in one or more frames (large bodies alone), not one blob.
 #: 3: the pickle body format of aiobroadcast/_codec.py (large bytes indexed, or out of band).
-PROTOCOL_VERSION = 3
+#: 4: sealed data frames on a connection of their own (the group key in WELCOME and KEYS).
+PROTOCOL_VERSION = 4
 
 # reader -> server
-HELLO = b"H"  # json {version, name, pid, host (optional), window, resume}
+HELLO = b"H"  # json {version, name, pid, host (optional), window, resume, channel}
 ACK = b"A"  # u64 next seq wanted (everything before it consumed); also the heartbeat
 NACK = b"N"  # u64 next seq wanted: resend from there
 BYE = b"B"
-# server -> reader
-WELCOME = b"W"  # json {start, policy, hb_interval, hb_timeout, window}
-BATCH = b"M"  # header, then frames that each hold whole bodies (a large body alone, small ones joined)
+# server -> reader, on the control connection
+WELCOME = b"W"  # json {start, policy, hb_interval, hb_timeout, window, data_port, keys (hex)}
+KEYS = b"K"  # the keys message of _seal.py (after a rekey)
 HEARTBEAT = b"P"  # u64 end (next seq the server will have), u64 closed
-LAGGED = b"L"  # u64 from_seq, u64 missed
-END = b"E"  # u64 final seq, reason
+# server -> reader, on the data connection
+BATCH = b"M"  # header, then frames that each hold whole sealed bodies (a large one alone, small ones joined)
+LAGGED = b"L"  # sealed: u64 from_seq, u64 missed
+END = b"E"  # sealed: u64 final seq, then the reason
+# server -> reader, on the control connection again
 UNKNOWN = b"U"  # "who are you?": the server dropped this reader; say HELLO again
 REFUSED = b"R"  # reason
 
@@ -115,6 +124,9 @@ class Hello(BaseModel):
     host: Annotated[str, Field(max_length=HOST_CHARS)] = ""
     window: Annotated[int, Field(ge=1, le=2**31)]
     resume: Annotated[int, Field(ge=0, le=MAX_SEQ)] | None = None
+    #: the channel id (token) of the reader's handle: a handle of an earlier writer at the same
+    #: endpoint, with the same keys, is refused by name instead of failing to open every frame
+    channel: Annotated[str, Field(max_length=256)] | None = None
 
 
 def decode_hello(raw: bytes) -> Hello:

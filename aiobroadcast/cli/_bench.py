@@ -102,8 +102,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transport", choices=("shm", "tcp"), default="shm",
                    help="aiobroadcast over shared memory (default), or over TCP on 127.0.0.1")
     p.add_argument("--insecure", action="store_true",
-                   help="with --transport tcp: aiobroadcast's channel without CurveZMQ (plain TCP, frames "
-                        "signed with HMAC-SHA256); default: CurveZMQ")
+                   help="with --transport tcp: aiobroadcast's channel without encryption (frames authenticated "
+                        "with GMAC and HMAC-SHA256); default: sealed with AES-256-GCM, CurveZMQ admission")
     p.add_argument("--idle-s", type=float, default=None,
                    help="pause of mode idle in seconds (default: $IDLE_S or 5)")
     p.add_argument("--capacity", type=int,
@@ -411,7 +411,9 @@ class Sitting:
 
     def _introduce(self, cells: list[Cell]) -> None:
         args = self.args
-        security = (" (insecure: HMAC)" if args.insecure else " (CurveZMQ)") if args.transport == "tcp" else ""
+        security = ""
+        if args.transport == "tcp":
+            security = " (insecure: GMAC)" if args.insecure else " (AES-256-GCM sealed)"
         self.progress.say(
             f"aiobroadcast bench: {len(cells)} cell(s) x {args.repeat} run(s) of {', '.join(self.runners)}; "
             f"{os.cpu_count()} CPUs, Python {platform.python_version()}, aiobroadcast over {args.transport}"

@@ -10,8 +10,9 @@ do). Prints one JSON object on its last line. ``IDLE_S`` (environment, default 5
 of mode ``idle``. Writer and readers use the public async API (``await writer.put``,
 ``await reader.get``) on their own event loops, or with ``--blocking`` the blocking API
 (``aiobroadcast.blocking``: ``writer.put``, ``reader.get``, no event loop anywhere). Over TCP
-the channel uses CurveZMQ unless ``--insecure`` (plain TCP, every frame group signed with
-HMAC-SHA256).
+the channel is sealed (AES-256-GCM, keys delivered over CurveZMQ) unless ``--insecure``
+(authenticated, not encrypted). The JSON field ``security`` keeps its values: "curve" for the
+default, "hmac" for ``--insecure``.
 """
 
 from __future__ import annotations
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slot-bytes", type=int)
     p.add_argument("--transport", choices=("shm", "tcp"), default="shm")
     p.add_argument("--insecure", action="store_true",
-                   help="over TCP: plain TCP with HMAC-SHA256 instead of CurveZMQ encryption")
+                   help="over TCP: authenticated (GMAC, HMAC-SHA256), not encrypted")
     p.add_argument("--loop", choices=("uvloop", "asyncio", "trio"), default=default_loop())
     p.add_argument("--spin-us", type=float, default=None)
     p.add_argument("--zero-copy", action="store_true", help="readers opened with open_reader(zero_copy=True)")

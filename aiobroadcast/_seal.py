@@ -1,0 +1,440 @@
+"""Sealing of the TCP data plane: every message sealed once, for every remote reader.
+
+No sockets, no clocks: bytes in, bytes out (docs/security.md has the threat model).
+
+The writer's TCP server holds a *group key* (256 bits, drawn at random per server process and per
+rekey, named by a 32-bit key id) and hands it to each admitted reader over the CurveZMQ control
+connection. Each message body is sealed once with AES-256-GCM under it, and the sealed bytes go
+to every reader (and again after a loss): N readers cost one encryption, not N as with a
+CurveZMQ connection each.
+
+- **Nonce**: ``key id (u32) || counter (u64)``, little endian. A message's counter is its
+  sequence number (below 2**63); frames that are not messages (``LAGGED``, ``END``) take counters
+  from 2**63 up, one per frame. ``Sealer`` refuses a message counter that is not above the last
+  one it sealed under that key, so a nonce is never used twice under one key.
+- **Associated data**: a version tag, the frame kind, the message's flags, the key id, the
+  counter and the channel id (the handle's token). A sealed body moved to another place in the
+  stream, to another channel, or shown with other flags does not open.
+- **Sealed body**: ``key id (u32) || ciphertext || tag (16 bytes)``. Frames that are not
+  messages carry their counter too: ``key id || counter (u64) || ciphertext || tag``.
+- **Insecure mode** (``secret`` given: the handle's shared key, no CurveZMQ): nothing is encrypted,
+  but every body is authenticated with GMAC (AES-GCM with the body as associated data), under a key
+  derived from the shared secret and a per-key salt that the server announces (HKDF-SHA256). Pickle
+  is never decoded unauthenticated.
+- **Rekey**: after ``rekey_messages`` messages or ``rekey_bytes`` bytes under one key, or on
+  demand. The next key is always announced before it is used (``keys_message`` holds the keys in
+  use and the next one), so a reader that has the latest key message opens the first frame under
+  the new key; one that missed it fetches the keys again (``UnknownKey``).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.hkdf import HKDF
+
+KEY_BYTES = 32
+TAG_BYTES = 16
+KEY_ID = struct.Struct("<I")
+COUNTER = struct.Struct("<Q")
+NONCE = struct.Struct("<IQ")  # key id, counter: the 12 bytes GCM wants
+#: what a sealed message adds to its body: the key id before, the tag after
+OVERHEAD = KEY_ID.size + TAG_BYTES
+#: what a sealed control frame adds to its payload: the key id and the counter before, the tag after
+CONTROL_OVERHEAD = KEY_ID.size + COUNTER.size + TAG_BYTES
+#: counters of frames that are not messages start here (message seqs stay below it)
+CONTROL_BASE = 1 << 63
+MAX_MESSAGE_SEQ = CONTROL_BASE - 1
+#: the default rekey policy: a new key after this many messages or bytes under one key (far
+#: below AES-GCM's limits; a rekey costs one small control frame per reader)
+REKEY_MESSAGES = 1 << 24
+REKEY_BYTES = 1 << 36
+#: keys a keys message may hold (in use by what the server still holds, and the next one)
+MAX_KEYS = 16
+#: bodies at least this large are sealed with the streaming API (authenticated in place in
+#: insecure mode, without joining associated data and body into one buffer)
+LARGE = 4096
+
+# version tag, kind, key id, then the channel id, then flags and counter (a fixed-size tail, so
+# the head is computed once per key and kind)
+_AAD_HEAD = struct.Struct("<4scI")
+_AAD_TAIL = struct.Struct("<BQ")
+_AAD_TAG = b"abs1"
+_KEYS_HEAD = struct.Struct("<BBIB")  # format version, mode, current key id, count
+_KEYS_ENTRY = struct.Struct("<I32s")  # key id, key (or, insecure, the salt it is derived with)
+_KEYS_VERSION = 1
+_MODE_KEY, _MODE_SALT = 0, 1
+_HKDF_INFO = b"aiobroadcast data plane key v1"
+
+#: the frame kinds a sealed frame can be (bound in the associated data)
+KIND_MESSAGE = b"M"
+
+
+class SealError(ValueError):
+    """A sealed frame that is refused; ``reason`` is a short word for the counters."""
+
+    reason = "rejected"
+
+
+class NotAuthentic(SealError):
+    """It does not open: changed in transit, forged, or sealed for another place or channel."""
+
+    reason = "not_authentic"
+
+
+class UnknownKey(SealError):
+    """Sealed under a key id this reader does not hold: it fetches the keys again."""
+
+    reason = "unknown_key"
+
+
+class Replayed(SealError):
+    """Everything in it was received already (a copy of an old frame)."""
+
+    reason = "replayed"
+
+
+class OutOfWindow(SealError):
+    """Beyond what the reader asked for (its credit), or a counter that went back."""
+
+    reason = "out_of_window"
+
+
+def _aad(channel: bytes, kind: bytes, flags: int, key_id: int, counter: int) -> bytes:
+    return _AAD_HEAD.pack(_AAD_TAG, kind, key_id) + channel + _AAD_TAIL.pack(flags & 0xFF, counter)
+
+
+def _derive(secret: bytes, salt: bytes, key_id: int) -> bytes:
+    hkdf = HKDF(algorithm=hashes.SHA256(), length=KEY_BYTES, salt=salt, info=_HKDF_INFO + KEY_ID.pack(key_id))
+    return hkdf.derive(secret)
+
+
+@dataclass
+class _Key:
+    key_id: int
+    material: bytes  # the key, or in insecure mode the salt it is derived from
+    key: bytes
+    aead: AESGCM = field(repr=False)
+    kid: bytes = b""  # the key id as it leads a sealed body
+    msg_aad_head: bytes = b""  # the associated data of a message, up to its flags and number
+    #: the last message counter sealed (Sealer) or opened (Opener) under it; -1: none yet
+    last_seq: int = -1
+    #: the last control counter sealed or accepted under it
+    last_control: int = CONTROL_BASE - 1
+    messages: int = 0
+    nbytes: int = 0
+
+    @classmethod
+    def make(cls, key_id: int, material: bytes, secret: bytes | None, channel: bytes) -> _Key:
+        key = material if secret is None else _derive(secret, material, key_id)
+        head = _AAD_HEAD.pack(_AAD_TAG, KIND_MESSAGE, key_id) + channel
+        return cls(key_id, material, key, AESGCM(key), KEY_ID.pack(key_id), head)
+
+
+def _gmac_stream(key: bytes, nonce: bytes, parts: tuple[Any, ...]) -> Any:
+    """A GCM encryptor fed ``parts`` as associated data (no plaintext): GMAC, with no copy."""
+    enc = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+    for p in parts:
+        enc.authenticate_additional_data(p)
+    return enc
+
+
+class _Keyed:
+    def __init__(self, channel: bytes, secret: bytes | None) -> None:
+        self._channel = bytes(channel)
+        self._secret = secret
+        #: True: bodies are encrypted (CurveZMQ delivers the key); False: only authenticated
+        self.encrypting = secret is None
+
+
+class Sealer(_Keyed):
+    """The server's side: seals each message once, and the frames that are not messages.
+
+    ``channel``: the channel id bound into every frame. ``secret``: None (encrypt; the group
+    key goes to readers over CurveZMQ) or the shared secret of an insecure channel (authenticate
+    only; keys are derived from it and announced salts). ``rekey_messages``/``rekey_bytes``:
+    the rekey policy. ``random``: where keys and key ids come from.
+    """
+
+    def __init__(
+        self,
+        channel: bytes,
+        *,
+        secret: bytes | None = None,
+        rekey_messages: int = REKEY_MESSAGES,
+        rekey_bytes: int = REKEY_BYTES,
+        random: Callable[[int], bytes] = os.urandom,
+    ) -> None:
+        super().__init__(channel, secret)
+        if rekey_messages < 1 or rekey_bytes < 1:
+            raise ValueError("the rekey policy needs at least one message and one byte per key")
+        self._random = random
+        self.rekey_messages = rekey_messages
+        self.rekey_bytes = rekey_bytes
+        first = KEY_ID.unpack(random(4))[0]
+        self._keys: dict[int, _Key] = {}
+        self._current = self._new_key(first)
+        self._next = self._new_key((first + 1) & 0xFFFFFFFF)
+        #: bumped by each rekey: the server sends the keys message again when it changes
+        self.epoch = 0
+
+    def _new_key(self, key_id: int) -> _Key:
+        return _Key.make(key_id, self._random(KEY_BYTES), self._secret, self._channel)
+
+    @property
+    def key_id(self) -> int:
+        return self._current.key_id
+
+    def rekey(self) -> None:
+        """Seal from now on under the announced next key, and announce a new next one. The old
+        key stays until ``retire`` says nothing sealed under it is held any more."""
+        self._keys[self._current.key_id] = self._current
+        self._current = self._next
+        self._next = self._new_key((self._current.key_id + 1) & 0xFFFFFFFF)
+        self._keys.pop(self._next.key_id, None)  # a wrapped-around id, long retired
+        self.epoch += 1
+
+    def retire(self, oldest_held: int) -> None:
+        """Forget the old keys under which nothing from ``oldest_held`` on was sealed."""
+        for key_id in [k for k, v in self._keys.items() if v.last_seq < oldest_held]:
+            del self._keys[key_id]
+        # a server that holds a lot under many old keys still fits them in one keys message
+        while len(self._keys) > MAX_KEYS - 2:
+            del self._keys[min(self._keys, key=lambda k: self._keys[k].last_seq)]
+
+    def keys_message(self) -> bytes:
+        """The keys a reader needs: those in use (old ones still held, the current one) and
+        the next one. Confidential in secure mode: send it over CurveZMQ only."""
+        keys = [*self._keys.values(), self._current, self._next]
+        mode = _MODE_KEY if self._secret is None else _MODE_SALT
+        out = bytearray(_KEYS_HEAD.pack(_KEYS_VERSION, mode, self._current.key_id, len(keys)))
+        for k in keys:
+            out += _KEYS_ENTRY.pack(k.key_id, k.material)
+        return bytes(out)
+
+    def _take(self, seq: int, n: int) -> _Key:
+        if not 0 <= seq <= MAX_MESSAGE_SEQ:
+            raise ValueError(f"message seq {seq} out of range")
+        key = self._current
+        if key.messages >= self.rekey_messages or (key.messages and key.nbytes + n > self.rekey_bytes):
+            self.rekey()
+            key = self._current
+        if seq <= key.last_seq:
+            # The nonce would repeat: a message is sealed once, and its sealed bytes resent.
+            raise ValueError(f"message {seq} sealed again under key {key.key_id} (last {key.last_seq})")
+        key.last_seq = seq
+        key.messages += 1
+        key.nbytes += n
+        return key
+
+    def seal(self, seq: int, flags: int, body: Any) -> bytes | bytearray:
+        """Seal message ``seq`` (``body``: bytes or any buffer, e.g. a view of a ring slot). The
+        result is ``key id || sealed body || tag``; a large one is a bytearray written in place
+        (the one copy out of the ring), to be handed to ZeroMQ without another copy."""
+        key = self._current
+        n = body.nbytes if isinstance(body, memoryview) else len(body)
+        if (
+            n < LARGE
+            and self.encrypting
+            and key.last_seq < seq <= MAX_MESSAGE_SEQ
+            and key.messages < self.rekey_messages
+            and key.nbytes + n <= self.rekey_bytes
+        ):
+            # The common case of small messages, kept short: it runs once per message.
+            key.last_seq = seq
+            key.messages += 1
+            key.nbytes += n
+            aad = key.msg_aad_head + _AAD_TAIL.pack(flags & 0xFF, seq)
+            return key.kid + key.aead.encrypt(NONCE.pack(key.key_id, seq), body, aad)
+        mv = memoryview(body).cast("B")
+        n = mv.nbytes
+        key = self._take(seq, n)
+        nonce = NONCE.pack(key.key_id, seq)
+        aad = _aad(self._channel, KIND_MESSAGE, flags, key.key_id, seq)
+        kid = KEY_ID.pack(key.key_id)
+        if n < LARGE:
+            if self.encrypting:
+                return kid + key.aead.encrypt(nonce, mv, aad)
+            return kid + mv.tobytes() + key.aead.encrypt(nonce, b"", aad + kid + mv.tobytes())
+        out = bytearray(n + OVERHEAD)
+        out[:4] = kid
+        view = memoryview(out)
+        if self.encrypting:
+            key.aead.encrypt_into(nonce, mv, aad, view[4:])
+        else:
+            view[4 : 4 + n] = mv
+            enc = _gmac_stream(key.key, nonce, (aad, kid, mv))
+            enc.finalize()
+            view[4 + n :] = enc.tag
+        return out
+
+    def seal_control(self, kind: bytes, payload: bytes) -> bytes:
+        """Seal a frame that is not a message (``kind``: its frame kind), under a fresh counter."""
+        key = self._current
+        key.last_control += 1
+        counter = key.last_control
+        head = KEY_ID.pack(key.key_id) + COUNTER.pack(counter)
+        nonce = NONCE.pack(key.key_id, counter)
+        aad = _aad(self._channel, kind, 0, key.key_id, counter)
+        if self.encrypting:
+            return head + key.aead.encrypt(nonce, payload, aad)
+        return head + payload + key.aead.encrypt(nonce, b"", aad + head + payload)
+
+
+class Opener(_Keyed):
+    """A reader's side: opens what ``Sealer`` sealed, with the keys of the latest keys message.
+
+    Counts what it refuses in ``rejected`` (by reason: ``SealError.reason``)."""
+
+    def __init__(self, channel: bytes, *, secret: bytes | None = None) -> None:
+        super().__init__(channel, secret)
+        self._keys: dict[int, _Key] = {}
+        self.current_key_id: int | None = None
+        self.rejected: dict[str, int] = {}
+
+    @property
+    def key_ids(self) -> set[int]:
+        return set(self._keys)
+
+    def count(self, exc: SealError) -> None:
+        self.rejected[exc.reason] = self.rejected.get(exc.reason, 0) + 1
+
+    def install(self, message: bytes) -> None:
+        """Take the keys of a keys message (``Sealer.keys_message``), in place of those held.
+        Raises ``SealError`` if it is malformed or of the other mode."""
+        if len(message) < _KEYS_HEAD.size:
+            raise SealError("truncated keys message")
+        version, mode, current, count = _KEYS_HEAD.unpack_from(message)
+        if version != _KEYS_VERSION:
+            raise SealError(f"keys message version {version}")
+        if mode != (_MODE_KEY if self._secret is None else _MODE_SALT):
+            raise SealError("keys message of the other security mode")
+        if not 0 < count <= MAX_KEYS or len(message) != _KEYS_HEAD.size + count * _KEYS_ENTRY.size:
+            raise SealError("keys message length does not match its count")
+        keys: dict[int, _Key] = {}
+        for i in range(count):
+            key_id, material = _KEYS_ENTRY.unpack_from(message, _KEYS_HEAD.size + i * _KEYS_ENTRY.size)
+            old = self._keys.get(key_id)
+            if old is not None and old.material == material:
+                keys[key_id] = old  # keeps its replay state
+            else:
+                keys[key_id] = _Key.make(key_id, material, self._secret, self._channel)
+        if current not in keys:
+            raise SealError("keys message without its current key")
+        self._keys = keys
+        self.current_key_id = current
+
+    def _key(self, sealed: memoryview) -> _Key:
+        if sealed.nbytes < KEY_ID.size + TAG_BYTES:
+            raise NotAuthentic("sealed frame shorter than its key id and tag")
+        (key_id,) = KEY_ID.unpack_from(sealed)
+        key = self._keys.get(key_id)
+        if key is None:
+            raise UnknownKey(f"sealed under key id {key_id:#x}, which this reader does not hold")
+        return key
+
+    def open(self, seq: int, flags: int, sealed: Any) -> Any:
+        """The body of message ``seq`` (bytes, a bytearray, or a view of ``sealed``), or
+        ``SealError``. Nothing of it is to be used before this returns. A large writable
+        ``sealed`` is decrypted in place: afterwards it holds the body (or, if it did not
+        open, garbage), not the sealed bytes."""
+        mv = sealed if type(sealed) is memoryview and sealed.format == "B" else memoryview(sealed).cast("B")
+        if self.encrypting and OVERHEAD <= mv.nbytes < LARGE + OVERHEAD and 0 <= seq <= MAX_MESSAGE_SEQ:
+            # The common case of small messages, kept short: it runs once per message.
+            small = self._keys.get(KEY_ID.unpack_from(mv)[0])
+            if small is not None:
+                aad = small.msg_aad_head + _AAD_TAIL.pack(flags & 0xFF, seq)
+                try:
+                    opened = small.aead.decrypt(NONCE.pack(small.key_id, seq), mv[4:], aad)
+                except InvalidTag:
+                    raise NotAuthentic(f"message {seq} does not open under key id {small.key_id:#x}") from None
+                if seq > small.last_seq:
+                    small.last_seq = seq
+                return opened
+        key = self._key(mv)
+        if not 0 <= seq <= MAX_MESSAGE_SEQ:
+            raise OutOfWindow(f"message seq {seq} out of range")
+        nonce = NONCE.pack(key.key_id, seq)
+        aad = _aad(self._channel, KIND_MESSAGE, flags, key.key_id, seq)
+        n = mv.nbytes - OVERHEAD
+        try:
+            if self.encrypting:
+                if n < LARGE:
+                    out: Any = key.aead.decrypt(nonce, mv[4:], aad)
+                elif not mv.readonly:
+                    # In place (a received ZeroMQ frame is writable): no buffer to allocate and
+                    # fill, and the body is a view of the frame, as it was without sealing.
+                    out = mv[4 : 4 + n]
+                    key.aead.decrypt_into(nonce, mv[4:], aad, out)
+                else:
+                    out = bytearray(n)
+                    key.aead.decrypt_into(nonce, mv[4:], aad, out)
+            else:
+                body = mv[4 : 4 + n]
+                tag = mv[4 + n :]
+                if n < LARGE:
+                    key.aead.decrypt(nonce, tag, aad + mv[: 4 + n].tobytes())
+                else:
+                    dec = Cipher(algorithms.AES(key.key), modes.GCM(nonce, tag.tobytes())).decryptor()
+                    dec.authenticate_additional_data(aad)
+                    dec.authenticate_additional_data(mv[:4])
+                    dec.authenticate_additional_data(body)
+                    dec.finalize()
+                out = body
+        except InvalidTag:
+            raise NotAuthentic(f"message {seq} does not open under key id {key.key_id:#x}") from None
+        if seq > key.last_seq:
+            key.last_seq = seq
+        return out
+
+    def open_control(self, kind: bytes, sealed: Any) -> bytes:
+        """The payload of a frame that is not a message, or ``SealError`` (a counter not above
+        the last one accepted under its key is a replay)."""
+        mv = memoryview(sealed).cast("B")
+        if mv.nbytes < CONTROL_OVERHEAD:
+            raise NotAuthentic("sealed control frame too short")
+        key = self._key(mv)
+        (counter,) = COUNTER.unpack_from(mv, KEY_ID.size)
+        if counter < CONTROL_BASE:
+            raise OutOfWindow("control frame with a message counter")
+        nonce = NONCE.pack(key.key_id, counter)
+        aad = _aad(self._channel, kind, 0, key.key_id, counter)
+        head = KEY_ID.size + COUNTER.size
+        try:
+            if self.encrypting:
+                payload = key.aead.decrypt(nonce, mv[head:], aad)
+            else:
+                payload = mv[head:-TAG_BYTES].tobytes()
+                key.aead.decrypt(nonce, mv[-TAG_BYTES:], aad + mv[:-TAG_BYTES].tobytes())
+        except InvalidTag:
+            raise NotAuthentic(f"control frame {kind!r} does not open") from None
+        # Checked once authentic: a forged counter must not move the mark.
+        if counter <= key.last_control:
+            raise Replayed(f"control frame counter {counter - CONTROL_BASE} already seen")
+        key.last_control = counter
+        return payload
+
+
+def accept_range(first: int, count: int, next_seq: int, limit: int) -> int:
+    """Which messages of a frame holding ``first .. first+count-1`` a reader takes, when it
+    expects ``next_seq`` and may hold no message at or beyond ``limit`` (its credit). Returns
+    how many to skip at the front (received already: a resend overlapping what it has), or
+    raises ``Replayed`` (it has all of them) or ``OutOfWindow`` (a gap before it, or beyond the
+    credit). The frame still has to open: this only says which part of it is wanted."""
+    if count <= 0:
+        raise OutOfWindow("empty frame")
+    if first + count <= next_seq:
+        raise Replayed(f"messages {first}..{first + count - 1} were received already")
+    if first > next_seq:
+        raise OutOfWindow(f"frame starts at {first}, message {next_seq} is expected")
+    if first + count > limit:
+        raise OutOfWindow(f"frame ends at {first + count - 1}, beyond the credit ({limit - 1})")
+    return next_seq - first

@@ -1,0 +1,278 @@
+"""The sealing of the TCP data plane (aiobroadcast/_seal.py), without sockets: what opens, what
+does not, and that a nonce is never used twice under one key."""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aiobroadcast import _seal as seal
+
+CHANNEL = b"0123456789abcdef0123456789abcdef"
+SECRET = b"s" * 32
+MODES = pytest.mark.parametrize("secret", [None, SECRET], ids=["sealed", "insecure"])
+#: a small body, one at the size where the streaming path starts, and a large one
+SIZES = [0, 1, 64, seal.LARGE - 1, seal.LARGE, 70_000]
+
+
+def pair(secret: bytes | None, rekey_messages: int = seal.REKEY_MESSAGES) -> tuple[seal.Sealer, seal.Opener]:
+    sealer = seal.Sealer(CHANNEL, secret=secret, rekey_messages=rekey_messages)
+    opener = seal.Opener(CHANNEL, secret=secret)
+    opener.install(sealer.keys_message())
+    return sealer, opener
+
+
+@MODES
+@pytest.mark.parametrize("n", SIZES)
+def test_a_sealed_body_opens_to_itself(secret: bytes | None, n: int) -> None:
+    sealer, opener = pair(secret)
+    body = os.urandom(n)
+    sealed = sealer.seal(7, 1, memoryview(body))
+    assert len(sealed) == n + seal.OVERHEAD
+    assert bytes(opener.open(7, 1, bytes(sealed))) == body  # read-only: into a buffer of its own
+    assert bytes(opener.open(7, 1, bytearray(sealed))) == body  # writable: in place, for large ones
+
+
+@pytest.mark.parametrize("n", [s for s in SIZES if s >= 16])
+def test_sealed_bodies_hide_the_plaintext_and_insecure_ones_do_not(n: int) -> None:
+    body = b"PLAINTEXT-MARKER" * (n // 16)
+    assert body in bytes(seal.Sealer(CHANNEL, secret=SECRET).seal(0, 0, body))
+    sealed = bytes(seal.Sealer(CHANNEL).seal(0, 0, body))
+    assert b"PLAINTEXT-MARKER" not in sealed
+
+
+@MODES
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_any_bit_flipped_anywhere_is_refused(secret: bytes | None, data: st.DataObject) -> None:
+    """Key id, body or tag: one bit changed and the frame does not open (and nothing of it is
+    handed out)."""
+    n = data.draw(st.sampled_from(SIZES))
+    sealer, opener = pair(secret)
+    sealed = bytearray(sealer.seal(3, 0, os.urandom(n)))
+    bit = data.draw(st.integers(0, len(sealed) * 8 - 1))
+    sealed[bit // 8] ^= 1 << (bit % 8)
+    with pytest.raises((seal.NotAuthentic, seal.UnknownKey)):
+        opener.open(3, 0, sealed)
+
+
+@MODES
+@pytest.mark.parametrize(
+    ("seq", "flags", "channel"),
+    [(4, 0, CHANNEL), (3, 1, CHANNEL), (3, 0, b"another channel id..............")],
+    ids=["other-seq", "other-flags", "other-channel"],
+)
+def test_a_body_moved_elsewhere_does_not_open(secret: bytes | None, seq: int, flags: int, channel: bytes) -> None:
+    """The associated data binds the place in the stream, the flags and the channel."""
+    sealer, _ = pair(secret)
+    opener = seal.Opener(channel, secret=secret)
+    opener.install(sealer.keys_message())
+    sealed = sealer.seal(3, 0, b"body")
+    with pytest.raises(seal.NotAuthentic):
+        opener.open(seq, flags, sealed)
+
+
+@MODES
+def test_a_control_frame_opens_once_and_not_as_another_kind(secret: bytes | None) -> None:
+    sealer, opener = pair(secret)
+    lagged = sealer.seal_control(b"L", b"payload")
+    with pytest.raises(seal.NotAuthentic):
+        opener.open_control(b"E", lagged)
+    assert opener.open_control(b"L", lagged) == b"payload"
+    with pytest.raises(seal.Replayed):
+        opener.open_control(b"L", lagged)
+    later = sealer.seal_control(b"L", b"more")
+    flipped = bytearray(later)
+    flipped[-1] ^= 0x80
+    with pytest.raises(seal.NotAuthentic):
+        opener.open_control(b"L", flipped)
+    assert opener.open_control(b"L", later) == b"more"  # a forgery did not move the mark
+
+
+@MODES
+def test_a_message_cannot_pass_for_a_control_frame(secret: bytes | None) -> None:
+    sealer, opener = pair(secret)
+    sealed = sealer.seal(5, 0, b"\0" * 16)
+    with pytest.raises(seal.SealError):
+        opener.open_control(b"M", sealed)
+
+
+def test_the_sealer_refuses_to_seal_a_number_twice_under_one_key() -> None:
+    sealer = seal.Sealer(CHANNEL)
+    sealer.seal(5, 0, b"a")
+    for seq in (5, 4):
+        with pytest.raises(ValueError, match="sealed again"):
+            sealer.seal(seq, 0, b"b")
+    with pytest.raises(ValueError, match="out of range"):
+        sealer.seal(seal.CONTROL_BASE, 0, b"c")
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    seqs=st.lists(st.integers(0, 2**20), min_size=1, max_size=60, unique=True).map(sorted),
+    controls=st.integers(0, 20),
+    rekey_every=st.integers(1, 10),
+)
+def test_nonces_never_repeat_under_one_key(seqs: list[int], controls: int, rekey_every: int) -> None:
+    """Whatever the mix of messages, control frames and rekeys, each (key id, counter) pair is
+    used once; the key id and counter travel in clear, so this reads them off the frames."""
+    sealer = seal.Sealer(CHANNEL, rekey_messages=rekey_every)
+    used: set[tuple[bytes, int]] = set()
+    for i, seq in enumerate(seqs):
+        sealed = sealer.seal(seq, 0, b"x")
+        key = sealer._keys.get(struct.unpack_from("<I", sealed)[0]) or sealer._current
+        nonce = (key.key, seq)
+        assert nonce not in used
+        used.add(nonce)
+        if i < controls:
+            frame = sealer.seal_control(b"L", b"")
+            (key_id, counter) = struct.unpack_from("<IQ", frame)
+            assert key_id == sealer.key_id and counter >= seal.CONTROL_BASE
+            nonce = (sealer._current.key, counter)
+            assert nonce not in used
+            used.add(nonce)
+
+
+@MODES
+def test_rekey_after_n_messages_and_readers_with_the_announced_key_follow(secret: bytes | None) -> None:
+    """The next key is announced before it is used: a reader that has the keys message from
+    before the rekey opens what follows it; one without the next key gets UnknownKey."""
+    sealer, opener = pair(secret, rekey_messages=3)
+    stale = seal.Opener(CHANNEL, secret=secret)
+    stale.install(sealer.keys_message())
+    first_key = sealer.key_id
+    ids = []
+    for seq in range(10):
+        sealed = sealer.seal(seq, 0, b"m%d" % seq)
+        ids.append(struct.unpack_from("<I", sealed)[0])
+        assert bytes(opener.open(seq, 0, sealed)) == b"m%d" % seq
+        opener.install(sealer.keys_message())  # what KEYS brings after each rekey
+    assert ids == [first_key] * 3 + [first_key + 1] * 3 + [first_key + 2] * 3 + [first_key + 3]
+    assert sealer.epoch == 3
+    with pytest.raises(seal.UnknownKey):
+        stale.open(9, 0, sealed)
+
+
+def test_rekey_after_n_bytes() -> None:
+    sealer = seal.Sealer(CHANNEL, rekey_bytes=100)
+    k0 = sealer.key_id
+    sealer.seal(0, 0, b"x" * 60)
+    assert sealer.key_id == k0
+    sealer.seal(1, 0, b"x" * 60)  # 120 bytes would be over: this one goes under the next key
+    assert sealer.key_id == k0 + 1
+    sealer.seal(2, 0, b"x" * 500)  # over the limit alone: a key of its own
+    assert sealer.key_id == k0 + 2
+    sealer.seal(3, 0, b"x")
+    assert sealer.key_id == k0 + 3
+
+
+def test_old_keys_are_kept_while_something_sealed_under_them_is_held() -> None:
+    sealer = seal.Sealer(CHANNEL, rekey_messages=2)
+    for seq in range(6):
+        sealer.seal(seq, 0, b"x")
+    # keys: seqs 0-1 under k0, 2-3 under k1, 4-5 under k2 (current), and the next one
+    assert len(sealer._keys) == 2
+    sealer.retire(2)
+    assert len(sealer._keys) == 1
+    opener = seal.Opener(CHANNEL)
+    opener.install(sealer.keys_message())
+    assert len(opener.key_ids) == 3  # k1, the current one and the next
+
+
+@MODES
+def test_keys_messages_are_checked(secret: bytes | None) -> None:
+    sealer, opener = pair(secret)
+    msg = sealer.keys_message()
+    other = seal.Opener(CHANNEL, secret=None if secret else SECRET)
+    with pytest.raises(seal.SealError, match="other security mode"):
+        other.install(msg)
+    for bad in (b"", msg[:-1], msg + b"\0", b"\x09" + msg[1:]):
+        with pytest.raises(seal.SealError):
+            opener.install(bad)
+
+
+def test_insecure_keys_come_from_the_shared_secret_not_from_the_keys_message() -> None:
+    """In insecure mode the keys message travels in clear: it holds salts. Someone who has it
+    but not the handle's secret cannot seal anything the reader accepts."""
+    sealer = seal.Sealer(CHANNEL, secret=SECRET)
+    forger = seal.Opener(CHANNEL, secret=b"guess" * 7)
+    forger.install(sealer.keys_message())
+    reader = seal.Opener(CHANNEL, secret=SECRET)
+    reader.install(sealer.keys_message())
+    # The forger builds a frame with the keys it derived (wrong) and the real key id.
+    key = next(iter(forger._keys.values()))
+    nonce = seal.NONCE.pack(key.key_id, 0)
+    aad = seal._aad(CHANNEL, seal.KIND_MESSAGE, 0, key.key_id, 0)
+    kid = seal.KEY_ID.pack(key.key_id)
+    forged = kid + b"evil" + key.aead.encrypt(nonce, b"", aad + kid + b"evil")
+    with pytest.raises(seal.NotAuthentic):
+        reader.open(0, 0, forged)
+
+
+@MODES
+@pytest.mark.parametrize("n", [10, 100_000])
+def test_streaming_and_one_shot_gmac_agree(secret: bytes | None, n: int) -> None:
+    """Large insecure bodies are authenticated piecewise (no join of associated data and body):
+    the tag is the same as over the joined bytes, so either side may use either path."""
+    sealer = seal.Sealer(CHANNEL, secret=secret)
+    body = os.urandom(n)
+    sealed = sealer.seal(1, 0, body)
+    key = sealer._current
+    nonce = seal.NONCE.pack(key.key_id, 1)
+    aad = seal._aad(CHANNEL, seal.KIND_MESSAGE, 0, key.key_id, 1)
+    if secret is None:
+        assert bytes(sealed[4:]) == key.aead.encrypt(nonce, body, aad)
+    else:
+        assert bytes(sealed[-16:]) == key.aead.encrypt(nonce, b"", aad + bytes(sealed[:-16]))
+
+
+def test_accept_range() -> None:
+    assert seal.accept_range(10, 5, 10, 100) == 0
+    assert seal.accept_range(8, 5, 10, 100) == 2  # a resend overlapping what it has
+    with pytest.raises(seal.Replayed):
+        seal.accept_range(5, 5, 10, 100)
+    with pytest.raises(seal.OutOfWindow):
+        seal.accept_range(11, 1, 10, 100)  # a gap before it
+    with pytest.raises(seal.OutOfWindow):
+        seal.accept_range(10, 91, 10, 100)  # beyond the credit
+    with pytest.raises(seal.OutOfWindow):
+        seal.accept_range(10, 0, 10, 100)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    first=st.integers(0, 1000),
+    count=st.integers(1, 50),
+    next_seq=st.integers(0, 1000),
+    credit=st.integers(1, 100),
+)
+def test_accept_range_hands_out_each_message_once_and_only_within_credit(
+    first: int, count: int, next_seq: int, credit: int
+) -> None:
+    limit = next_seq + credit
+    try:
+        skip = seal.accept_range(first, count, next_seq, limit)
+    except (seal.Replayed, seal.OutOfWindow):
+        assert first + count <= next_seq or first > next_seq or first + count > limit
+        return
+    taken = range(first + skip, first + count)
+    assert taken.start == next_seq and taken.stop <= limit and len(taken) > 0
+
+
+def test_the_rekey_policy_is_checked() -> None:
+    with pytest.raises(ValueError, match="rekey policy"):
+        seal.Sealer(CHANNEL, rekey_messages=0)
+
+
+def test_random_key_ids_and_keys() -> None:
+    """Two servers (a restart) draw different keys: a reader of the first cannot open the second."""
+    a, b = seal.Sealer(CHANNEL), seal.Sealer(CHANNEL)
+    opener = seal.Opener(CHANNEL)
+    opener.install(a.keys_message())
+    with pytest.raises(seal.SealError):
+        opener.open(0, 0, b.seal(0, 0, b"x"))
+    assert a.keys_message() != b.keys_message()

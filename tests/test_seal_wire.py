@@ -1,0 +1,315 @@
+"""The sealed data plane on the wire: real writers, servers and readers, with something on the
+path between them (docs/security.md).
+
+The server listens on 127.0.0.1; readers are given a handle that points at 127.0.0.2, where
+the test sits in the middle: a byte relay that records what crosses (the control connection,
+and the data connection when capturing), or, for the data connection, a relay that reads the
+ZMTP stream and plays the on-path attacker (it changes or replays frames).
+"""
+
+from __future__ import annotations
+
+import signal
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from typing import Any
+
+import anyio
+import pytest
+from _peers import ON_ASYNCIO, ON_TRIO, ON_UVLOOP, tcp_writer, the_server
+
+import aiobroadcast as ab
+from aiobroadcast._tcp import wire
+
+pytestmark = pytest.mark.anyio
+
+MIDDLE = "127.0.0.2"
+MARKER = b"PLAINTEXT-MARKER-"
+
+
+class ByteRelay:
+    """Forwards TCP connections from MIDDLE:port to 127.0.0.1:port, recording every byte."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.lsock = socket.create_server((MIDDLE, port))
+        self.captured = bytearray()
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = [self.lsock]
+        self._stop = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                client, _ = self.lsock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.port))
+            self._socks += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while chunk := src.recv(1 << 16):
+                with self._lock:
+                    self.captured += chunk
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._stop = True
+        for s in self._socks:
+            s.close()
+
+
+#: what the attacker does with each frame group from the server: the groups to pass on instead
+Tamper = Callable[[list[bytes]], list[list[bytes]]]
+
+
+class ZmtpMitm(ByteRelay):
+    """A byte relay that reads the ZMTP 3 stream from the server (a 64-byte greeting, then
+    frames: a flags byte, a 1- or 8-byte size, the body) and passes every message (frame group)
+    through ``tamper``, which returns the groups to send instead. Commands pass unchanged. This
+    is an attacker on the TCP path: ZeroMQ on either side sees only what it sends."""
+
+    def __init__(self, port: int, tamper: Tamper) -> None:
+        self.tamper = tamper
+        super().__init__(port)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        if src.getpeername()[0] != "127.0.0.1" or src.getpeername()[1] != self.port:
+            return super()._pump(src, dst)  # the reader's direction: as it is
+        buf = bytearray()
+        greeting = 64  # greeting bytes still to pass on as they come (each side waits for the other's)
+        group: list[bytes] = []
+        try:
+            while chunk := src.recv(1 << 16):
+                buf += chunk
+                if greeting:
+                    n = min(greeting, len(buf))
+                    dst.sendall(buf[:n])
+                    del buf[:n]
+                    greeting -= n
+                    if greeting:
+                        continue
+                while len(buf) >= 2:
+                    flags = buf[0]
+                    head = 9 if flags & 0x02 else 2
+                    if len(buf) < head:
+                        break
+                    size = int.from_bytes(buf[1:9], "big") if flags & 0x02 else buf[1]
+                    if len(buf) < head + size:
+                        break
+                    body = bytes(buf[head : head + size])
+                    raw = bytes(buf[: head + size])
+                    del buf[: head + size]
+                    if flags & 0x04:  # a command (READY, ...)
+                        dst.sendall(raw)
+                        continue
+                    group.append(body)
+                    if flags & 0x01:  # MORE
+                        continue
+                    for out in self.tamper(group):
+                        dst.sendall(_zmtp(out))
+                    group = []
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+def _zmtp(frames: list[bytes]) -> bytes:
+    out = bytearray()
+    for i, f in enumerate(frames):
+        more = 0x01 if i < len(frames) - 1 else 0
+        if len(f) > 255:
+            out += bytes((more | 0x02,)) + len(f).to_bytes(8, "big")
+        else:
+            out += bytes((more, len(f)))
+        out += f
+    return bytes(out)
+
+
+def listening_ports(writer: ab.Writer[Any]) -> tuple[int, int]:
+    """The server's control port (the handle's) and its data port."""
+    assert writer.handle.tcp is not None
+    control = int(writer.handle.tcp.rsplit(":", 1)[1])
+    ports = {c.laddr.port for c in the_server().net_connections("tcp") if c.status == "LISTEN"}
+    (data,) = ports - {control}
+    return control, data
+
+
+@contextmanager
+def in_the_middle(writer: ab.Writer[Any], tamper: Tamper | None) -> Iterator[tuple[ab.Handle, list[ByteRelay]]]:
+    """A handle whose reader goes through the middle: byte relays on both connections, or with
+    ``tamper`` an attacker on the data connection."""
+    control, data = listening_ports(writer)
+    with ExitStack() as stack:
+        relays = [ByteRelay(control)]
+        stack.callback(relays[0].close)
+        if tamper is None:
+            relays.append(ByteRelay(data))
+            stack.callback(relays[1].close)
+        else:
+            stack.callback(ZmtpMitm(data, tamper).close)
+        assert writer.handle.tcp is not None
+        yield writer.handle.model_copy(update={"tcp": writer.handle.tcp.replace("127.0.0.1", MIDDLE)}), relays
+
+
+@pytest.mark.parametrize("insecure", [False, True], ids=["sealed", "insecure"])
+@ON_ASYNCIO
+async def test_no_plaintext_on_the_wire(insecure: bool) -> None:
+    """Everything that crosses either connection is recorded: the messages are not in it. The
+    same capture with insecure=True does show them (authenticated, not encrypted), which is
+    what proves the capture sees the bodies."""
+    small = [MARKER + b"%06d" % i for i in range(50)]
+    large = MARKER * (100_000 // len(MARKER))
+    async with tcp_writer(insecure=insecure, capacity=16, slot_bytes=1 << 17) as writer:
+        with in_the_middle(writer, None) as (h, relays):
+            async with ab.open_reader(h, transport="tcp", name="captured") as reader:
+                for body in [*small, large]:
+                    await writer.put(body)
+                with anyio.fail_after(20):
+                    got = [await reader.get() for _ in range(len(small) + 1)]
+    assert got == [*small, large]
+    wire_bytes = b"".join(bytes(r.captured) for r in relays)
+    assert len(wire_bytes) > len(large)  # the large body crossed, in some form
+    assert (MARKER in wire_bytes) is insecure
+
+
+def flip_first_batch(where: str) -> Tamper:
+    """Flip one bit in the first BATCH that carries a message, in ``where``: the batch header,
+    the first body's key id, its ciphertext, or its tag. Everything else passes unchanged."""
+    done = False
+
+    def tamper(frames: list[bytes]) -> list[list[bytes]]:
+        nonlocal done
+        if done or frames[0] != wire.BATCH:
+            return [frames]
+        done = True
+        mutable = [bytearray(f) for f in frames]
+        (first_len, _flags) = wire.ENTRY.unpack_from(mutable[1], wire.BATCH_HEAD.size)
+        target, offset = {
+            "header": (1, 0),  # the low bit of the first seq
+            "key-id": (2, 0),
+            "body": (2, 4),
+            "tag": (2, first_len - 1),
+        }[where]
+        mutable[target][offset] ^= 1
+        return [[bytes(f) for f in mutable]]
+
+    return tamper
+
+
+@pytest.mark.parametrize("where", ["header", "key-id", "body", "tag"])
+@ON_UVLOOP
+async def test_a_flipped_bit_is_rejected_counted_and_the_stream_goes_on(where: str) -> None:
+    """One bit changed on the path: that frame is refused and counted, nothing of it is
+    delivered, the reader asks again and gets every message, in order, intact."""
+    n = 20
+    async with tcp_writer(heartbeat_s=0.2) as writer:
+        with in_the_middle(writer, flip_first_batch(where)) as (h, _):
+            async with ab.open_reader(h, transport="tcp", name="tampered") as reader:
+                with anyio.fail_after(30):
+                    got = []
+                    for i in range(n):
+                        await writer.put(b"message %d" % i)
+                        got.append(await reader.get())
+                assert got == [b"message %d" % i for i in range(n)]
+                assert reader.statistics().rejected_frames >= 1
+                assert reader.statistics().lagged == 0
+
+
+def replay_batch(record_seq: int, replay_at: int) -> Tamper:
+    """Record the BATCH that starts at ``record_seq``; send it again just before the one that
+    starts at ``replay_at``."""
+    recorded: list[bytes] | None = None
+
+    def tamper(frames: list[bytes]) -> list[list[bytes]]:
+        nonlocal recorded
+        if frames[0] != wire.BATCH:
+            return [frames]
+        (first, _count) = wire.BATCH_HEAD.unpack_from(frames[1])
+        if first == record_seq and recorded is None:
+            recorded = frames
+        if first == replay_at and recorded is not None:
+            return [recorded, frames]
+        return [frames]
+
+    return tamper
+
+
+@ON_TRIO
+async def test_a_replayed_frame_is_rejected() -> None:
+    n = 10
+    async with tcp_writer() as writer:
+        with in_the_middle(writer, replay_batch(2, 6)) as (h, _):
+            async with ab.open_reader(h, transport="tcp", name="replayed") as reader:
+                with anyio.fail_after(30):
+                    got = []
+                    for i in range(n):
+                        await writer.put(i)
+                        got.append(await reader.get())
+                    await writer.put(n)
+                    got.append(await reader.get())
+                assert got == list(range(n + 1))  # nothing twice
+                assert reader._src.rejected.get("replayed") == 1  # type: ignore[attr-defined]
+                assert reader.statistics().rejected_frames == 1
+
+
+@ON_ASYNCIO
+async def test_a_reader_admitted_before_a_rekey_keeps_reading_after() -> None:
+    """The server rekeys on SIGUSR1: three times, with messages between, so the reader needs
+    the KEYS messages and not only the key announced at its WELCOME."""
+    async with tcp_writer() as writer, ab.open_reader(writer.handle, transport="tcp", name="steady") as reader:
+        opener = reader._src._proto._opener  # type: ignore[attr-defined]
+        server = the_server()
+        key_ids = []
+        with anyio.fail_after(30):
+            for i in range(8):
+                if i % 2 == 0 and i:
+                    server.send_signal(signal.SIGUSR1)
+                    await anyio.sleep(0.2)
+                await writer.put(i)
+                assert await reader.get() == i
+                key_ids.append(opener.current_key_id)
+        assert len(set(key_ids)) == 4
+        assert reader.statistics().rejected_frames == 0
+
+
+@pytest.mark.parametrize("same_keys", [False, True], ids=["new-keys", "same-keys"])
+@ON_ASYNCIO
+async def test_the_old_handle_of_a_restarted_writer_is_refused(same_keys: bool) -> None:
+    """A writer stops and another starts at the same endpoint. With new keys (the default) the
+    old handle fails the CurveZMQ handshake; with the same keys (CurveKeys kept in a file) it
+    passes it, and the server refuses the handle of another channel by name."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    keys = ab.CurveKeys.generate()
+    async with tcp_writer(tcp=endpoint, keys=keys) as first:
+        old = first.handle
+    async with tcp_writer(tcp=endpoint, keys=keys if same_keys else None) as second:
+        assert second.handle.tcp == old.tcp
+        match = "another channel" if same_keys else "refused this reader's keys"
+        with pytest.raises(ab.TransportError, match=match):
+            await ab.open_reader(old, transport="tcp", name="stale", connect_timeout=10)
+        async with ab.open_reader(second.handle, transport="tcp", name="fresh") as fresh:
+            await second.put(b"x")
+            with anyio.fail_after(10):
+                assert await fresh.get() == b"x"

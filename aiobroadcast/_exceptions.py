@@ -44,8 +44,7 @@ class WriterGone(BroadcastError):
     def __init__(self, pid: int) -> None:
         self.pid = pid
         super().__init__(
-            f"the writer (pid {pid}) died without closing the channel; "
-            "every message it published has been delivered"
+            f"the writer (pid {pid}) died without closing the channel; every message it published has been delivered"
         )
 
 
@@ -65,8 +64,7 @@ class TooManyReaders(BroadcastError):
     def __init__(self, max_readers: int) -> None:
         self.max_readers = max_readers
         super().__init__(
-            f"all {max_readers} reader places of this channel are taken "
-            "(raise max_readers in open_writer)"
+            f"all {max_readers} reader places of this channel are taken (raise max_readers in open_writer)"
         )
 
 

@@ -151,9 +151,20 @@ def open_writer(
     fit, ``BroadcastError`` when the endpoint cannot be bound or the platform is not supported.
     """
     spec = _WriterSpec(
-        capacity=capacity, slot_bytes=slot_bytes, max_readers=max_readers, policy=policy, schema=schema,
-        codec=codec, max_message_bytes=max_message_bytes, directory=directory, tcp=tcp, insecure=insecure,
-        advertise=advertise, keys=keys, heartbeat_s=heartbeat_s, tcp_window=tcp_window,
+        capacity=capacity,
+        slot_bytes=slot_bytes,
+        max_readers=max_readers,
+        policy=policy,
+        schema=schema,
+        codec=codec,
+        max_message_bytes=max_message_bytes,
+        directory=directory,
+        tcp=tcp,
+        insecure=insecure,
+        advertise=advertise,
+        keys=keys,
+        heartbeat_s=heartbeat_s,
+        tcp_window=tcp_window,
     )
 
     async def make() -> Writer[Any]:
@@ -419,8 +430,13 @@ def open_reader(
     h = Handle.parse(handle)
 
     spec = _ReaderSpec(
-        name=name, schema=schema, transport=transport, trust_pickle=trust_pickle,
-        connect_timeout=connect_timeout, spin_us=spin_us, zero_copy=zero_copy,
+        name=name,
+        schema=schema,
+        transport=transport,
+        trust_pickle=trust_pickle,
+        connect_timeout=connect_timeout,
+        spin_us=spin_us,
+        zero_copy=zero_copy,
     )
 
     async def make() -> Reader[Any]:

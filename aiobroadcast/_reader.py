@@ -23,7 +23,6 @@ T_co = TypeVar("T_co", covariant=True)
 _private = object()
 
 
-
 def poll_budget(spin_ns: int | None, slept_ns: int) -> int:
     """How long a waiting reader polls before it sleeps, given its ``spin_us`` (None: adaptive)
     and how long its previous sleep lasted."""
@@ -53,9 +52,7 @@ class Reader(Generic[T_co]):
     may share a reader: each ``get`` takes a distinct message, none is lost or duplicated.
     """
 
-    def __init__(
-        self, token: object, source: Source, handle: Handle, name: str, spin_us: float | None = None
-    ) -> None:
+    def __init__(self, token: object, source: Source, handle: Handle, name: str, spin_us: float | None = None) -> None:
         if token is not _private:
             raise TypeError("Reader cannot be built directly; use aiobroadcast.open_reader()")
         self._src = source

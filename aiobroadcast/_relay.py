@@ -70,4 +70,3 @@ async def relay(
                         await anyio.lowlevel.cancel_shielded_checkpoint()
         finally:
             await down.aclose()
-

@@ -313,9 +313,7 @@ class BlockingReader(_Closable, Generic[T_co]):
     """The receiving end of a channel, for code without an event loop. Built by
     ``aiobroadcast.blocking.open_reader``; has no ``put``. Thread-safe (see the module)."""
 
-    def __init__(
-        self, token: object, source: _Source, handle: Handle, name: str, spin_us: float | None = None
-    ) -> None:
+    def __init__(self, token: object, source: _Source, handle: Handle, name: str, spin_us: float | None = None) -> None:
         if token is not _private:
             raise TypeError("BlockingReader cannot be built directly; use aiobroadcast.blocking.open_reader()")
         self._src = source

@@ -254,7 +254,11 @@ class MessageQueueWriter(MessageQueue):
                 log.warning(
                     "aiobroadcast: the message queue has waited %.0f s for its readers: %d of %d local and "
                     "%d of %d remote attached",
-                    now - start, local, self.n_local_reader, remote, self.n_remote_reader,
+                    now - start,
+                    local,
+                    self.n_local_reader,
+                    remote,
+                    self.n_remote_reader,
                 )
             time.sleep(0.005)
 

@@ -136,9 +136,14 @@ def run_vllm(mode: str, readers: int, size: int, count: int, idle_s: float, tran
         for addr in (getattr(handle, "local_subscribe_addr", None), getattr(handle, "local_notify_addr", None)):
             if isinstance(addr, str) and addr.startswith("ipc://"):
                 with contextlib.suppress(OSError):
-                    os.unlink(addr[len("ipc://"):])
-    out: dict[str, Any] = {"system": "vllm", "peer": "vllm", "transport": transport, "max_chunk_bytes": chunk,
-                           "max_chunks": 10}
+                    os.unlink(addr[len("ipc://") :])
+    out: dict[str, Any] = {
+        "system": "vllm",
+        "peer": "vllm",
+        "transport": transport,
+        "max_chunk_bytes": chunk,
+        "max_chunks": 10,
+    }
     out.update(figures(mode, count, size, t0, results, idle_s))
     return out
 
@@ -262,8 +267,13 @@ def run_pyzmq(
         if path:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
-    out: dict[str, Any] = {"system": "pyzmq-curve" if curve else "pyzmq", "peer": "pyzmq-asyncio",
-                           "transport": transport, "hwm": 0, "lossless": True}
+    out: dict[str, Any] = {
+        "system": "pyzmq-curve" if curve else "pyzmq",
+        "peer": "pyzmq-asyncio",
+        "transport": transport,
+        "hwm": 0,
+        "lossless": True,
+    }
     if curve:
         out["security"] = "curve"
     out.update(figures(mode, count, size, t0, results, idle_s))

@@ -56,10 +56,20 @@ def main(src: str, dst: str) -> None:
         for readers, ls in ((1, "-"), (2, "--")):
             pts = sorted((r["size"], r["MB_per_s"]) for r in pick(rows, system=s, mode="tput", readers=readers))
             if pts:
-                ax_s.plot(*zip(*pts, strict=True), color=color, marker=marker, linestyle=ls,
-                          label=f"{s}, {readers} reader{'s' if readers > 1 else ''}")
-    ax_s.set(title="throughput vs message size", xlabel="payload bytes (log)", ylabel="MB/s of payload (log)",
-             xscale="log", yscale="log")
+                ax_s.plot(
+                    *zip(*pts, strict=True),
+                    color=color,
+                    marker=marker,
+                    linestyle=ls,
+                    label=f"{s}, {readers} reader{'s' if readers > 1 else ''}",
+                )
+    ax_s.set(
+        title="throughput vs message size",
+        xlabel="payload bytes (log)",
+        ylabel="MB/s of payload (log)",
+        xscale="log",
+        yscale="log",
+    )
     ax_s.set_xticks([64, 65536, 4194304], [size_label(n) for n in (64, 65536, 4194304)])
     ax_s.legend(fontsize=7)
 
@@ -71,8 +81,12 @@ def main(src: str, dst: str) -> None:
             xs = [x[0] for x in lat]
             ax_l.plot(xs, [x[1] for x in lat], color=color, marker=marker, label=f"{s} p50")
             ax_l.plot(xs, [x[2] for x in lat], color=color, marker=marker, linestyle=":", label=f"{s} p99")
-    ax_l.set(title="latency, one 64 B message per ms (lower is better)", xlabel="reader processes",
-             ylabel="one-way latency (us, log)", yscale="log")
+    ax_l.set(
+        title="latency, one 64 B message per ms (lower is better)",
+        xlabel="reader processes",
+        ylabel="one-way latency (us, log)",
+        yscale="log",
+    )
     ax_l.set_xticks([1, 2, 4])
     ax_l.legend(fontsize=7)
 
@@ -87,8 +101,10 @@ def main(src: str, dst: str) -> None:
 def markdown(src: str) -> str:
     """The results as a markdown table with the ratios aiobroadcast / peer."""
     rows = load(src)
-    out = ["| cell | figure | aiobroadcast | vLLM | pyzmq | aiobroadcast / vLLM | aiobroadcast / pyzmq |",
-           "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    out = [
+        "| cell | figure | aiobroadcast | vLLM | pyzmq | aiobroadcast / vLLM | aiobroadcast / pyzmq |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     cells = list(dict.fromkeys((r["mode"], r["readers"], r["size"]) for r in rows))
     for mode, readers, size in cells:
         by = {r["system"]: r for r in pick(rows, mode=mode, readers=readers, size=size)}
@@ -97,8 +113,10 @@ def markdown(src: str) -> str:
         elif mode == "lat":
             figs = [("p50 us", "p50_us"), ("p99 us", "p99_us")]
         else:
-            figs = [("CPU s per reader while idle (worst reader's median)", "reader_cpu_s_while_idle_max"),
-                    ("wake-up latency us (p50)", "wake_latency_us_p50")]
+            figs = [
+                ("CPU s per reader while idle (worst reader's median)", "reader_cpu_s_while_idle_max"),
+                ("wake-up latency us (p50)", "wake_latency_us_p50"),
+            ]
         for k, (name, key) in enumerate(figs):
             vals = {s: by[s][key] for s in by}
             ours = vals.get("aiobroadcast")
@@ -112,8 +130,10 @@ def markdown(src: str) -> str:
                 return "-" if ours is None or not v else f"{ours / v:.2f}x"
 
             label = f"{mode} {readers} reader{'s' if readers > 1 else ''}, {size_label(size)}" if k == 0 else ""
-            out.append(f"| {label} | {name} | {cell_val('aiobroadcast')} | {cell_val('vllm')} | {cell_val('pyzmq')} "
-                       f"| {ratio('vllm')} | {ratio('pyzmq')} |")
+            out.append(
+                f"| {label} | {name} | {cell_val('aiobroadcast')} | {cell_val('vllm')} | {cell_val('pyzmq')} "
+                f"| {ratio('vllm')} | {ratio('pyzmq')} |"
+            )
     return "\n".join(out)
 
 

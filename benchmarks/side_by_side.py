@@ -38,14 +38,25 @@ def parser() -> argparse.ArgumentParser:
     )
     bench.add_options(p)
     p.add_argument("--peers", action="store_true", help="also run the peers (vllm, pyzmq), alternating")
-    p.add_argument("--peer", action="append", choices=(*PEERS, *EXTRA_PEERS), dest="only_peers",
-                   help="run this peer (repeatable; implies --peers); pyzmq-curve (pyzmq PUB/SUB with "
-                        "CurveZMQ) runs only when named")
-    p.add_argument("--peer-python", default=sys.executable,
-                   help="interpreter for the peer drivers (needs pyzmq; vLLM also needs torch; default: this one)")
-    p.add_argument("--vllm-path", default=None,
-                   help="folder that makes vllm.distributed.device_communicators.shm_broadcast importable "
-                        "(added to the peers' PYTHONPATH; default: $AIOBROADCAST_VLLM_PATH)")
+    p.add_argument(
+        "--peer",
+        action="append",
+        choices=(*PEERS, *EXTRA_PEERS),
+        dest="only_peers",
+        help="run this peer (repeatable; implies --peers); pyzmq-curve (pyzmq PUB/SUB with "
+        "CurveZMQ) runs only when named",
+    )
+    p.add_argument(
+        "--peer-python",
+        default=sys.executable,
+        help="interpreter for the peer drivers (needs pyzmq; vLLM also needs torch; default: this one)",
+    )
+    p.add_argument(
+        "--vllm-path",
+        default=None,
+        help="folder that makes vllm.distributed.device_communicators.shm_broadcast importable "
+        "(added to the peers' PYTHONPATH; default: $AIOBROADCAST_VLLM_PATH)",
+    )
     return p
 
 
@@ -57,8 +68,17 @@ def peer_runner(peer: str, args: argparse.Namespace) -> bench.Runner:
         env["IDLE_S"] = repr(args.idle_s)
         if args.vllm_path:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (args.vllm_path, env.get("PYTHONPATH")) if p)
-        cmd = [args.peer_python, str(PEERS_SCRIPT), peer, cell.mode, str(cell.readers), str(cell.size),
-               str(cell.count), "--transport", args.transport]
+        cmd = [
+            args.peer_python,
+            str(PEERS_SCRIPT),
+            peer,
+            cell.mode,
+            str(cell.readers),
+            str(cell.size),
+            str(cell.count),
+            "--transport",
+            args.transport,
+        ]
         where = args.peer_python + (f" with PYTHONPATH={args.vllm_path}" if args.vllm_path else "")
         if shutil.which(args.peer_python) is None:
             raise bench.Unavailable(f"cannot start {args.peer_python}")

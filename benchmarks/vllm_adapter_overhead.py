@@ -50,11 +50,19 @@ def main() -> None:
             mq_reader.close()
             mq_writer.close()
     d, a = statistics.median(direct), statistics.median(adapted)
-    print(json.dumps({
-        "count": args.count, "repeat": args.repeat,
-        "blocking_put_get_ns": round(d), "mq_enqueue_dequeue_ns": round(a), "adapter_overhead_ns": round(a - d),
-        "samples_blocking_ns": [round(x) for x in direct], "samples_mq_ns": [round(x) for x in adapted],
-    }))
+    print(
+        json.dumps(
+            {
+                "count": args.count,
+                "repeat": args.repeat,
+                "blocking_put_get_ns": round(d),
+                "mq_enqueue_dequeue_ns": round(a),
+                "adapter_overhead_ns": round(a - d),
+                "samples_blocking_ns": [round(x) for x in direct],
+                "samples_mq_ns": [round(x) for x in adapted],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

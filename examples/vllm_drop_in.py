@@ -62,8 +62,7 @@ def main() -> int:
     steps = MessageQueue(n_reader=args.workers, n_local_reader=args.workers, max_chunk_bytes=1 << 20, max_chunks=8)
     answers_out = ctx.Queue()
     procs = [
-        ctx.Process(target=worker_main, args=(rank, steps.export_handle(), answers_out))
-        for rank in range(args.workers)
+        ctx.Process(target=worker_main, args=(rank, steps.export_handle(), answers_out)) for rank in range(args.workers)
     ]
     for proc in procs:
         proc.start()

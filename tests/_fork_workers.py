@@ -176,9 +176,7 @@ def inherit_proc(conn: Conn, backend: Backend, tcp: bool) -> None:
 
 
 def _inherit(conn: Conn, backend: Backend, tcp: bool) -> None:
-    writer = _run(
-        backend, lambda: ab.open_writer(capacity=8, slot_bytes=256, tcp="tcp://127.0.0.1:0" if tcp else None)
-    )
+    writer = _run(backend, lambda: ab.open_writer(capacity=8, slot_bytes=256, tcp="tcp://127.0.0.1:0" if tcp else None))
     readers = {"shm": _run(backend, lambda: ab.open_reader(writer.handle, name="parent-shm", transport="shm"))}
     if tcp:
         readers["tcp"] = _run(backend, lambda: ab.open_reader(writer.handle, name="parent-tcp", transport="tcp"))

@@ -122,9 +122,26 @@ def test_tcp_insecure_and_the_pyzmq_curve_peer() -> None:
     """--insecure runs our TCP channel without CurveZMQ (the JSON says which); the pyzmq-curve
     peer runs only when named, beside the plain pyzmq peer, and is lossless too."""
     proc = bench(
-        "--transport", "tcp", "--insecure", "--mode", "tput", "--readers", "1", "--size", "64", "--count", "200",
-        "--peer", "pyzmq", "--peer", "pyzmq-curve", "--peer-python", sys.executable, "--json",
-        timeout=120, side_by_side=True,
+        "--transport",
+        "tcp",
+        "--insecure",
+        "--mode",
+        "tput",
+        "--readers",
+        "1",
+        "--size",
+        "64",
+        "--count",
+        "200",
+        "--peer",
+        "pyzmq",
+        "--peer",
+        "pyzmq-curve",
+        "--peer-python",
+        sys.executable,
+        "--json",
+        timeout=120,
+        side_by_side=True,
     )
     by_system = {o["system"]: o for o in objects(proc)}
     assert set(by_system) == {"aiobroadcast", "pyzmq", "pyzmq-curve"}
@@ -163,8 +180,20 @@ def test_blocking_api_cells(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if mode == "idle":
         assert len(obj["reader_cpu_s_while_idle"]) == 2 and obj["idle_s"] == 0.3
     (tcp,) = objects(
-        bench("--mode", mode, "--readers", "1", "--size", "64", "--count", "50", "--blocking", "--transport", "tcp",
-              "--json")
+        bench(
+            "--mode",
+            mode,
+            "--readers",
+            "1",
+            "--size",
+            "64",
+            "--count",
+            "50",
+            "--blocking",
+            "--transport",
+            "tcp",
+            "--json",
+        )
     )
     check_common(tcp, "aiobroadcast", mode, 1, 50)
     assert (tcp["api"], tcp["transport"]) == ("blocking", "tcp")
@@ -176,7 +205,11 @@ def test_peer_drivers_run_in_an_interpreter_without_aiobroadcast() -> None:
     and reports the peer as unavailable, in the JSON line side_by_side.py reads."""
     proc = subprocess.run(
         [sys.executable, "-S", str(ROOT / "benchmarks" / "peers.py"), "pyzmq", "tput", "1", "64", "10"],
-        cwd=ROOT / "benchmarks", capture_output=True, text=True, timeout=60, check=False,
+        cwd=ROOT / "benchmarks",
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert proc.returncode == 3, proc.stderr
     last = json.loads(proc.stdout.splitlines()[-1])

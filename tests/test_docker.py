@@ -359,8 +359,13 @@ def test_dockerfile_installs_the_cli_as_the_entry_point() -> None:
                 copied.add(src)
     assert {"pyproject.toml", "README.md", "aiobroadcast"} <= copied  # what `pip install` needs
     assert not _ignored("aiobroadcast/cli/_main.py", ignore)
-    for path in (".venv/bin/python", ".git/HEAD", "tests/test_docker.py", "aiobroadcast/__pycache__/_open.pyc",
-                 "aiobroadcast/cli/__pycache__/_main.pyc"):
+    for path in (
+        ".venv/bin/python",
+        ".git/HEAD",
+        "tests/test_docker.py",
+        "aiobroadcast/__pycache__/_open.pyc",
+        "aiobroadcast/cli/__pycache__/_main.pyc",
+    ):
         assert _ignored(path, ignore), path
     runs = " ".join(rest for word, rest in steps if word == "RUN")
     assert "pip install --no-deps /src" in runs

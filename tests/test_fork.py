@@ -172,9 +172,7 @@ async def test_a_child_that_exits_leaves_the_parents_channel_alone(anyio_backend
 
 # --- the child uses what it inherited -------------------------------------------------------------------
 @pytest.mark.parametrize("tcp", [False, True], ids=["shm", "shm+tcp"])
-async def test_a_child_cannot_use_inherited_roles_and_does_not_disturb_them(
-    anyio_backend: Backend, tcp: bool
-) -> None:
+async def test_a_child_cannot_use_inherited_roles_and_does_not_disturb_them(anyio_backend: Backend, tcp: bool) -> None:
     """A process forks a child handed its writer and readers (shared memory, and TCP). Every use
     in the child fails with ClosedResourceError naming the owner and what to do instead; closing
     them in the child does nothing (no file removed, no reader woken, no close published); no

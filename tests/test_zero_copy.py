@@ -122,4 +122,3 @@ async def test_no_effect_on_json_channels() -> None:
         async with ab.open_reader(writer.handle, zero_copy=True) as reader:
             await writer.put({"a": [1, 2]})
             assert await reader.get() == {"a": [1, 2]}
-

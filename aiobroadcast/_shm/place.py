@@ -161,4 +161,3 @@ class ReaderPlace:
             self.inbox.close()
         _segment.unlock(seg.fd, _segment.reader_lock_byte(i))
         self.index = -1
-

@@ -99,26 +99,49 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--count", type=int, help="messages per run (default: the protocol's count for the cell)")
     p.add_argument("--repeat", type=int, default=3, help="runs per cell and system; medians are reported (default: 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object per cell and system on stdout")
-    p.add_argument("--transport", choices=("shm", "tcp"), default="shm",
-                   help="aiobroadcast over shared memory (default), or over TCP on 127.0.0.1")
-    p.add_argument("--insecure", action="store_true",
-                   help="with --transport tcp: aiobroadcast's channel without encryption (frames authenticated "
-                        "with GMAC and HMAC-SHA256); default: sealed with AES-256-GCM, CurveZMQ admission")
-    p.add_argument("--idle-s", type=float, default=None,
-                   help="pause of mode idle in seconds (default: $IDLE_S or 5)")
-    p.add_argument("--capacity", type=int,
-                   help="aiobroadcast ring slots (default: 256 up to 4 KiB messages, 64 up to 64 KiB, else 10)")
+    p.add_argument(
+        "--transport",
+        choices=("shm", "tcp"),
+        default="shm",
+        help="aiobroadcast over shared memory (default), or over TCP on 127.0.0.1",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        help="with --transport tcp: aiobroadcast's channel without encryption (frames authenticated "
+        "with GMAC and HMAC-SHA256); default: sealed with AES-256-GCM, CurveZMQ admission",
+    )
+    p.add_argument("--idle-s", type=float, default=None, help="pause of mode idle in seconds (default: $IDLE_S or 5)")
+    p.add_argument(
+        "--capacity",
+        type=int,
+        help="aiobroadcast ring slots (default: 256 up to 4 KiB messages, 64 up to 64 KiB, else 10)",
+    )
     p.add_argument("--slot-bytes", type=int, help="aiobroadcast slot size (default: message size + 4 KiB)")
-    p.add_argument("--loop", choices=("uvloop", "asyncio", "trio"), default=default_loop(),
-                   help="event loop of aiobroadcast's writer and readers (default: uvloop if installed)")
-    p.add_argument("--spin-us", type=float, default=None,
-                   help="aiobroadcast readers' open_reader(spin_us=...) (default: the library's adaptive poll)")
-    p.add_argument("--zero-copy", action="store_true",
-                   help="aiobroadcast readers opened with open_reader(zero_copy=True): large payloads arrive "
-                        "as views of the ring, not copies (default: one copy out per reader)")
-    p.add_argument("--blocking", action="store_true",
-                   help="aiobroadcast's writer and readers use the blocking API (aiobroadcast.blocking: no event "
-                        "loop, a waiting reader blocks in poll()); --loop is then ignored")
+    p.add_argument(
+        "--loop",
+        choices=("uvloop", "asyncio", "trio"),
+        default=default_loop(),
+        help="event loop of aiobroadcast's writer and readers (default: uvloop if installed)",
+    )
+    p.add_argument(
+        "--spin-us",
+        type=float,
+        default=None,
+        help="aiobroadcast readers' open_reader(spin_us=...) (default: the library's adaptive poll)",
+    )
+    p.add_argument(
+        "--zero-copy",
+        action="store_true",
+        help="aiobroadcast readers opened with open_reader(zero_copy=True): large payloads arrive "
+        "as views of the ring, not copies (default: one copy out per reader)",
+    )
+    p.add_argument(
+        "--blocking",
+        action="store_true",
+        help="aiobroadcast's writer and readers use the blocking API (aiobroadcast.blocking: no event "
+        "loop, a waiting reader blocks in poll()); --loop is then ignored",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is killed (default: 300)")
     p.add_argument("--gap-s", type=float, default=0.5, help="pause between runs in seconds (default: 0.5)")
 
@@ -128,7 +151,8 @@ def select_cells(args: argparse.Namespace) -> list[Cell]:
         cells = [Cell(args.mode, args.readers, args.size, default_count(args.mode, args.size))]
     else:
         cells = [
-            c for c in PROTOCOL_CELLS
+            c
+            for c in PROTOCOL_CELLS
             if (args.mode is None or c.mode == args.mode)
             and (args.readers is None or c.readers == args.readers)
             and (args.size is None or c.size == args.size)
@@ -163,8 +187,19 @@ def our_command(cell: Cell, args: argparse.Namespace) -> tuple[list[str], dict[s
     """The driver command of one aiobroadcast run, and its environment."""
     env = dict(os.environ)
     env["IDLE_S"] = repr(args.idle_s)
-    cmd = [sys.executable, "-m", "aiobroadcast.cli._bench_driver", cell.mode, str(cell.readers), str(cell.size),
-           str(cell.count), "--transport", args.transport, "--loop", args.loop]
+    cmd = [
+        sys.executable,
+        "-m",
+        "aiobroadcast.cli._bench_driver",
+        cell.mode,
+        str(cell.readers),
+        str(cell.size),
+        str(cell.count),
+        "--transport",
+        args.transport,
+        "--loop",
+        args.loop,
+    ]
     if args.capacity:
         cmd += ["--capacity", str(args.capacity)]
     if args.slot_bytes:
@@ -185,7 +220,12 @@ def run_driver(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str,
     """Run one driver in its own process group; return its JSON object (its last line)."""
     try:
         proc = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
             start_new_session=True,
         )
     except OSError as exc:
@@ -232,15 +272,31 @@ def _med(values: Sequence[float]) -> float:
 
 
 #: The keys of a driver's object that differ from run to run: the figures, and what each reader got.
-PER_RUN = frozenset({"received", "in_order", "msgs_per_s", "MB_per_s", "p50_us", "p99_us", "idle_s",
-                     "reader_cpu_s_while_idle", "wake_latency_us"})
+PER_RUN = frozenset(
+    {
+        "received",
+        "in_order",
+        "msgs_per_s",
+        "MB_per_s",
+        "p50_us",
+        "p99_us",
+        "idle_s",
+        "reader_cpu_s_while_idle",
+        "wake_latency_us",
+    }
+)
 
 
 def aggregate(cell: Cell, system: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One object for a cell and system: the protocol's figures as medians over the runs."""
     first = runs[0]
-    out: dict[str, Any] = {"system": system, "mode": cell.mode, "readers": cell.readers, "size": cell.size,
-                           "count": cell.count}
+    out: dict[str, Any] = {
+        "system": system,
+        "mode": cell.mode,
+        "readers": cell.readers,
+        "size": cell.size,
+        "count": cell.count,
+    }
     # What the driver says about the run (transport, ring, loop, ...) passes on as it is.
     out.update((k, v) for k, v in first.items() if k not in out and k not in PER_RUN)
     out["runs"] = len(runs)
@@ -274,8 +330,10 @@ def figures_of(agg: dict[str, Any]) -> list[tuple[str, float]]:
         return [("msgs/s", agg["msgs_per_s"]), ("MB/s", agg["MB_per_s"])]
     if agg["mode"] == "lat":
         return [("p50 us", agg["p50_us"]), ("p99 us", agg["p99_us"])]
-    return [("idle CPU s (worst reader's median)", agg["reader_cpu_s_while_idle_max"]),
-            ("wake us (p50 of readers x runs)", agg["wake_latency_us_p50"])]
+    return [
+        ("idle CPU s (worst reader's median)", agg["reader_cpu_s_while_idle_max"]),
+        ("wake us (p50 of readers x runs)", agg["wake_latency_us_p50"]),
+    ]
 
 
 def fmt(v: float) -> str:
@@ -312,8 +370,10 @@ def values(vals: dict[str, float], systems: list[str]) -> list[str]:
 def format_table(head: list[str], rows: list[list[str]]) -> str:
     """Columns aligned: the first two to the left (cell, figure), numbers to the right."""
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    lines = ["  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(r, widths, strict=True)))
-             for r in [head, *rows]]
+    lines = [
+        "  ".join(h.ljust(w) if i < 2 else h.rjust(w) for i, (h, w) in enumerate(zip(r, widths, strict=True)))
+        for r in [head, *rows]
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -360,8 +420,10 @@ def check(args: argparse.Namespace) -> str | None:
     """What is wrong with the options, if anything; fills in the defaults that come from the environment."""
     if args.repeat < 1:
         return "--repeat must be at least 1"
-    if (args.readers is not None and args.readers < 1) or (args.size is not None and args.size < 0) or (
-        args.count is not None and args.count < 1
+    if (
+        (args.readers is not None and args.readers < 1)
+        or (args.size is not None and args.size < 0)
+        or (args.count is not None and args.count < 1)
     ):
         return "--readers and --count must be at least 1, --size at least 0"
     if args.idle_s is None:
@@ -396,8 +458,9 @@ class Sitting:
             return EXIT_USAGE
         cells = select_cells(self.args)
         self._introduce(cells)
-        results: Results = {cell: self._cell(cell, k * self.args.repeat * len(self.runners), len(cells))
-                            for k, cell in enumerate(cells)}
+        results: Results = {
+            cell: self._cell(cell, k * self.args.repeat * len(self.runners), len(cells)) for k, cell in enumerate(cells)
+        }
         out = sys.stderr if self.args.json else sys.stdout
         print(render(cells, results, [s for s in self.runners if s not in self.skipped]), file=out, flush=True)
         for system, reason in self.skipped.items():
@@ -422,8 +485,10 @@ class Sitting:
         for size in dict.fromkeys(c.size for c in cells):
             cap, slot = ring_for(size)
             cap, slot = args.capacity or cap, args.slot_bytes or slot
-            self.progress.say(f"  ring for {fmt_size(size)} messages: capacity {cap} x slot_bytes {slot} "
-                              f"({fmt_size(cap * slot) if cap * slot % 1024 == 0 else f'{cap * slot} B'})")
+            self.progress.say(
+                f"  ring for {fmt_size(size)} messages: capacity {cap} x slot_bytes {slot} "
+                f"({fmt_size(cap * slot) if cap * slot % 1024 == 0 else f'{cap * slot} B'})"
+            )
 
     def _cell(self, cell: Cell, step: int, n_cells: int) -> dict[str, dict[str, Any]]:
         """The runs of one cell; the aggregates by system (printed with ``--json``)."""
@@ -435,8 +500,9 @@ class Sitting:
                 if system in self.skipped:
                     continue
                 where = f"[{step}/{total}] {cell.label}"
-                self.progress.show(f"{where} count={cell.count} run {rep + 1}/{args.repeat}: {system} ...",
-                                   transient=True)
+                self.progress.show(
+                    f"{where} count={cell.count} run {rep + 1}/{args.repeat}: {system} ...", transient=True
+                )
                 try:
                     res = runner(cell)
                 except Unavailable as exc:
@@ -455,6 +521,9 @@ class Sitting:
         if args.json:
             for agg in aggregates.values():
                 print(json.dumps(agg), flush=True)
-        self.progress.say(f"{cell.label}: " + "; ".join(f"{s} {_headline(cell, a)}" for s, a in aggregates.items())
-                          + f" (medians of {args.repeat})")
+        self.progress.say(
+            f"{cell.label}: "
+            + "; ".join(f"{s} {_headline(cell, a)}" for s, a in aggregates.items())
+            + f" (medians of {args.repeat})"
+        )
         return aggregates

@@ -74,7 +74,14 @@ def _run_loop(loop: str, func: Any, *args: Any) -> Any:
 
 # --- readers --------------------------------------------------------------------------------------
 def _reader_process(
-    handle: str, rank: int, mode: str, count: int, transport: str, loop: str, opts: dict[str, Any], results: Any,
+    handle: str,
+    rank: int,
+    mode: str,
+    count: int,
+    transport: str,
+    loop: str,
+    opts: dict[str, Any],
+    results: Any,
     ready: Any,
 ) -> None:
     try:
@@ -158,8 +165,18 @@ def _reader_blocking(
 
 # --- the writer -----------------------------------------------------------------------------------
 async def _writer_main(
-    mode: str, readers: int, size: int, count: int, capacity: int, slot_bytes: int, transport: str, loop: str,
-    idle_s: float, spin_us: float | None = None, insecure: bool = False, zero_copy: bool = False,
+    mode: str,
+    readers: int,
+    size: int,
+    count: int,
+    capacity: int,
+    slot_bytes: int,
+    transport: str,
+    loop: str,
+    idle_s: float,
+    spin_us: float | None = None,
+    insecure: bool = False,
+    zero_copy: bool = False,
 ) -> dict[str, Any]:
     from .. import open_writer
 
@@ -189,8 +206,18 @@ async def _writer_main(
 
 
 def _writer_blocking(
-    mode: str, readers: int, size: int, count: int, capacity: int, slot_bytes: int, transport: str, loop: str,
-    idle_s: float, spin_us: float | None = None, insecure: bool = False, zero_copy: bool = False,
+    mode: str,
+    readers: int,
+    size: int,
+    count: int,
+    capacity: int,
+    slot_bytes: int,
+    transport: str,
+    loop: str,
+    idle_s: float,
+    spin_us: float | None = None,
+    insecure: bool = False,
+    zero_copy: bool = False,
 ) -> dict[str, Any]:
     """``_writer_main`` with the blocking API: ``writer.put()`` blocks this thread."""
     from ..blocking import open_writer
@@ -220,7 +247,14 @@ class _Readers:
     """The reader processes of one run: started, attached (``__init__`` waits), collected."""
 
     def __init__(
-        self, handle: str, readers: int, mode: str, count: int, transport: str, loop: str, spin_us: float | None,
+        self,
+        handle: str,
+        readers: int,
+        mode: str,
+        count: int,
+        transport: str,
+        loop: str,
+        spin_us: float | None,
         zero_copy: bool,
     ) -> None:
         self.mode = mode
@@ -271,13 +305,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--capacity", type=int)
     p.add_argument("--slot-bytes", type=int)
     p.add_argument("--transport", choices=("shm", "tcp"), default="shm")
-    p.add_argument("--insecure", action="store_true",
-                   help="over TCP: authenticated (GMAC, HMAC-SHA256), not encrypted")
+    p.add_argument("--insecure", action="store_true", help="over TCP: authenticated (GMAC, HMAC-SHA256), not encrypted")
     p.add_argument("--loop", choices=("uvloop", "asyncio", "trio"), default=default_loop())
     p.add_argument("--spin-us", type=float, default=None)
     p.add_argument("--zero-copy", action="store_true", help="readers opened with open_reader(zero_copy=True)")
-    p.add_argument("--blocking", action="store_true",
-                   help="writer and readers use aiobroadcast.blocking (no event loop; --loop is ignored)")
+    p.add_argument(
+        "--blocking",
+        action="store_true",
+        help="writer and readers use aiobroadcast.blocking (no event loop; --loop is ignored)",
+    )
     args = p.parse_args(argv)
     if args.blocking:
         args.loop = BLOCKING
@@ -286,16 +322,36 @@ def main(argv: list[str] | None = None) -> int:
     slot_bytes = args.slot_bytes or slot_bytes
     idle_s = float(os.environ.get("IDLE_S", "5"))
     out: dict[str, Any] = {
-        "system": "aiobroadcast", "mode": args.mode, "readers": args.readers, "size": args.size, "count": args.count,
-        "transport": args.transport, "loop": args.loop, "capacity": capacity, "slot_bytes": slot_bytes,
-        "spin_us": args.spin_us, "zero_copy": args.zero_copy, "api": "blocking" if args.blocking else "async",
+        "system": "aiobroadcast",
+        "mode": args.mode,
+        "readers": args.readers,
+        "size": args.size,
+        "count": args.count,
+        "transport": args.transport,
+        "loop": args.loop,
+        "capacity": capacity,
+        "slot_bytes": slot_bytes,
+        "spin_us": args.spin_us,
+        "zero_copy": args.zero_copy,
+        "api": "blocking" if args.blocking else "async",
     }
     if args.transport == "tcp":
         out["security"] = "hmac" if args.insecure else "curve"
     out.update(
         _run_loop(
-            args.loop, _writer_blocking if args.blocking else _writer_main, args.mode, args.readers, args.size,
-            args.count, capacity, slot_bytes, args.transport, args.loop, idle_s, args.spin_us, args.insecure,
+            args.loop,
+            _writer_blocking if args.blocking else _writer_main,
+            args.mode,
+            args.readers,
+            args.size,
+            args.count,
+            capacity,
+            slot_bytes,
+            args.transport,
+            args.loop,
+            idle_s,
+            args.spin_us,
+            args.insecure,
             args.zero_copy,
         )
     )

@@ -19,19 +19,27 @@ STEP_TIMEOUT_S = 120.0
 
 
 def reader_result(
-    rank: int, t_end: int, lats: list[int], received: int, in_order: bool,
-    idle_cpu_s: float | None = None, wake_ns: int | None = None,
+    rank: int,
+    t_end: int,
+    lats: list[int],
+    received: int,
+    in_order: bool,
+    idle_cpu_s: float | None = None,
+    wake_ns: int | None = None,
 ) -> dict[str, Any]:
     """What a reader process sends back to its writer."""
     return {
-        "rank": rank, "t_end": t_end, "lats": lats, "received": received, "in_order": in_order,
-        "idle_cpu_s": idle_cpu_s, "wake_ns": wake_ns,
+        "rank": rank,
+        "t_end": t_end,
+        "lats": lats,
+        "received": received,
+        "in_order": in_order,
+        "idle_cpu_s": idle_cpu_s,
+        "wake_ns": wake_ns,
     }
 
 
-def figures(
-    mode: str, count: int, size: int, t0: int, results: list[dict[str, Any]], idle_s: float
-) -> dict[str, Any]:
+def figures(mode: str, count: int, size: int, t0: int, results: list[dict[str, Any]], idle_s: float) -> dict[str, Any]:
     """The protocol's figures from the readers' results (``t0``: first send, perf_counter ns).
 
     - ``tput``: ``msgs_per_s`` = COUNT / (first send -> last reader has its last message),

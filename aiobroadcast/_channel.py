@@ -51,6 +51,7 @@ class WriterChannel:
         self._encode = encoder.encode
         self._max_message_bytes = max_message_bytes
         self.pub = pub = Publisher(seg, handle.policy == "block")
+        self._payload_bytes = seg.layout.payload_bytes
         self.inbox = Inbox(seg.sock_path("w"))
         # Two locks. `turns` orders the tasks of the writer's event loop (a put waiting for room
         # keeps its turn). `pub.mutex` is held, never across an await, by whoever is writing into
@@ -73,22 +74,25 @@ class WriterChannel:
 
     # --- encoding and publishing -------------------------------------------------------------
     def encode(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
-        """Encode a message a put is about to publish (sleeping readers are woken first: see
-        ``Publisher.wake_early``)."""
-        self.pub.wake_early()
+        """Encode a message a put is about to publish."""
         parts, total, oob = self._encode(obj)
         if self._max_message_bytes is not None and total > self._max_message_bytes:
             raise MessageTooLarge(total, self._max_message_bytes)
         return parts, total, oob
 
     def entries_for(self, total: int) -> int:
-        return self.pub.layout.entries_for(total)
+        return 1 if total <= self._payload_bytes else self.pub.layout.entries_for(total)
 
     async def put_encoded(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int) -> bool:
         """Publish, waiting (in turn) for room. True if it went out at once, without a turn
         (the caller then yields to its loop now and then)."""
         if not self.turns.locked() and self.pub.try_publish(parts, total, oob, entries):
             return True
+        await self.put_in_turn(parts, total, oob, entries)
+        return False
+
+    async def put_in_turn(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int) -> None:
+        """Publish after the tasks ahead of this one, waiting for room."""
         self.waiting_tasks += 1
         try:
             async with self.turns:
@@ -99,7 +103,6 @@ class WriterChannel:
                     await self._stream(parts, total, oob, entries)
         finally:
             self.waiting_tasks -= 1
-        return False
 
     async def publish_when_room(
         self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int = 0

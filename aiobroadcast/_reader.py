@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from threading import get_ident as _get_ident
 from time import perf_counter_ns
 from types import TracebackType
 from typing import Any, Generic, NoReturn, Protocol, TypeVar, final
@@ -71,6 +72,10 @@ class Reader(Generic[T_co]):
         # finds it held (another thread, or a __setstate__ of the message being decoded that
         # reads from this reader) raises WouldBlock instead of taking a message twice.
         self._taking = threading.Lock()
+        # Bound once: get_nowait calls them per message.
+        self._take_lock = self._taking.acquire
+        self._drop_lock = self._taking.release
+        self._src_get = source.get_nowait
         self._thread = threading.get_ident()
         self._refusal: str | None = None  # why a fork child may not use it
         self._owner = os.getpid()
@@ -97,14 +102,14 @@ class Reader(Generic[T_co]):
         """
         if self._closed:
             raise ClosedResourceError(self._refusal or "this reader is closed")
-        if not self._taking.acquire(blocking=False):
+        if not self._take_lock(False):
             raise WouldBlock
         try:
             if self._closed:  # closed by another thread meanwhile
                 raise ClosedResourceError("this reader is closed")
-            return self._src.get_nowait()  # type: ignore[no-any-return]
+            return self._src_get()  # type: ignore[no-any-return]
         finally:
-            self._taking.release()
+            self._drop_lock()
 
     async def get(self) -> T_co:
         """Wait for the next message and return it.
@@ -112,7 +117,8 @@ class Reader(Generic[T_co]):
         Cancel-safe: a cancelled ``get`` has taken nothing. Raises like ``get_nowait``
         (never ``WouldBlock``). A parked ``get`` uses no CPU: it sleeps in the event loop.
         """
-        self._check_thread()
+        if _get_ident() != self._thread:
+            self._check_thread()
         while True:
             try:
                 obj = self.get_nowait()
@@ -210,15 +216,11 @@ class Reader(Generic[T_co]):
             else:
                 self._leading = True
                 try:
-                    if not await self._poll():
+                    spin = poll_budget(self._spin_ns, self._slept_ns)
+                    if not spin or not await self._poll(spin):
                         start = perf_counter_ns()
-                        woken = await self._src.sleep()
+                        await self._src.sleep()
                         self._slept_ns = perf_counter_ns() - start
-                        if woken and not self._closed and not self._src.ready():
-                            # Woken as a put began (Publisher.wake_early): the message is being
-                            # encoded and published. Poll for it briefly rather than sleep and
-                            # pay a second wake-up; a put that failed costs this poll only.
-                            await self._poll_after_wake()
                 finally:
                     self._leading = False
                     followers = self._followers
@@ -230,16 +232,9 @@ class Reader(Generic[T_co]):
         if self._closed:
             raise ClosedResourceError(self._refusal or "this reader was closed while waiting")
 
-    async def _poll_after_wake(self) -> None:
-        ready = self._src.ready
-        await poll(lambda: self._closed or ready(), _tuning.POLL_NS)
-
-    async def _poll(self) -> bool:
-        """Poll the source for a while before sleeping (see ``_tuning.POLL_NS``). True if it became
-        ready (or the reader was closed meanwhile)."""
-        spin = poll_budget(self._spin_ns, self._slept_ns)
-        if not spin:
-            return False
+    async def _poll(self, spin: int) -> bool:
+        """Poll the source for up to ``spin`` ns before sleeping (see ``_tuning.POLL_NS``). True
+        if it became ready (or the reader was closed meanwhile)."""
         ready = self._src.ready
         if await poll(lambda: self._closed or ready(), spin):
             self._slept_ns = 0

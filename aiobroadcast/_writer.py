@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from threading import get_ident as _get_ident
 from types import TracebackType
 from typing import Generic, NoReturn, TypeVar, final
 
@@ -72,17 +73,24 @@ class Writer(Generic[T_contra]):
         about a second and the ``put`` goes on.
         """
         ch = self._ch
-        ch.pub.check_open()
-        ch.check_thread()
+        pub = ch.pub
+        if pub.closed:
+            pub.check_open()
+        if _get_ident() != ch.thread:
+            ch.check_thread()
         parts, total, oob = ch.encode(obj)  # the object as it is now
-        if await ch.put_encoded(parts, total, oob, ch.entries_for(total)):
-            # Published at once. Yield to the loop now and then so that a tight loop of puts
-            # does not starve other tasks. Shielded: the message is published, so a
-            # cancellation here would report a published message as not sent.
+        entries = ch.entries_for(total)
+        # The usual case first, without a coroutine of its own: no task waits ahead of this one
+        # and there is room. Then yield to the loop now and then so that a tight loop of puts
+        # does not starve other tasks. Shielded: the message is published, so a cancellation
+        # here would report a published message as not sent.
+        if not ch.turns.locked() and pub.try_publish(parts, total, oob, entries):
             self._since_yield += 1
             if self._since_yield >= _tuning.YIELD_EVERY:
                 self._since_yield = 0
                 await anyio.lowlevel.cancel_shielded_checkpoint()
+            return
+        await ch.put_in_turn(parts, total, oob, entries)
 
     def statistics(self) -> WriterStatistics:
         return self._ch.statistics(self._ch.waiting_tasks)

@@ -476,9 +476,6 @@ class BlockingReader(_Closable, Generic[T_co]):
             finally:
                 src.end_sleep(woken)
             self._slept_ns = perf_counter_ns() - start
-            if woken and not ready():
-                # Woken as a put began (Publisher.wake_early): the message is on its way.
-                poll_blocking(ready, _tuning.POLL_NS)
         finally:
             self._sleep_lock.release()
 

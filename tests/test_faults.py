@@ -363,7 +363,7 @@ _PUBLISHING_FILES = {sys.modules[m].__file__ for m in ("aiobroadcast._shm.publis
 
 #: What runs while a message is copied into the ring and published (the put's own bookkeeping
 #: around it, taking and releasing its locks, is not interrupted here).
-_PUBLISHING = {"_write_message", "_write_fragments", "copy_into", "wake_readers", "wake_sleepers"}
+_PUBLISHING = {"publish", "_write_fragments", "copy_into", "wake_readers", "_wake_sleepers", "wake_sleepers"}
 
 
 def _interrupt_at_line(n: int, call: Callable[[], object]) -> bool:

@@ -370,9 +370,9 @@ def test_outbox_sends_nothing_and_raises_nothing_to_a_missing_or_full_inbox(tmp_
         out.close()
 
 
-async def test_a_put_that_fails_after_waking_the_readers_leaves_them_to_the_next_put(no_liveness_rescue: None) -> None:
-    """A put wakes the sleeping readers before it encodes; when the encoding fails, nothing is
-    published: the woken readers go back to sleep, and the next put wakes them again."""
+async def test_a_put_that_fails_wakes_nobody_and_the_next_put_wakes_the_sleepers(no_liveness_rescue: None) -> None:
+    """Readers are woken only once a message is in the ring: a put whose encoding fails publishes
+    nothing and leaves the sleepers asleep (the same sleep episode), and the next put wakes them."""
     async with ab.open_writer(capacity=8, slot_bytes=256) as writer:
         async with ab.open_reader(writer.handle, spin_us=0) as reader:
             got: list[int] = []
@@ -383,16 +383,15 @@ async def test_a_put_that_fails_after_waking_the_readers_leaves_them_to_the_next
             with anyio.fail_after(30):
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(take)
+                    await until_asleep(writer)
+                    episode = list(writer._ch.seg.waiting.tolist())
                     for _ in range(5):
-                        await until_asleep(writer)
-                        episode = list(writer._ch.seg.waiting.tolist())
                         with pytest.raises(ab.SerializationError):
                             await writer.put(lambda: None)  # unpicklable
                         with pytest.raises(ab.SerializationError):
                             writer.put_nowait(lambda: None)
-                        # The reader was woken, found nothing, and sleeps again (a new episode).
-                        waiting = writer._ch.seg.waiting
-                        await until(lambda e=episode, w=waiting: sleeping(writer) and w.tolist() != e)
+                    await anyio.sleep(0.05)  # a wake-up, had one been sent, lands within this
+                    assert writer._ch.seg.waiting.tolist() == episode  # still the same sleep
                     assert got == []
                     await writer.put(7)
             assert got == [7]

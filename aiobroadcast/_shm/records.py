@@ -27,7 +27,6 @@ class ReaderRecords:
         self.min_cursor = 0
         self.dropped = 0
         self._notified = [0] * seg.layout.max_readers
-        self._nobody_waiting = bytes(8 * seg.layout.max_readers)  # the waiting words when no reader sleeps
         self.sock_paths = [seg.sock_path(f"r{i}") for i in range(seg.layout.max_readers)]
 
     def rescan(self, head: int) -> None:
@@ -49,23 +48,20 @@ class ReaderRecords:
         self.rescan(head)
         return has_room(head, self.min_cursor, entries, self.capacity)
 
-    def anyone_sleeps(self) -> bool:
-        """Whether any reader announced a sleep (no fence: a hint, see ``Publisher.wake_early``)."""
-        return self._seg.waiting.tobytes() != self._nobody_waiting
-
-    def wake_sleepers(self) -> None:
+    def wake_sleepers(self) -> bool:
         """Wake the readers that announced they sleep, once per sleep (a sleep episode's number
-        is what the reader stored in its waiting word). The caller fenced after its stores."""
-        waiting = self._seg.waiting
-        if waiting.tobytes() == self._nobody_waiting:  # the usual case of a dense stream: cheap
-            return
+        is what the reader stored in its waiting word). The caller fenced after its stores.
+        True if a wake-up was sent."""
         notified = self._notified
-        for i, episode in enumerate(waiting.tolist()):
+        sent = False
+        for i, episode in enumerate(self._seg.waiting.tolist()):
             if episode and episode != notified[i]:
                 notified[i] = episode
                 # An episode carries its reader's generation in its high half (ReaderPlace.join):
                 # the outbox connects again when the place changed hands.
                 self._outbox.wake(self.sock_paths[i], episode >> 32)
+                sent = True
+        return sent
 
     def wake_all(self) -> None:
         lay = self._seg.layout

@@ -64,6 +64,9 @@ class ShmSource:
         lay = seg.layout
         self._cap = lay.capacity
         self._slot_offset = lay.slot_offset  # bound once: read per message
+        # slot_offset's numbers: the paths per message compute it inline.
+        self._data_offset = lay.data_offset
+        self._slot_bytes = lay.slot_bytes
         self._block = handle.policy == "block"
         # Zero-copy reads: a delivered message may be a view of its slot, so the slot is released
         # only at the next get_nowait (or close). Under policy "lag" the body is copied out of the
@@ -112,7 +115,7 @@ class ShmSource:
         buf = self._buf
         while True:
             c = self._cursor
-            off = self._slot_offset(c)
+            off = self._data_offset + (c % self._cap) * self._slot_bytes  # slot_offset(c), inlined
             seq = w[off >> 3]
             if seq != c:
                 self._not_ready(c, seq)  # raises, or returns after resynchronising
@@ -132,13 +135,27 @@ class ShmSource:
                     body = bytes(buf[off + 32 : off + 32 + flen])
                     if w[off >> 3] != c:  # overwritten while we copied
                         continue
+                # The one-slot message, written out: what ``_deliver`` and ``_take`` do.
                 try:
-                    obj = self._deliver(msg, body, flags & F_OOB)
-                except DeserializationError:
+                    obj = self._decode(body, flags & F_OOB != 0)
+                except Exception as exc:
+                    self._next_msg = msg + 1
                     self._take(c)  # consumed: the next get returns the next message
-                    raise
-                # Any other BaseException propagates before _take: the entry stays in the ring.
-                self._take(c)
+                    raise DeserializationError(msg, exc) from exc
+                # Any other BaseException propagates before the take: the entry stays in the ring.
+                self._next_msg = msg + 1
+                if self._hold_slot:
+                    self._hold(c)
+                    return obj
+                self._cursor = c + 1
+                w[self._cur_word] = c + 1
+                self._received = received = self._received + 1
+                w[self._recv_word] = received
+                if self._block:
+                    fence()
+                    target = w[W_WAIT_TARGET]
+                    if target and c < target <= c + 1:  # crossed(c, c + 1, target)
+                        self._outbox.wake(self._writer_sock)
                 return obj
             # A fragment of a larger message. Under policy "lag" the header may be torn (the
             # writer zeroes it before filling it in): check that the entry is still ours before
@@ -303,7 +320,7 @@ class ShmSource:
         """Whether ``get_nowait`` would do anything but raise ``WouldBlock``."""
         w = self._words
         c = self._cursor
-        seq = w[(self._slot_offset(c)) >> 3]
+        seq = w[(self._data_offset + (c % self._cap) * self._slot_bytes) >> 3]
         return (
             seq == c
             or (seq != EMPTY and seq != BUSY and seq > c)

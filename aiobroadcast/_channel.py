@@ -50,8 +50,13 @@ class WriterChannel:
         self.handle = handle
         self._encode = encoder.encode
         self._max_message_bytes = max_message_bytes
+        #: Encode a message a put is about to publish: the encoder's own method when there is no
+        #: size limit to check (one call less per message).
+        self.encode: Callable[[object], tuple[Sequence[Buffer], int, bool]] = (
+            encoder.encode if max_message_bytes is None else self._encode_checked
+        )
         self.pub = pub = Publisher(seg, handle.policy == "block")
-        self._payload_bytes = seg.layout.payload_bytes
+        self.payload_bytes = seg.layout.payload_bytes
         self.inbox = Inbox(seg.sock_path("w"))
         # Two locks. `turns` orders the tasks of the writer's event loop (a put waiting for room
         # keeps its turn). `pub.mutex` is held, never across an await, by whoever is writing into
@@ -73,15 +78,14 @@ class WriterChannel:
         _fork.track(self)
 
     # --- encoding and publishing -------------------------------------------------------------
-    def encode(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
-        """Encode a message a put is about to publish."""
+    def _encode_checked(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
         parts, total, oob = self._encode(obj)
         if self._max_message_bytes is not None and total > self._max_message_bytes:
             raise MessageTooLarge(total, self._max_message_bytes)
         return parts, total, oob
 
     def entries_for(self, total: int) -> int:
-        return 1 if total <= self._payload_bytes else self.pub.layout.entries_for(total)
+        return 1 if total <= self.payload_bytes else self.pub.layout.entries_for(total)
 
     async def put_encoded(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int) -> bool:
         """Publish, waiting (in turn) for room. True if it went out at once, without a turn

@@ -27,7 +27,6 @@ import importlib
 import json
 import pickle
 import struct
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -111,21 +110,25 @@ class PickleEncoder:
     One C pickler (and its sink) is kept and reused: building one costs more than a small
     message. A C pickler must never be re-entered: a ``__reduce__`` that publishes (a logging
     handler that broadcasts), or another thread, would corrupt its state or crash the process. So
-    the kept pickler is taken with a non-blocking lock; a call that finds it taken encodes with a
+    the kept pickler is taken out of a one-place pool; a call that finds it taken encodes with a
     pickler of its own. Safe from any thread and from inside an ``encode``."""
 
     def __init__(self) -> None:
-        self._kept = _Pickling()
-        self._taken = threading.Lock()
+        #: The kept pickler while no call uses it. ``list.pop`` and ``append`` are atomic, so a
+        #: call takes it or finds the list empty (another call has it) without a lock; a lock's
+        #: acquire and release cost more than the rest of encoding a small message here.
+        self._idle = [_Pickling()]
 
     def encode(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
         """Return the body as parts, its total length, and whether it has out-of-band parts."""
-        if not self._taken.acquire(blocking=False):
-            return _Pickling().encode(obj)  # re-entered, or used by another thread right now
         try:
-            return self._kept.encode(obj)
+            pickling = self._idle.pop()
+        except IndexError:  # re-entered, or used by another thread right now
+            return _Pickling().encode(obj)
+        try:
+            return pickling.encode(obj)
         finally:
-            self._taken.release()
+            self._idle.append(pickling)
 
 
 class _Pickling:

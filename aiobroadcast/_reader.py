@@ -22,6 +22,7 @@ from ._stats import ReaderStatistics
 T_co = TypeVar("T_co", covariant=True)
 
 _private = object()
+_NOTHING: Any = object()  # what the inlined get_nowait yields when no message is ready
 
 
 def poll_budget(spin_ns: int | None, slept_ns: int) -> int:
@@ -120,18 +121,28 @@ class Reader(Generic[T_co]):
         if _get_ident() != self._thread:
             self._check_thread()
         while True:
-            try:
-                obj = self.get_nowait()
-            except WouldBlock:
-                await self._wait()
-                continue
-            self._since_yield += 1
-            if self._since_yield >= _tuning.YIELD_EVERY:
-                # A reader that never has to wait still lets other tasks run now and then. Shielded:
-                # the message is taken, so a cancellation here would lose it.
-                self._since_yield = 0
-                await anyio.lowlevel.cancel_shielded_checkpoint()
-            return obj
+            # get_nowait, written out (one call less per message), with "nothing yet" as a value
+            # rather than a WouldBlock raised and caught.
+            if self._closed:
+                raise ClosedResourceError(self._refusal or "this reader is closed")
+            if self._take_lock(False):
+                try:
+                    if self._closed:  # closed by another thread meanwhile
+                        raise ClosedResourceError("this reader is closed")
+                    obj = self._src_get()
+                except WouldBlock:
+                    obj = _NOTHING
+                finally:
+                    self._drop_lock()
+                if obj is not _NOTHING:
+                    self._since_yield += 1
+                    if self._since_yield >= _tuning.YIELD_EVERY:
+                        # A reader that never has to wait still lets other tasks run now and then.
+                        # Shielded: the message is taken, so a cancellation here would lose it.
+                        self._since_yield = 0
+                        await anyio.lowlevel.cancel_shielded_checkpoint()
+                    return obj  # type: ignore[no-any-return]
+            await self._wait()
 
     def statistics(self) -> ReaderStatistics:
         if self._closed:

@@ -79,7 +79,7 @@ class Writer(Generic[T_contra]):
         if _get_ident() != ch.thread:
             ch.check_thread()
         parts, total, oob = ch.encode(obj)  # the object as it is now
-        entries = ch.entries_for(total)
+        entries = 1 if total <= ch.payload_bytes else ch.entries_for(total)
         # The usual case first, without a coroutine of its own: no task waits ahead of this one
         # and there is room. Then yield to the loop now and then so that a tight loop of puts
         # does not starve other tasks. Shielded: the message is published, so a cancellation

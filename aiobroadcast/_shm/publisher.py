@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Sequence
+from time import perf_counter_ns
 
+from .. import _tuning
 from .._codec import Buffer
 from .._exceptions import ClosedResourceError
 from . import segment as _segment
@@ -49,6 +51,7 @@ class Publisher:
         self._release = self.mutex.release
         self._waiting = seg.waiting
         self._nobody_waiting = bytes(8 * seg.layout.max_readers)  # the waiting words when no reader sleeps
+        self._woke_ns = 0  # when wake-ups were last sent
 
     @property
     def sent(self) -> int:
@@ -218,16 +221,20 @@ class Publisher:
             self._wake_sleepers()
 
     def _wake_sleepers(self) -> None:
-        """Someone sleeps: wake them, then give up the CPU once.
+        """Someone sleeps: wake them; then, in a paced stream, give up the CPU once.
 
         The kernel counts a wake-up through a socket as one the sender will soon follow by
         sleeping (a synchronous wake-up), so it often queues the woken reader on the writer's own
         CPU, behind the writer. Without the yield the reader waits there until the writer's event
         loop goes back to sleep: 25-30 us per paced message on this project's 2-CPU machines, the
-        largest single piece of its latency. Yielding lets it run now; a dense stream, whose
-        readers never sleep, never gets here."""
+        largest single piece of its latency. Yielding lets it run now. Only in a paced stream
+        (the previous wake-up was ``DENSE_NS`` ago or more): a writer that wakes readers more often
+        than that has the next message to publish, and yielding would only slow it down."""
         if self.records.wake_sleepers():
-            os.sched_yield()
+            now = perf_counter_ns()
+            if now - self._woke_ns >= _tuning.DENSE_NS:
+                os.sched_yield()
+            self._woke_ns = now
 
     def wake_all_readers(self) -> None:
         """Wake every attached reader, asleep or not, after a change they must see (closed, gone)."""

@@ -13,7 +13,7 @@ import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
@@ -23,11 +23,11 @@ import anyio.to_thread
 
 from . import _fork, _tuning
 from ._codec import Buffer, JsonCodec, PickleEncoder, SchemaCodec
-from ._exceptions import BroadcastError, MessageTooLarge
+from ._exceptions import BroadcastError, InvalidArgument, MessageTooLarge
 from ._handle import Handle
 from ._shm import segment as _segment
 from ._shm.layout import CODECS, W_CODEC, W_WAIT_TARGET, holds_writer, wait_target
-from ._shm.publisher import Chunks, Publisher
+from ._shm.publisher import Chunks, Encoded, Publisher
 from ._shm.segment import Segment
 from ._shm.wake import Inbox, poll, poll_blocking
 from ._stats import WriterStatistics
@@ -107,6 +107,46 @@ class WriterChannel:
                     await self._stream(parts, total, oob, entries)
         finally:
             self.waiting_tasks -= 1
+
+    async def put_batch(self, batch: Sequence[Encoded], entries: int) -> bool:
+        """Publish several messages at once (``entries`` slots in all, at most the ring's
+        capacity), waiting (in turn) for room for all of them. True if they went out at once."""
+        pub = self.pub
+        if not self.turns.locked() and pub.try_publish_many(batch, entries):
+            return True
+        self.waiting_tasks += 1
+        try:
+            async with self.turns:
+                pub.check_open()
+                while True:
+                    if pub.block:
+                        await self._wait_room(entries)
+                    if pub.try_publish_many(batch, entries):
+                        return False
+                    await anyio.lowlevel.checkpoint()  # another thread's put_nowait holds the mutex
+                    pub.check_open()
+        finally:
+            self.waiting_tasks -= 1
+
+    def encode_batch(self, objs: Iterable[object]) -> tuple[list[Encoded], int]:
+        """Encode the messages of a ``put_many``: each with its slot count, and the slots in all.
+        Raises ``InvalidArgument`` if they would not fit in the ring together."""
+        batch: list[Encoded] = []
+        entries = 0
+        encode = self.encode
+        payload = self.payload_bytes
+        for obj in objs:
+            parts, total, oob = encode(obj)
+            n = 1 if total <= payload else self.pub.layout.entries_for(total)
+            batch.append((parts, total, oob, n))
+            entries += n
+        capacity = self.pub.layout.capacity
+        if entries > capacity:
+            raise InvalidArgument(
+                f"put_many: these {len(batch)} messages take {entries} ring slots together, more than the "
+                f"ring's capacity of {capacity}; split the batch, or put() them one at a time"
+            )
+        return batch, entries
 
     async def publish_when_room(
         self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int = 0

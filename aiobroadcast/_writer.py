@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from threading import get_ident as _get_ident
 from types import TracebackType
 from typing import Generic, NoReturn, TypeVar, final
@@ -91,6 +92,29 @@ class Writer(Generic[T_contra]):
                 await anyio.lowlevel.cancel_shielded_checkpoint()
             return
         await ch.put_in_turn(parts, total, oob, entries)
+
+    async def put_many(self, objs: Iterable[T_contra]) -> None:
+        """Publish several messages, in order, as one operation: all of them, or (cancelled, or
+        an object that cannot be encoded) none. Cheaper per message than ``put`` for small
+        messages: one check, one wait for room and one round of wake-ups for the whole batch.
+        Readers receive them as separate messages, like ``put``'s.
+
+        Every object is encoded first; the batch must fit in the ring at once (else
+        ``InvalidArgument``, publishing nothing). Raises like ``put``. A Ctrl-C while the batch
+        is being copied into the ring publishes the messages copied before it, each whole.
+        """
+        ch = self._ch
+        pub = ch.pub
+        pub.check_open()
+        ch.check_thread()
+        batch, entries = ch.encode_batch(objs)  # the objects as they are now
+        if not batch:
+            return
+        if await ch.put_batch(batch, entries):
+            self._since_yield += len(batch)
+            if self._since_yield >= _tuning.YIELD_EVERY:
+                self._since_yield = 0
+                await anyio.lowlevel.cancel_shielded_checkpoint()
 
     def statistics(self) -> WriterStatistics:
         return self._ch.statistics(self._ch.waiting_tasks)

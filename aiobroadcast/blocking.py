@@ -41,7 +41,7 @@ from __future__ import annotations
 import threading
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from threading import get_ident
 from time import monotonic, perf_counter_ns
 from types import TracebackType
@@ -190,6 +190,33 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         whole ring that times out midway is dropped by every reader). Raises like
         ``Writer.put``, and ``ClosedResourceError`` if ``close()`` is called meanwhile."""
         self._put(obj, None if timeout is None else _deadline(timeout), nowait=False)
+
+    def put_many(self, objs: Iterable[T_contra], timeout: float | None = None) -> None:
+        """Publish several messages, in order, as one operation: all of them or (timed out, an
+        object that cannot be encoded) none. Blocks like ``put`` until there is room for the
+        whole batch. Raises like ``Writer.put_many``."""
+        if self._closing:
+            raise ClosedResourceError("this writer is closed")
+        deadline = None if timeout is None else _deadline(timeout)
+        lock = self._lock
+        lock.acquire(deadline, wait=True)
+        try:
+            self._check_open()
+            w = self._w
+            batch, entries = w.encode_batch(objs)
+            if not batch or w.pub.try_publish_many(batch, entries):
+                return
+            sleep = self._sleeper(deadline)
+            lock.count(1)
+            try:
+                while True:
+                    w.wait_room_blocking(entries, sleep)
+                    if w.pub.try_publish_many(batch, entries):
+                        return
+            finally:
+                lock.count(-1)
+        finally:
+            lock.release()
 
     def statistics(self) -> WriterStatistics:
         """A snapshot, as ``Writer.statistics()``; ``waiting_for`` names the readers a blocked

@@ -19,6 +19,7 @@ import anyio
 import pytest
 
 import aiobroadcast as ab
+from aiobroadcast import blocking
 from aiobroadcast._codec import PickleEncoder, decode_pickle
 from aiobroadcast._shm import layout as _layout
 from aiobroadcast._shm import segment as _segment
@@ -363,7 +364,15 @@ _PUBLISHING_FILES = {sys.modules[m].__file__ for m in ("aiobroadcast._shm.publis
 
 #: What runs while a message is copied into the ring and published (the put's own bookkeeping
 #: around it, taking and releasing its locks, is not interrupted here).
-_PUBLISHING = {"publish", "_write_fragments", "copy_into", "wake_readers", "_wake_sleepers", "wake_sleepers"}
+_PUBLISHING = {
+    "publish",
+    "publish_many",
+    "_write_fragments",
+    "copy_into",
+    "wake_readers",
+    "_wake_sleepers",
+    "wake_sleepers",
+}
 
 
 def _interrupt_at_line(n: int, call: Callable[[], object]) -> bool:
@@ -535,3 +544,37 @@ def test_sweep_follows_no_symlink_and_opens_no_foreign_file(tmp_path: Path) -> N
     assert _segment.sweep_stale(str(d)) == []
     assert victim.read_bytes() == b"precious"
     assert (d / name).is_symlink() and fifo.exists()
+
+
+@pytest.mark.parametrize("policy", ["block", "lag"])
+def test_a_ctrl_c_at_any_line_of_a_put_many_publishes_whole_messages_in_order(policy: str) -> None:
+    """Ctrl-C can land between any two lines of a ``put_many``'s copy into the ring. The reader
+    then gets a prefix of the batch, each message whole (those committed before the interrupt),
+    and every later message in order, once."""
+    sizes = [100, 9_000, 100]  # one slot, three slots, one slot
+    with (
+        blocking.open_writer(capacity=64, slot_bytes=4096, policy=policy) as writer,  # type: ignore[call-overload]
+        blocking.open_reader(writer.handle) as reader,
+    ):
+        n = 0
+        prefixes: dict[int, int] = {}
+        while True:
+            n += 1
+            batch = [("m", n, k, b"p" * size) for k, size in enumerate(sizes)]
+            interrupted = _interrupt_at_line(n, lambda: writer.put_many(batch))  # noqa: B023
+            writer.put_nowait(("after", n, 0, b""))
+            got = []
+            while True:
+                try:
+                    kind, k, i, payload = reader.get_nowait()
+                except ab.WouldBlock:
+                    break
+                assert k == n and payload == (b"p" * sizes[i] if kind == "m" else b"")
+                got.append(i if kind == "m" else "after")
+            assert got[-1] == "after" and got[:-1] == list(range(len(got) - 1)), (n, got)
+            if not interrupted:
+                assert got == [0, 1, 2, "after"]
+                break
+            prefixes[len(got) - 1] = prefixes.get(len(got) - 1, 0) + 1
+        # Interrupts landed before any commit, and between the messages' commits.
+        assert prefixes.get(0, 0) > 0 and sum(v for p, v in prefixes.items() if p > 0) > 0, prefixes

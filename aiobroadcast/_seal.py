@@ -41,6 +41,8 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from . import _constants
+
 KEY_BYTES = 32
 TAG_BYTES = 16
 KEY_ID = struct.Struct("<I")
@@ -54,9 +56,10 @@ CONTROL_OVERHEAD = KEY_ID.size + COUNTER.size + TAG_BYTES
 CONTROL_BASE = 1 << 63
 MAX_MESSAGE_SEQ = CONTROL_BASE - 1
 #: the default rekey policy: a new key after this many messages or bytes under one key (far
-#: below AES-GCM's limits; a rekey costs one small control frame per reader)
-REKEY_MESSAGES = 1 << 24
-REKEY_BYTES = 1 << 36
+#: below AES-GCM's limits; a rekey costs one small control frame per reader), and the largest
+#: values ``open_writer`` accepts
+REKEY_MESSAGES = _constants.REKEY_MESSAGES
+REKEY_BYTES = _constants.REKEY_BYTES
 #: keys a keys message may hold (in use by what the server still holds, and the next one)
 MAX_KEYS = 16
 #: bodies at least this large are sealed with the streaming API (authenticated in place in

@@ -156,11 +156,13 @@ class TcpServer:
         rekey_messages: int = seal.REKEY_MESSAGES,
         rekey_bytes: int = seal.REKEY_BYTES,
         buffer_bytes: int = BUFFER_BYTES,
+        data_port: int = 0,
     ) -> None:
         """``take_over`` and ``returning``: this server replaces one that died (pid
         ``take_over``), which served ``returning`` remote readers. ``rekey_messages`` and
         ``rekey_bytes``: the data plane's rekey policy (``_seal.py``). ``buffer_bytes``: the
-        bytes of sealed bodies held for readers, at most (beside ``buffer_max`` messages)."""
+        bytes of sealed bodies held for readers, at most (beside ``buffer_max`` messages).
+        ``data_port``: the data socket's port (0: a free one)."""
         self._stats_path = stats_path
         self.drain_timeout = 2 * hb_timeout
         self._ring_words = seg.words
@@ -212,8 +214,8 @@ class TcpServer:
             # at one small message (the bound also applies to the handshake, hence not 0).
             d.maxmsgsize = 1024
             d.router_mandatory = True
-            with zmq_errors(TransportError, f"cannot bind a data port beside {self.endpoint}"):
-                d.bind(_data_endpoint(self.endpoint))
+            with zmq_errors(TransportError, f"cannot bind the data port {data_port or '(any)'} beside {self.endpoint}"):
+                d.bind(_data_endpoint(self.endpoint, data_port))
             self.data_port = int(d.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
             # hold: under policy "block" a body is a view of its slot until the next get_nowait,
             # so the protocol seals it straight out of the ring.
@@ -445,9 +447,9 @@ class TcpServer:
         )
 
 
-def _data_endpoint(endpoint: str) -> str:
-    """The data socket binds where the control socket did, on a port of its own."""
-    return endpoint.rsplit(":", 1)[0] + ":*"
+def _data_endpoint(endpoint: str, port: int) -> str:
+    """The data socket binds where the control socket did, on a port of its own (0: any)."""
+    return f"{endpoint.rsplit(':', 1)[0]}:{port or '*'}"
 
 
 def _port_star(endpoint: str) -> str:
@@ -526,6 +528,7 @@ def main() -> int:
                 rekey_messages=cfg.get("rekey_messages") or seal.REKEY_MESSAGES,
                 rekey_bytes=cfg.get("rekey_bytes") or seal.REKEY_BYTES,
                 buffer_bytes=cfg.get("buffer_bytes") or BUFFER_BYTES,
+                data_port=cfg.get("data_port") or 0,
             )
         except BaseException:
             seg.close()

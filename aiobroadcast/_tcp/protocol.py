@@ -163,9 +163,10 @@ class _Held:
         self.base = start  #: nothing before it is held
         self.end = start  #: the number of the next message the server will have
         self.done: StreamEnd | None = None
+        self.sizes: list[int] = []  #: the bytes of each body held (summed in C when trimmed)
         self.nbytes = 0  #: the bytes of the bodies held
 
-    def add(self, seq: int, item: tuple[Any, int]) -> None:
+    def add(self, seq: int, item: tuple[Any, int], nbytes: int) -> None:
         if seq < self.base and not self.seqs:
             # Only the first message after joining can be numbered below what the ring said
             # then (the writer was between its two stores; docs/design.md, "Joining"). It is
@@ -174,7 +175,8 @@ class _Held:
         self.items.append(item)
         self.seqs.append(seq)
         self.end = seq + 1
-        self.nbytes += len(item[0])
+        self.sizes.append(nbytes)
+        self.nbytes += nbytes
 
     def keep_from(self, seq: int) -> None:
         """Forget every message numbered below ``seq`` (policy "block": all readers have them)."""
@@ -183,18 +185,19 @@ class _Held:
     def keep_newest(self, count: int, max_bytes: int) -> None:
         """Keep the newest ``count`` entries (policy "lag"; gaps do not count: entries do), and
         of those no more than ``max_bytes`` but the newest."""
-        items = self.items
-        drop = max(0, len(items) - count)
-        excess = self.nbytes - max_bytes - sum(len(body) for body, _ in items[:drop])
-        while excess > 0 and drop < len(items) - 1:
-            excess -= len(items[drop][0])
+        sizes = self.sizes
+        drop = max(0, len(sizes) - count)
+        excess = self.nbytes - max_bytes - sum(sizes[:drop])
+        while excess > 0 and drop < len(sizes) - 1:
+            excess -= sizes[drop]
             drop += 1
         self._drop_before(drop, self.seqs[drop] if drop < len(self.seqs) else self.end)
 
     def _drop_before(self, index: int, keep_from: int) -> None:
         """Forget the first ``index`` entries; ``keep_from``: the first number still held."""
         if keep_from > self.base:
-            self.nbytes -= sum(len(body) for body, _ in self.items[:index])
+            self.nbytes -= sum(self.sizes[:index])
+            del self.sizes[:index]
             del self.items[:index]
             del self.seqs[:index]
             self.base = keep_from
@@ -341,9 +344,10 @@ class ServerProtocol:
         and again after a loss. Sealing is the one copy out of the ring."""
         body, flags = item
         sealed: Any = self.sealer.seal(seq, flags, body)
-        if self._large is not None and len(sealed) >= wire.FRAME_ALONE:
+        n = len(sealed)
+        if self._large is not None and n >= wire.FRAME_ALONE:
             sealed = self._large(sealed)
-        self._held.add(seq, (sealed, flags))
+        self._held.add(seq, (sealed, flags), n)
 
     def rekey(self) -> None:
         """A new group key now (on demand); ``send_keys`` tells the readers."""

@@ -65,10 +65,17 @@ def _view(body: Any, oob: bool) -> tuple[Any, int]:
     return body, 1 if oob else 0
 
 
+#: sealed bodies at least this large become ZeroMQ messages without a copy (sharing the pool's
+#: buffer); smaller ones are copied into one: pyzmq's zero-copy costs 10-15 us a message (its
+#: garbage thread hears from ZeroMQ when the buffer is free), a copy of 64 KiB 4 us, and the
+#: pool's buffer is then free again at once (the next body is sealed into it, warm in cache)
+ZERO_COPY_BYTES = 256 * 1024
+
+
 def _frame(sealed: bytes | bytearray) -> zmq.Frame:
     """A large sealed body as a ZeroMQ message, which every send then shares (refcounted, never
     copied again)."""
-    return zmq.Frame(sealed, copy=False)
+    return zmq.Frame(sealed, copy=len(sealed) < ZERO_COPY_BYTES)
 
 
 #: references to a pooled buffer that nobody uses: the pool's deque, and ``sys.getrefcount``'s

@@ -25,6 +25,7 @@ from ._codec import (
     import_schema,
     schema_path,
 )
+from ._constants import REKEY_BYTES, REKEY_BYTES_MAX, REKEY_MESSAGES, REKEY_MESSAGES_MAX
 from ._exceptions import BroadcastError, InvalidArgument, InvalidHandle
 from ._handle import CurveKeys, Handle, Policy, check_directory, check_endpoint, require
 from ._reader import Reader, Source
@@ -90,6 +91,9 @@ def open_writer(
     keys: CurveKeys | None = ...,
     heartbeat_s: float = ...,
     tcp_window: int = ...,
+    rekey_messages: int = ...,
+    rekey_bytes: int = ...,
+    data_port: int = ...,
 ) -> _Opening[Writer[Any]]: ...
 @overload
 def open_writer(
@@ -108,6 +112,9 @@ def open_writer(
     keys: CurveKeys | None = ...,
     heartbeat_s: float = ...,
     tcp_window: int = ...,
+    rekey_messages: int = ...,
+    rekey_bytes: int = ...,
+    data_port: int = ...,
 ) -> _Opening[Writer[M]]: ...
 def open_writer(
     *,
@@ -125,6 +132,9 @@ def open_writer(
     keys: CurveKeys | None = None,
     heartbeat_s: float = 0.5,
     tcp_window: int = 256,
+    rekey_messages: int = REKEY_MESSAGES,
+    rekey_bytes: int = REKEY_BYTES,
+    data_port: int = 0,
 ) -> _Opening[Writer[Any]]:
     """Create a channel in shared memory and return its writer.
 
@@ -146,6 +156,14 @@ def open_writer(
     - ``keys``: fixed ``CurveKeys`` (default: fresh keys for this channel).
     - ``heartbeat_s``: remote liveness; a silent remote reader is dropped after 6 heartbeats.
     - ``tcp_window``: messages a remote reader may have in flight (its credit).
+    - ``rekey_messages``, ``rekey_bytes``: remote readers' data is sealed (AES-256-GCM) under a
+      group key that the TCP server replaces after this many messages or bytes under one key
+      (defaults 2**24 and 2**36; at most 2**32 and 2**48; docs/security.md). Readers get the
+      next key before it is used.
+    - ``data_port``: the port of the TCP server's second socket, which carries the sealed
+      message bodies (on the host of ``tcp``); 0 (the default): a free port, chosen by the
+      system. Give one when a firewall must let it through. The TCP server process started
+      again after a crash binds it again.
 
     Raises ``InvalidArgument`` (a ``ValueError``) for bad arguments, ``InsufficientSharedMemory`` when the ring does not
     fit, ``BroadcastError`` when the endpoint cannot be bound or the platform is not supported.
@@ -165,6 +183,9 @@ def open_writer(
         keys=keys,
         heartbeat_s=heartbeat_s,
         tcp_window=tcp_window,
+        rekey_messages=rekey_messages,
+        rekey_bytes=rekey_bytes,
+        data_port=data_port,
     )
 
     async def make() -> Writer[Any]:
@@ -207,6 +228,9 @@ class WriterOptions(TypedDict, total=False):
     keys: CurveKeys | None
     heartbeat_s: float
     tcp_window: int
+    rekey_messages: int
+    rekey_bytes: int
+    data_port: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -228,6 +252,9 @@ class _WriterSpec:
     keys: CurveKeys | None = None
     heartbeat_s: float = 0.5
     tcp_window: int = 256
+    rekey_messages: int = REKEY_MESSAGES
+    rekey_bytes: int = REKEY_BYTES
+    data_port: int = 0
 
     def __post_init__(self) -> None:
         if self.capacity < 2:
@@ -242,6 +269,14 @@ class _WriterSpec:
             raise InvalidArgument(f"codec must be 'pickle' or 'json', not {self.codec!r}")
         if self.tcp is not None:
             require(check_endpoint(self.tcp, bind=True))
+        for name, value, most in (
+            ("rekey_messages", self.rekey_messages, REKEY_MESSAGES_MAX),
+            ("rekey_bytes", self.rekey_bytes, REKEY_BYTES_MAX),
+        ):
+            if type(value) is not int or not 1 <= value <= most:
+                raise InvalidArgument(f"{name} must be an integer from 1 to {most}, not {value!r}")
+        if type(self.data_port) is not int or not 0 <= self.data_port <= 65535:
+            raise InvalidArgument(f"data_port must be a port number (0: any free port), not {self.data_port!r}")
         require(check_directory(self.directory, self.ring_readers))
         object.__setattr__(self, "slot_bytes", (self.slot_bytes + 63) // 64 * 64)
 
@@ -319,6 +354,9 @@ class _ServerStart:
             "hb_interval": spec.heartbeat_s,
             "hb_timeout": 6 * spec.heartbeat_s,
             "max_remote": spec.max_readers,
+            "rekey_messages": spec.rekey_messages,
+            "rekey_bytes": spec.rekey_bytes,
+            "data_port": spec.data_port,
             "stats_path": channel.seg.sock_path("tcp").removesuffix(".sock") + ".json",
         }
         self._server = ServerProcess(cfg, 12 * spec.heartbeat_s)

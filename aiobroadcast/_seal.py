@@ -41,6 +41,8 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from . import _constants
+
 KEY_BYTES = 32
 TAG_BYTES = 16
 KEY_ID = struct.Struct("<I")
@@ -54,9 +56,10 @@ CONTROL_OVERHEAD = KEY_ID.size + COUNTER.size + TAG_BYTES
 CONTROL_BASE = 1 << 63
 MAX_MESSAGE_SEQ = CONTROL_BASE - 1
 #: the default rekey policy: a new key after this many messages or bytes under one key (far
-#: below AES-GCM's limits; a rekey costs one small control frame per reader)
-REKEY_MESSAGES = 1 << 24
-REKEY_BYTES = 1 << 36
+#: below AES-GCM's limits; a rekey costs one small control frame per reader), and the largest
+#: values ``open_writer`` accepts
+REKEY_MESSAGES = _constants.REKEY_MESSAGES
+REKEY_BYTES = _constants.REKEY_BYTES
 #: keys a keys message may hold (in use by what the server still holds, and the next one)
 MAX_KEYS = 16
 #: bodies at least this large are sealed with the streaming API (authenticated in place in
@@ -161,7 +164,11 @@ class Sealer(_Keyed):
     ``channel``: the channel id bound into every frame. ``secret``: None (encrypt; the group
     key goes to readers over CurveZMQ) or the shared secret of an insecure channel (authenticate
     only; keys are derived from it and announced salts). ``rekey_messages``/``rekey_bytes``:
-    the rekey policy. ``random``: where keys and key ids come from.
+    the rekey policy. ``random``: where keys and key ids come from. ``buffer``: where a large
+    sealed body is written (``buffer(n)`` returns a writable buffer of exactly ``n`` bytes; by
+    default a new bytearray): the server passes buffers it uses again, which spares a new
+    allocation per message (zero-filled by Python, and for bodies of megabytes fresh pages from
+    the kernel).
     """
 
     def __init__(
@@ -172,8 +179,10 @@ class Sealer(_Keyed):
         rekey_messages: int = REKEY_MESSAGES,
         rekey_bytes: int = REKEY_BYTES,
         random: Callable[[int], bytes] = os.urandom,
+        buffer: Callable[[int], bytearray] = bytearray,
     ) -> None:
         super().__init__(channel, secret)
+        self._buffer = buffer
         if rekey_messages < 1 or rekey_bytes < 1:
             raise ValueError("the rekey policy needs at least one message and one byte per key")
         self._random = random
@@ -264,7 +273,7 @@ class Sealer(_Keyed):
             if self.encrypting:
                 return kid + key.aead.encrypt(nonce, mv, aad)
             return kid + mv.tobytes() + key.aead.encrypt(nonce, b"", aad + kid + mv.tobytes())
-        out = bytearray(n + OVERHEAD)
+        out = self._buffer(n + OVERHEAD)
         out[:4] = kid
         view = memoryview(out)
         if self.encrypting:

@@ -18,7 +18,7 @@ from typing import Any
 
 import anyio
 import pytest
-from _peers import ON_ASYNCIO, ON_TRIO, ON_UVLOOP, tcp_writer, the_server
+from _peers import ON_ASYNCIO, ON_TRIO, ON_UVLOOP, tcp_writer, the_server, until
 
 import aiobroadcast as ab
 from aiobroadcast._tcp import wire
@@ -313,3 +313,143 @@ async def test_the_old_handle_of_a_restarted_writer_is_refused(same_keys: bool) 
             await second.put(b"x")
             with anyio.fail_after(10):
                 assert await fresh.get() == b"x"
+
+
+class HeldRelay(ByteRelay):
+    """A byte relay whose server-to-reader direction can be held: what the server sends waits
+    (in the relay and the kernel) while ``flowing`` is clear, then goes on in order."""
+
+    def __init__(self, port: int) -> None:
+        self.flowing = threading.Event()
+        self.flowing.set()
+        super().__init__(port)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        if src.getpeername() != ("127.0.0.1", self.port):
+            return super()._pump(src, dst)  # the reader's direction: as it is
+        try:
+            while chunk := src.recv(1 << 16):
+                while not self.flowing.wait(0.05):
+                    if self._stop:
+                        return
+                dst.sendall(chunk)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+
+@ON_ASYNCIO
+async def test_a_reader_that_missed_two_rekeys_fetches_the_keys_again_and_reads_on() -> None:
+    """rekey_messages=2: the server takes a new group key every two messages. The control
+    connection to the reader is held in the middle (the KEYS of two rekeys wait there) while
+    messages go out on the data connection: from message 4 on they are sealed under a key the
+    reader was never given. It refuses them (counted: unknown key) and asks for the keys again;
+    once the control connection flows, it gets every message, once and in order, nothing lost."""
+    async with tcp_writer(rekey_messages=2) as writer:
+        control, data = listening_ports(writer)
+        with ExitStack() as stack:
+            held = HeldRelay(control)
+            stack.callback(held.close)
+            stack.callback(ByteRelay(data).close)
+            assert writer.handle.tcp is not None
+            h = writer.handle.model_copy(update={"tcp": writer.handle.tcp.replace("127.0.0.1", MIDDLE)})
+            async with ab.open_reader(h, transport="tcp", name="behind") as reader:
+                proto = reader._src._proto  # type: ignore[attr-defined]
+                with anyio.fail_after(30):
+                    await writer.put(0)
+                    assert await reader.get() == 0
+                    first_key = proto._opener.current_key_id
+                    held.flowing.clear()
+                    for i in range(1, 8):
+                        await writer.put(i)
+                    await until(lambda: reader._src.rejected.get("unknown_key", 0) > 0, 20)  # type: ignore[attr-defined]
+                    assert proto._keys_asked is not None  # it said HELLO again, for the keys
+                    held.flowing.set()
+                    got = [await reader.get() for _ in range(1, 8)]
+                    await writer.put(8)
+                    got.append(await reader.get())
+                assert got == list(range(1, 9))  # every message, in order: nothing missed
+                assert (proto._opener.current_key_id - first_key) % 2**32 >= 3
+                stats = reader.statistics()
+                assert stats.lagged == 0
+                assert stats.rejected_frames == sum(reader._src.rejected.values())  # type: ignore[attr-defined]
+
+
+@ON_ASYNCIO
+async def test_the_rekey_policy_of_open_writer_reaches_the_server() -> None:
+    """rekey_messages=3: the key changes every three messages, and readers follow it."""
+    async with tcp_writer(rekey_messages=3) as writer, ab.open_reader(writer.handle, transport="tcp") as reader:
+        opener = reader._src._proto._opener  # type: ignore[attr-defined]
+        first = opener.current_key_id
+        with anyio.fail_after(30):
+            for i in range(9):
+                await writer.put(i)
+                assert await reader.get() == i
+        # Messages 0-2 under the first key, 3-5 under the next, 6-8 under the one after. The
+        # KEYS of a rekey may come after the first frame sealed under the new key (which the
+        # reader opens with the key announced before), but it comes.
+        await until(lambda: (opener.current_key_id - first) % 2**32 == 2)
+        assert reader.statistics().rejected_frames == 0
+
+
+@ON_ASYNCIO
+async def test_the_data_port_of_open_writer_is_where_the_sealed_bodies_come_from() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    async with tcp_writer(data_port=port) as writer:
+        assert listening_ports(writer)[1] == port
+        async with ab.open_reader(writer.handle, transport="tcp") as reader:
+            assert reader._src._proto.data_port == port  # type: ignore[attr-defined]
+            await writer.put(b"x")
+            with anyio.fail_after(10):
+                assert await reader.get() == b"x"
+        # the data port is taken: a second writer asking for it does not start
+        with pytest.raises(ab.BroadcastError, match="data port"):
+            await tcp_writer(data_port=port)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"rekey_messages": 0},
+        {"rekey_messages": 2**32 + 1},
+        {"rekey_messages": 2.5},
+        {"rekey_messages": True},
+        {"rekey_bytes": 0},
+        {"rekey_bytes": 2**48 + 1},
+        {"data_port": -1},
+        {"data_port": 65536},
+        {"data_port": "5555"},
+    ],
+)
+def test_bad_rekey_policies_and_data_ports_are_refused_by_both_factories(kw: dict[str, Any]) -> None:
+    from aiobroadcast import blocking
+
+    with pytest.raises(ab.InvalidArgument, match=next(iter(kw))):
+        blocking.open_writer(tcp="tcp://127.0.0.1:0", **kw)
+
+    async def main() -> None:
+        await ab.open_writer(tcp="tcp://127.0.0.1:0", **kw)
+
+    with pytest.raises(ab.InvalidArgument, match=next(iter(kw))):
+        anyio.run(main)
+
+
+def test_the_blocking_writer_takes_the_rekey_policy_and_the_data_port() -> None:
+    from aiobroadcast import blocking
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with blocking.open_writer(tcp="tcp://127.0.0.1:0", rekey_messages=2, rekey_bytes=1 << 20, data_port=port) as w:
+        with blocking.open_reader(w.handle, transport="tcp") as r:
+            assert r._src._proto.data_port == port  # type: ignore[attr-defined]
+            for i in range(5):
+                w.put(i)
+                assert r.get(timeout=10) == i

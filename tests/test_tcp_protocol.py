@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from aiobroadcast import _seal as seal
 from aiobroadcast._tcp import wire
 from aiobroadcast._tcp.protocol import (
+    BUFFER_BYTES,
     Admitted,
     ClientEvent,
     ClientProtocol,
@@ -115,6 +116,7 @@ def server(
     max_remote: int = 4,
     start: int = 0,
     returning: int = 0,
+    buffer_bytes: int = BUFFER_BYTES,
 ) -> ServerProtocol:
     config = ServerConfig(
         policy,
@@ -126,6 +128,7 @@ def server(
         max_remote=max_remote,
         channel=CHANNEL,
         data_port=5555,
+        buffer_bytes=buffer_bytes,
     )
     return ServerProtocol(config, start=start, now=0.0, returning=returning)
 
@@ -211,6 +214,41 @@ def test_under_block_the_server_takes_no_more_than_its_buffer_and_keeps_what_a_r
     srv.trim(0.0)
     assert srv.wants_ring()
     assert "held 2..3" in repr(srv)
+
+
+def test_under_block_the_server_holds_no_more_bytes_than_its_buffer_but_always_one_body() -> None:
+    """Large messages are bounded by size too: a window of 4 MiB messages would otherwise be a
+    gigabyte held in the server. One body larger than the whole bound is still taken."""
+    srv, net = server("block", window=100, buffer_max=100, buffer_bytes=1000), Net()
+    admit(srv, net, window=100)
+    publish(srv, 0, 1, size=400)
+    assert srv.wants_ring()  # 2 x (400 + the seal's overhead) < 1000
+    publish(srv, 2, size=400)
+    assert not srv.wants_ring()  # over 1000 bytes held: the ring holds the writer back
+    srv.transmit(net.data)
+    srv.trim(0.0)
+    assert not srv.wants_ring()  # sent, not acknowledged: still held
+    srv.receive(b"r", ack(3), now=0.0, published=3, send=net)
+    srv.trim(0.0)
+    assert srv.wants_ring()
+    publish(srv, 3, size=5000)  # larger than the bound on its own: taken, since nothing is held
+    assert not srv.wants_ring()
+    srv.transmit(net.data)
+    assert net.seen(b"r") == [("msg", s) for s in range(4)]
+
+
+def test_under_lag_the_buffer_keeps_no_more_bytes_than_its_bound_but_the_newest() -> None:
+    srv, net = server(window=100, buffer_max=100, buffer_bytes=1000), Net()
+    admit(srv, net, window=100, resume=0)
+    publish(srv, *range(5), size=300)
+    srv.trim(0.0)
+    assert "held 2..5 (3)" in repr(srv)  # 3 x (300 + overhead) <= 1000 < 4 x
+    publish(srv, 5, size=3000)
+    srv.trim(0.0)
+    assert "held 5..6 (1)" in repr(srv)  # the newest stays, however large
+    srv.transmit(net.data)
+    srv.transmit(net.data)
+    assert net.seen(b"r") == [("lagged", 5, 5), ("msg", 5)]
 
 
 def test_a_refused_batch_is_not_counted_as_sent_and_goes_again_when_there_is_room() -> None:
@@ -620,6 +658,20 @@ def test_the_client_says_hello_then_takes_messages_in_order_and_acknowledges_by_
     c.tick(0.3 + HB, consumed=8)
     assert kinds(c) == [(wire.ACK, 8)]  # once a heartbeat anyway: it is the reader's heartbeat too
     assert c.rejected_frames == 0
+
+
+def test_the_client_acknowledges_at_once_when_asked_to_and_never_twice_the_same() -> None:
+    """The reader's source asks for an ACK after ACK_BYTES consumed (large messages: the server
+    holds what is not acknowledged); an ACK that says nothing new is not sent."""
+    c = client(window=100)
+    c.data_to_send()
+    assert c.receive(welcome(0, window=100), 0.0) == Welcomed(0)
+    c.tick(0.1, consumed=1)
+    assert kinds(c) == []  # less than half the window, within a heartbeat
+    c.tick(0.1, consumed=1, ack=True)
+    assert kinds(c) == [(wire.ACK, 1)]
+    c.tick(0.2, consumed=1, ack=True)
+    assert kinds(c) == []  # nothing new consumed
 
 
 def test_the_client_asks_again_for_a_gap_and_keeps_only_the_new_part_of_a_resend() -> None:

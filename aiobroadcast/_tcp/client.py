@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import anyio
 import zmq
@@ -33,10 +33,17 @@ from .._shm.layout import host_name
 from .._stats import ReaderStatistics
 from . import wire
 from .errors import protocol_error, zmq_errors
-from .protocol import ClientProtocol, Ended, Lagged, Messages, Refused, Welcomed
+from .protocol import ACK_BYTES, ClientProtocol, Ended, Lagged, Messages, Refused, Welcomed
 
 #: bytes of data frames the I/O thread opens before it looks at acknowledgements again
 DATA_TURN_BYTES = 8 << 20
+#: messages queued before the I/O thread wakes a reader asleep on the queue while more frames
+#: are coming (once it has opened all that came, it wakes it whatever the count): each wake-up
+#: costs the reader a trip through its event loop, which costs more than a message of 64 KiB
+WAKE_ITEMS = 32
+#: ZMQ_EVENTS and POLLIN as plain ints (pyzmq's enums cost microseconds per use)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 #: what the reader's queue holds: messages ``(seq, flags, body)``, and the events it raises
 #: where they fall in the stream (a refusal after the WELCOME is a ``Refused``)
@@ -87,12 +94,21 @@ class _Inbox:
         if wake:
             self.wake()
 
-    def push_batch(self, batch: Messages) -> None:
-        """Queue a batch's messages: one lock and at most one wake-up for all of them."""
+    def push_batch(self, batch: Messages, wake_at: int = 1) -> None:
+        """Queue a batch's messages: one lock and at most one wake-up for all of them. A
+        sleeping reader is woken once ``wake_at`` messages are queued (``wake_if_sleeping``
+        wakes it for fewer)."""
         first = batch.first
+        items = self.items
         with self.lock:
-            self.items.extend((first + k, flags, body) for k, (body, flags) in enumerate(batch.items))
-            wake = self._sleeping
+            items.extend((first + k, flags, body) for k, (body, flags) in enumerate(batch.items))
+            wake = self._sleeping and len(items) >= wake_at
+        if wake:
+            self.wake()
+
+    def wake_if_sleeping(self) -> None:
+        with self.lock:
+            wake = self._sleeping and bool(self.items)
         if wake:
             self.wake()
 
@@ -195,6 +211,8 @@ class _Pump:
         self._inbox = inbox
         #: the next message the user has not consumed (written by the user's thread only)
         self.consumed = 0
+        #: the user consumed ACK_BYTES since the last acknowledgement (set by the user's thread)
+        self.ack_due = False
         self.welcome = threading.Event()
         self.welcome_error: str | None = None
         self._stop = False
@@ -299,12 +317,18 @@ class _Pump:
         if watch is not None:
             poller.register(watch.socket, zmq.POLLIN)
         self._flush()  # the HELLO
+        ctrl = self._ctrl_r
+        ctrl_fd = ctrl.fileno()  # what poll names it by
+        dealer = self._dealer
+        data = self._data
+        inbox = self._inbox
         while not self._stop:
-            poller.poll(int(proto.hb_interval * 500))
-            try:
-                self._ctrl_r.recv(4096)
-            except BlockingIOError:
-                pass
+            ready = {s for s, _ in poller.poll(int(proto.hb_interval * 500))}
+            if ctrl_fd in ready:
+                try:
+                    ctrl.recv(4096)
+                except BlockingIOError:
+                    pass
             if watch is not None:
                 refusal = watch.refusal()
                 if refusal is not None:
@@ -315,9 +339,13 @@ class _Pump:
                     poller.unregister(watch.socket)
                     watch = None
             now = time.monotonic()
-            for _ in range(256):
+            # What poll found ready, then ZMQ_EVENTS, say whether a message is there (no
+            # exception raised per turn of the loop).
+            for _ in range(256 if dealer in ready else 0):
+                if not cast(int, dealer.get(_EVENTS)) & _POLLIN:
+                    break
                 try:
-                    msg = self._dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+                    msg = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
                 # Large frames stay ZeroMQ's buffers (the bodies are views of them, copied once
@@ -331,21 +359,30 @@ class _Pump:
             # Opening costs time in proportion to the bytes (unlike taking frames in did): after
             # DATA_TURN_BYTES the loop goes round, so acknowledgements and NACKs are not held
             # back for seconds behind large bodies (the server would take the reader for silent).
+            # A reader asleep on the queue is woken once WAKE_ITEMS are queued, or when all that
+            # came is opened: not once per batch.
             budget = DATA_TURN_BYTES
-            for _ in range(256):
-                if budget <= 0:
+            for _ in range(256 if data in ready else 0):
+                if budget <= 0 or not cast(int, data.get(_EVENTS)) & _POLLIN:
                     break
                 try:
-                    msg = self._data.recv_multipart(zmq.NOBLOCK, copy=False)
+                    msg = data.recv_multipart(zmq.NOBLOCK, copy=False)
                 except zmq.Again:
                     break
-                budget -= sum(len(f) for f in msg)
-                frames = [f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg]
+                frames = []
+                for f in msg:
+                    n = len(f)
+                    budget -= n
+                    frames.append(f.buffer if n >= wire.FRAME_ALONE else f.bytes)
                 event = proto.receive_data(frames, now, self.consumed)
-                if event is not None and self._on_event(event):
+                if type(event) is Messages:
+                    inbox.push_batch(event, WAKE_ITEMS)
+                elif event is not None and self._on_event(event):
                     self._flush()
                     return  # the stream ended: everything it sent is queued
-            event = proto.tick(now, self.consumed)
+            inbox.wake_if_sleeping()
+            ack, self.ack_due = self.ack_due, False
+            event = proto.tick(now, self.consumed, ack)
             self._flush()
             if event is not None:
                 self._inbox.push(event)
@@ -419,6 +456,7 @@ class TcpSource:
         )
         self._received = 0
         self._lagged_total = 0
+        self._unacked_bytes = 0  # consumed since the pump was last asked to acknowledge
         self._closed = False
         self._inbox = _Inbox()
         # the inbox's lock and queue, named here for get_nowait (once per message)
@@ -472,9 +510,9 @@ class TcpSource:
             try:
                 obj = self._decode(body, bool(flags & 1))
             except Exception as exc:  # consumed, like a local reader's undecodable message
-                self._consume(seq)
+                self._consume(seq, len(body))
                 raise DeserializationError(seq, exc) from exc
-            self._consume(seq)
+            self._consume(seq, len(body))
             return obj
         if isinstance(item, Lagged):
             self._lagged_total += item.missed
@@ -489,7 +527,7 @@ class TcpSource:
             raise EndOfStream
         raise WriterGone(self._handle.writer_pid)
 
-    def _consume(self, seq: int) -> None:
+    def _consume(self, seq: int, nbytes: int) -> None:
         with self._lock:
             self._items.popleft()
         pump = self._pump
@@ -497,8 +535,15 @@ class TcpSource:
         self._received += 1
         # Half the window consumed: wake the I/O thread to acknowledge it now, or the server,
         # out of credit, sends nothing more until the next heartbeat. (The window is final once
-        # welcomed, and nothing is consumed before.)
-        if consumed % max(1, self._proto.window // 2) == 0:
+        # welcomed, and nothing is consumed before.) The same after ACK_BYTES: the server
+        # holds at most BUFFER_BYTES that are not acknowledged.
+        self._unacked_bytes += nbytes
+        if self._unacked_bytes >= ACK_BYTES:
+            self._unacked_bytes = 0
+            pump.ack_due = True
+            pump.poke()
+        elif consumed % max(1, self._proto.window // 2) == 0:
+            self._unacked_bytes = 0
             pump.poke()
 
     def ready(self) -> bool:

@@ -44,6 +44,13 @@ StreamEnd = Literal["closed", "gone"]
 
 #: a batch takes no more bodies once it holds this many bytes
 BATCH_BYTES = 128 * 1024
+#: a reader acknowledges at least every time its user consumed this many bytes (and every half
+#: window, and every heartbeat): well below BUFFER_BYTES, so the server, which holds what is
+#: not acknowledged, does not wait for acknowledgements of large messages
+ACK_BYTES = 2 << 20
+#: the bytes of sealed bodies a server holds for its readers, at most (``ServerConfig.
+#: buffer_bytes``; beyond one body): large messages are bounded by bytes, not only by count
+BUFFER_BYTES = 64 << 20
 
 # --- the server's events -------------------------------------------------------------------------
 
@@ -137,6 +144,9 @@ class ServerConfig:
     channel: str | None = None
     #: the port of the data socket, for WELCOME
     data_port: int = 0
+    #: bytes of sealed bodies held, at most (as ``buffer_max``, by size: a server holding a
+    #: window of 4 MiB messages would hold a gigabyte)
+    buffer_bytes: int = BUFFER_BYTES
 
 
 class _Held:
@@ -153,8 +163,10 @@ class _Held:
         self.base = start  #: nothing before it is held
         self.end = start  #: the number of the next message the server will have
         self.done: StreamEnd | None = None
+        self.sizes: list[int] = []  #: the bytes of each body held (summed in C when trimmed)
+        self.nbytes = 0  #: the bytes of the bodies held
 
-    def add(self, seq: int, item: tuple[Any, int]) -> None:
+    def add(self, seq: int, item: tuple[Any, int], nbytes: int) -> None:
         if seq < self.base and not self.seqs:
             # Only the first message after joining can be numbered below what the ring said
             # then (the writer was between its two stores; docs/design.md, "Joining"). It is
@@ -163,19 +175,29 @@ class _Held:
         self.items.append(item)
         self.seqs.append(seq)
         self.end = seq + 1
+        self.sizes.append(nbytes)
+        self.nbytes += nbytes
 
     def keep_from(self, seq: int) -> None:
         """Forget every message numbered below ``seq`` (policy "block": all readers have them)."""
         self._drop_before(bisect.bisect_left(self.seqs, min(seq, self.end)), min(seq, self.end))
 
-    def keep_newest(self, count: int) -> None:
-        """Keep the newest ``count`` entries (policy "lag"; gaps do not count: entries do)."""
-        drop = max(0, len(self.seqs) - count)
+    def keep_newest(self, count: int, max_bytes: int) -> None:
+        """Keep the newest ``count`` entries (policy "lag"; gaps do not count: entries do), and
+        of those no more than ``max_bytes`` but the newest."""
+        sizes = self.sizes
+        drop = max(0, len(sizes) - count)
+        excess = self.nbytes - max_bytes - sum(sizes[:drop])
+        while excess > 0 and drop < len(sizes) - 1:
+            excess -= sizes[drop]
+            drop += 1
         self._drop_before(drop, self.seqs[drop] if drop < len(self.seqs) else self.end)
 
     def _drop_before(self, index: int, keep_from: int) -> None:
         """Forget the first ``index`` entries; ``keep_from``: the first number still held."""
         if keep_from > self.base:
+            self.nbytes -= sum(self.sizes[:index])
+            del self.sizes[:index]
             del self.items[:index]
             del self.seqs[:index]
             self.base = keep_from
@@ -311,7 +333,9 @@ class ServerProtocol:
         """Whether to take more from the ring: not after its end, and under "block" not beyond
         ``buffer_max`` held (the ring then holds the writer back, as a slow local reader would)."""
         held = self._held
-        return held.done is None and (not self._block or len(held.seqs) < self._cfg.buffer_max)
+        return held.done is None and (
+            not self._block or (len(held.seqs) < self._cfg.buffer_max and held.nbytes < self._cfg.buffer_bytes)
+        )
 
     def add(self, seq: int, item: tuple[Any, int]) -> None:
         """Message ``seq`` taken from the ring: ``(body, flags)``; the body may be a view of its
@@ -320,9 +344,10 @@ class ServerProtocol:
         and again after a loss. Sealing is the one copy out of the ring."""
         body, flags = item
         sealed: Any = self.sealer.seal(seq, flags, body)
-        if self._large is not None and len(sealed) >= wire.FRAME_ALONE:
+        n = len(sealed)
+        if self._large is not None and n >= wire.FRAME_ALONE:
             sealed = self._large(sealed)
-        self._held.add(seq, (sealed, flags))
+        self._held.add(seq, (sealed, flags), n)
 
     def rekey(self) -> None:
         """A new group key now (on demand); ``send_keys`` tells the readers."""
@@ -501,7 +526,7 @@ class ServerProtocol:
         held = self._held
         base = held.base
         if not self._block:
-            held.keep_newest(self._cfg.buffer_max)
+            held.keep_newest(self._cfg.buffer_max, self._cfg.buffer_bytes)
         elif not self._awaiting_return(now):
             held.keep_from(min((c.acked for c in self._clients.values()), default=held.end))
         if held.base > base:  # the keys nothing held is sealed under any more are forgotten
@@ -826,10 +851,12 @@ class ClientProtocol:
             return
         self._send([wire.NACK, wire.U64.pack(self.next)])  # the server resends (at most once a heartbeat)
 
-    def tick(self, now: float, consumed: int) -> Ended | None:
+    def tick(self, now: float, consumed: int, ack: bool = False) -> Ended | None:
         """Timers. ``consumed``: the next message the user has not taken (everything before it
         is consumed): acknowledged every half window, and at least every heartbeat (the ACK is
-        the reader's heartbeat too)."""
+        the reader's heartbeat too). ``ack``: acknowledge it now (the user consumed
+        ``ACK_BYTES`` since the last time: the server holds what is not acknowledged, and is
+        bounded in bytes)."""
         gone_after = self._gone_timeout if self._gone_timeout is not None else 3 * self.hb_timeout
         if self.welcomed and now - self._last_heard > gone_after:
             return Ended("silent")
@@ -838,7 +865,11 @@ class ClientProtocol:
                 self._hello(None)  # maybe lost before the connection was up
                 self._last_heard = now
             return None
-        if consumed - self._last_ack_sent >= max(1, self.window // 2) or now >= self._next_ack:
+        if (
+            consumed - self._last_ack_sent >= max(1, self.window // 2)
+            or now >= self._next_ack
+            or (ack and consumed > self._last_ack_sent)
+        ):
             self._send([wire.ACK, wire.U64.pack(consumed)])
             self._last_ack_sent = consumed
             self._next_ack = now + self.hb_interval

@@ -16,6 +16,7 @@ one costs only its sender, and what one client can make the server hold is bound
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import json
 import logging
@@ -23,7 +24,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.auth.thread
@@ -37,7 +38,7 @@ from .._shm.segment import Segment, attach_segment
 from .._shm.subscriber import ShmSource
 from . import wire
 from .errors import zmq_errors
-from .protocol import Rejected, ServerConfig, ServerEvent, ServerProtocol, TimedOut
+from .protocol import BUFFER_BYTES, Rejected, ServerConfig, ServerEvent, ServerProtocol, TimedOut
 from .supervisor import remove_quietly, stats_tmp_path
 
 log = logging.getLogger("aiobroadcast")
@@ -64,10 +65,66 @@ def _view(body: Any, oob: bool) -> tuple[Any, int]:
     return body, 1 if oob else 0
 
 
+#: sealed bodies at least this large become ZeroMQ messages without a copy (sharing the pool's
+#: buffer); smaller ones are copied into one: pyzmq's zero-copy costs 10-15 us a message (its
+#: garbage thread hears from ZeroMQ when the buffer is free), a copy of 64 KiB 4 us, and the
+#: pool's buffer is then free again at once (the next body is sealed into it, warm in cache)
+ZERO_COPY_BYTES = 256 * 1024
+
+
 def _frame(sealed: bytes | bytearray) -> zmq.Frame:
     """A large sealed body as a ZeroMQ message, which every send then shares (refcounted, never
     copied again)."""
-    return zmq.Frame(sealed, copy=False)
+    return zmq.Frame(sealed, copy=len(sealed) < ZERO_COPY_BYTES)
+
+
+#: references to a pooled buffer that nobody uses: the pool's deque, and ``sys.getrefcount``'s
+#: own argument and the caller's name for it
+_IDLE_REFS = 3
+
+
+class _Buffers:
+    """The buffers large sealed bodies are written into, used again once nothing refers to them.
+
+    A sealed body is held (``_Held``) and shared with ZeroMQ (a ``zmq.Frame`` made without a copy
+    keeps a reference to its buffer until ZeroMQ has sent it to every reader); once the readers
+    acknowledged it and ZeroMQ let go, only this pool refers to it, and the next body of the same
+    size is sealed into it. A new ``bytearray`` per body would cost a zero-fill, and for bodies of
+    megabytes fresh pages from the kernel, each faulted in and cleared (half the server's CPU
+    at 4 MiB). Bodies are released in about the order they were sealed, so the oldest buffer is
+    the one to look at. At most ``keep_bytes`` are pooled; ``clear`` gives back the idle ones."""
+
+    def __init__(self, keep_bytes: int) -> None:
+        self._bufs: collections.deque[bytearray] = collections.deque()
+        self._bytes = 0
+        self._keep = keep_bytes
+
+    def take(self, n: int) -> bytearray:
+        bufs = self._bufs
+        while bufs:
+            buf = bufs[0]
+            if sys.getrefcount(buf) > _IDLE_REFS:
+                break  # still held or still being sent
+            if len(buf) == n:
+                bufs.rotate(-1)
+                return buf
+            bufs.popleft()  # idle, of another size
+            self._bytes -= len(buf)
+        buf = bytearray(n)
+        if self._bytes + n <= self._keep:
+            bufs.append(buf)
+            self._bytes += n
+        return buf
+
+    def clear(self) -> None:
+        """Forget the idle buffers (the stream paused: give the memory back)."""
+        bufs = self._bufs
+        for _ in range(len(bufs)):
+            buf = bufs.popleft()
+            if sys.getrefcount(buf) > _IDLE_REFS:
+                bufs.append(buf)
+            else:
+                self._bytes -= len(buf)
 
 
 class _Allow:
@@ -105,10 +162,14 @@ class TcpServer:
         returning: int = 0,
         rekey_messages: int = seal.REKEY_MESSAGES,
         rekey_bytes: int = seal.REKEY_BYTES,
+        buffer_bytes: int = BUFFER_BYTES,
+        data_port: int = 0,
     ) -> None:
         """``take_over`` and ``returning``: this server replaces one that died (pid
         ``take_over``), which served ``returning`` remote readers. ``rekey_messages`` and
-        ``rekey_bytes``: the data plane's rekey policy (``_seal.py``)."""
+        ``rekey_bytes``: the data plane's rekey policy (``_seal.py``). ``buffer_bytes``: the
+        bytes of sealed bodies held for readers, at most (beside ``buffer_max`` messages).
+        ``data_port``: the data socket's port (0: a free one)."""
         self._stats_path = stats_path
         self.drain_timeout = 2 * hb_timeout
         self._ring_words = seg.words
@@ -122,11 +183,14 @@ class TcpServer:
         self._data = self._ctx.socket(zmq.ROUTER)
         # A body is sealed once, with the group key of this server process (a restarted server
         # draws another; readers get it in WELCOME). Insecure: authenticated, not encrypted.
+        # What is held, and what ZeroMQ still sends after the readers acknowledged it.
+        self._buffers = _Buffers(2 * buffer_bytes)
         sealer = seal.Sealer(
             handle.token.encode(),
             secret=hmac_key if insecure else None,
             rekey_messages=rekey_messages,
             rekey_bytes=rekey_bytes,
+            buffer=self._buffers.take,
         )
         self.rekey_requested = False  # SIGUSR1: a new key now
         try:
@@ -157,8 +221,8 @@ class TcpServer:
             # at one small message (the bound also applies to the handshake, hence not 0).
             d.maxmsgsize = 1024
             d.router_mandatory = True
-            with zmq_errors(TransportError, f"cannot bind a data port beside {self.endpoint}"):
-                d.bind(_data_endpoint(self.endpoint))
+            with zmq_errors(TransportError, f"cannot bind the data port {data_port or '(any)'} beside {self.endpoint}"):
+                d.bind(_data_endpoint(self.endpoint, data_port))
             self.data_port = int(d.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
             # hold: under policy "block" a body is a view of its slot until the next get_nowait,
             # so the protocol seals it straight out of the ring.
@@ -178,6 +242,7 @@ class TcpServer:
             max_remote=max_remote,
             channel=handle.token,
             data_port=self.data_port,
+            buffer_bytes=buffer_bytes,
         )
         self.protocol = ServerProtocol(
             config,
@@ -244,11 +309,13 @@ class TcpServer:
         poller.register(self._ctrl_r, zmq.POLLIN)
         inbox = self._src.inbox_fd
         stopping = False
+        idle = True  # nothing taken from the ring since the last heartbeat
         while True:
             if self.rekey_requested:
                 self.rekey_requested = False
                 proto.rekey()
             pulled = self._pull_ring()
+            idle = idle and not pulled
             proto.send_keys(self._send)  # before anything sealed under the new key goes out
             now = time.monotonic()
             self._recv_clients(now)
@@ -258,6 +325,9 @@ class TcpServer:
                 for event in proto.heartbeat(now, self._send):
                     self._on_event(event)
                 self.write_stats()
+                if idle:
+                    self._buffers.clear()
+                idle = True
             if proto.finished(now):
                 return
             if pulled or sent:
@@ -334,6 +404,8 @@ class TcpServer:
     def _recv_clients(self, now: float) -> None:
         router = self._router
         for _ in range(1024):
+            if not cast(int, router.get(_EVENTS)) & _POLLIN:
+                return  # asked first: an exception per turn of the loop costs more
             try:
                 frames = router.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -382,9 +454,9 @@ class TcpServer:
         )
 
 
-def _data_endpoint(endpoint: str) -> str:
-    """The data socket binds where the control socket did, on a port of its own."""
-    return endpoint.rsplit(":", 1)[0] + ":*"
+def _data_endpoint(endpoint: str, port: int) -> str:
+    """The data socket binds where the control socket did, on a port of its own (0: any)."""
+    return f"{endpoint.rsplit(':', 1)[0]}:{port or '*'}"
 
 
 def _port_star(endpoint: str) -> str:
@@ -393,6 +465,10 @@ def _port_star(endpoint: str) -> str:
         return endpoint[:-2] + ":*"
     return endpoint
 
+
+#: ZMQ_EVENTS and POLLIN as plain ints (pyzmq's enums cost microseconds per use)
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 
 #: glibc's mallopt parameters
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -458,6 +534,8 @@ def main() -> int:
                 returning=cfg.get("returning", 0),
                 rekey_messages=cfg.get("rekey_messages") or seal.REKEY_MESSAGES,
                 rekey_bytes=cfg.get("rekey_bytes") or seal.REKEY_BYTES,
+                buffer_bytes=cfg.get("buffer_bytes") or BUFFER_BYTES,
+                data_port=cfg.get("data_port") or 0,
             )
         except BaseException:
             seg.close()

@@ -432,3 +432,38 @@ async def test_a_reader_in_trio_guest_mode_on_an_asyncio_loop_takes_the_generic_
                 await writer.put(2)
                 outcome = await done
             assert outcome.unwrap() == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [("asyncio", {"use_uvloop": False}), ("asyncio", {"use_uvloop": True})],
+    ids=["asyncio", "uvloop"],
+)
+async def test_one_timer_ends_each_sleep_at_its_own_limit(tmp_path: Any) -> None:
+    """One timer serves every sleep of an inbox under asyncio. A sleep woken early leaves it armed
+    for its own limit; the next sleep must still end at its limit, whether that comes later (the
+    timer arms itself again) or sooner (a shorter limit: the timer is armed again for it)."""
+    path = str(tmp_path / "t.sock")
+    inbox = _wake.Inbox(path)
+    out = _wake.Outbox()
+    loop = asyncio.get_running_loop()
+    try:
+        out.wake(path)
+        assert await inbox.wait(5.0)  # woken at once: the timer stays armed for ~5 s from now
+        start = loop.time()
+        assert not await inbox.wait(0.2)  # a shorter limit: ends at it, not after 5 s
+        assert 0.15 <= loop.time() - start < 4.0
+        out.wake(path)
+        assert await inbox.wait(0.3)  # woken at once: the timer is armed ~0.3 s from now
+        await anyio.sleep(0.35)  # it fires with nobody asleep: not armed again
+        start = loop.time()
+        assert not await inbox.wait(0.5)  # a new timer for this sleep
+        assert 0.45 <= loop.time() - start < 4.0
+        out.wake(path)
+        assert await inbox.wait(0.3)
+        start = loop.time()
+        assert not await inbox.wait(0.6)  # the old timer fires first and arms itself again
+        assert 0.55 <= loop.time() - start < 4.0
+    finally:
+        inbox.close()
+        out.close()

@@ -115,7 +115,12 @@ class Inbox:
         # sleep cost about 3 us per message under uvloop (a timer handle made and closed each
         # time). A timer that fires before the current sleep's limit arms itself again for it.
         self._deadline = loop.time() + limit_s
-        if self._timer is None:
+        timer = self._timer
+        if timer is None or timer.when() > self._deadline + 0.002:
+            # None armed, or armed for a longer limit than this sleep's (the limit changed: the
+            # writer's pidfd fired, or a test shortened it): arm one for this sleep.
+            if timer is not None:
+                timer.cancel()
             self._timer = loop.call_at(self._deadline, self._on_timer)
         try:
             # Cancellation (anyio cancel scopes cancel the task) raises here. A datagram taken for

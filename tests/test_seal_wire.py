@@ -25,16 +25,16 @@ from aiobroadcast._tcp import wire
 
 pytestmark = pytest.mark.anyio
 
-MIDDLE = "127.0.0.2"
+MIDDLE = "127.0.0.2"  # where the relays listen, unless a port is taken there (see middle_for)
 MARKER = b"PLAINTEXT-MARKER-"
 
 
 class ByteRelay:
-    """Forwards TCP connections from MIDDLE:port to 127.0.0.1:port, recording every byte."""
+    """Forwards TCP connections from middle:port to 127.0.0.1:port, recording every byte."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, middle: str = MIDDLE) -> None:
         self.port = port
-        self.lsock = socket.create_server((MIDDLE, port))
+        self.lsock = socket.create_server((middle, port))
         self.captured = bytearray()
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = [self.lsock]
@@ -83,9 +83,9 @@ class ZmtpMitm(ByteRelay):
     through ``tamper``, which returns the groups to send instead. Commands pass unchanged. This
     is an attacker on the TCP path: ZeroMQ on either side sees only what it sends."""
 
-    def __init__(self, port: int, tamper: Tamper) -> None:
+    def __init__(self, port: int, tamper: Tamper, middle: str = MIDDLE) -> None:
         self.tamper = tamper
-        super().__init__(port)
+        super().__init__(port, middle)
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         if src.getpeername()[0] != "127.0.0.1" or src.getpeername()[1] != self.port:
@@ -154,21 +154,40 @@ def listening_ports(writer: ab.Writer[Any]) -> tuple[int, int]:
     return control, data
 
 
+def middle_for(*ports: int) -> str:
+    """A loopback address where every one of ``ports`` is free to listen on. The relays listen on
+    the server's own port numbers (a reader learns the data port from the server), and another
+    socket may hold one of them on 127.0.0.2 (a connection's ephemeral port): try the next."""
+    for n in range(2, 64):
+        host = f"127.0.0.{n}"
+        probes: list[socket.socket] = []
+        try:
+            probes.extend(socket.create_server((host, port)) for port in ports)  # kept as made: closed below
+        except OSError:
+            continue
+        finally:
+            for probe in probes:
+                probe.close()
+        return host
+    raise AssertionError(f"no loopback address has ports {ports} free")
+
+
 @contextmanager
 def in_the_middle(writer: ab.Writer[Any], tamper: Tamper | None) -> Iterator[tuple[ab.Handle, list[ByteRelay]]]:
     """A handle whose reader goes through the middle: byte relays on both connections, or with
     ``tamper`` an attacker on the data connection."""
     control, data = listening_ports(writer)
+    middle = middle_for(control, data)
     with ExitStack() as stack:
-        relays = [ByteRelay(control)]
+        relays = [ByteRelay(control, middle)]
         stack.callback(relays[0].close)
         if tamper is None:
-            relays.append(ByteRelay(data))
+            relays.append(ByteRelay(data, middle))
             stack.callback(relays[1].close)
         else:
-            stack.callback(ZmtpMitm(data, tamper).close)
+            stack.callback(ZmtpMitm(data, tamper, middle).close)
         assert writer.handle.tcp is not None
-        yield writer.handle.model_copy(update={"tcp": writer.handle.tcp.replace("127.0.0.1", MIDDLE)}), relays
+        yield writer.handle.model_copy(update={"tcp": writer.handle.tcp.replace("127.0.0.1", middle)}), relays
 
 
 @pytest.mark.parametrize("insecure", [False, True], ids=["sealed", "insecure"])
@@ -319,10 +338,10 @@ class HeldRelay(ByteRelay):
     """A byte relay whose server-to-reader direction can be held: what the server sends waits
     (in the relay and the kernel) while ``flowing`` is clear, then goes on in order."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, middle: str = MIDDLE) -> None:
         self.flowing = threading.Event()
         self.flowing.set()
-        super().__init__(port)
+        super().__init__(port, middle)
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         if src.getpeername() != ("127.0.0.1", self.port):
@@ -352,12 +371,13 @@ async def test_a_reader_that_missed_two_rekeys_fetches_the_keys_again_and_reads_
     once the control connection flows, it gets every message, once and in order, nothing lost."""
     async with tcp_writer(rekey_messages=2) as writer:
         control, data = listening_ports(writer)
+        middle = middle_for(control, data)
         with ExitStack() as stack:
-            held = HeldRelay(control)
+            held = HeldRelay(control, middle)
             stack.callback(held.close)
-            stack.callback(ByteRelay(data).close)
+            stack.callback(ByteRelay(data, middle).close)
             assert writer.handle.tcp is not None
-            h = writer.handle.model_copy(update={"tcp": writer.handle.tcp.replace("127.0.0.1", MIDDLE)})
+            h = writer.handle.model_copy(update={"tcp": writer.handle.tcp.replace("127.0.0.1", middle)})
             async with ab.open_reader(h, transport="tcp", name="behind") as reader:
                 proto = reader._src._proto  # type: ignore[attr-defined]
                 with anyio.fail_after(30):

@@ -256,6 +256,7 @@ def _use_inherited(conn: Conn, backend: Backend, writer: ab.Writer[Any], readers
 
     async def main() -> None:
         await attempt_async("writer.put", lambda: writer.put("from the child"))
+        await attempt_async("writer.put_many", lambda: writer.put_many(["from", "the child"]))
         for name, r in readers.items():
             await attempt_async(f"{name}.get", r.get)
         await attempt_async("writer.aclose", writer.aclose)

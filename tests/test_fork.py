@@ -182,7 +182,7 @@ async def test_a_child_cannot_use_inherited_roles_and_does_not_disturb_them(anyi
         done = await w.recv("done", within_s=60)
     seen = done["child"]
     names = ["shm", "tcp"] if tcp else ["shm"]
-    refused = ["writer.put_nowait", "writer.statistics", "writer.put"]
+    refused = ["writer.put_nowait", "writer.statistics", "writer.put", "writer.put_many"]
     refused += [f"{n}.{call}" for n in names for call in ("get_nowait", "statistics", "get")]
     owner = re.escape(str(w.pid))
     for what in refused:

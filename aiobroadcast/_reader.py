@@ -22,7 +22,7 @@ from ._stats import ReaderStatistics
 T_co = TypeVar("T_co", covariant=True)
 
 _private = object()
-_NOTHING: Any = object()  # what the inlined get_nowait yields when no message is ready
+_NOTHING: Any = object()  # what _take returns when no message is ready
 
 
 def poll_budget(spin_ns: int | None, slept_ns: int) -> int:
@@ -73,7 +73,7 @@ class Reader(Generic[T_co]):
         # finds it held (another thread, or a __setstate__ of the message being decoded that
         # reads from this reader) raises WouldBlock instead of taking a message twice.
         self._taking = threading.Lock()
-        # Bound once: get_nowait calls them per message.
+        # Bound once: _take calls them per message.
         self._take_lock = self._taking.acquire
         self._drop_lock = self._taking.release
         self._src_get = source.get_nowait
@@ -101,14 +101,24 @@ class Reader(Generic[T_co]):
         (it is consumed; the next call returns the next one), and ``ClosedResourceError``
         after ``aclose``.
         """
+        obj = self._take()
+        if obj is _NOTHING:
+            raise WouldBlock
+        return obj  # type: ignore[no-any-return]
+
+    def _take(self) -> Any:
+        """Take the next message, or ``_NOTHING`` if none is ready (or another thread is taking
+        one): ``get`` waits then, without a ``WouldBlock`` raised and caught per wait."""
         if self._closed:
             raise ClosedResourceError(self._refusal or "this reader is closed")
         if not self._take_lock(False):
-            raise WouldBlock
+            return _NOTHING
         try:
             if self._closed:  # closed by another thread meanwhile
                 raise ClosedResourceError("this reader is closed")
-            return self._src_get()  # type: ignore[no-any-return]
+            return self._src_get()
+        except WouldBlock:
+            return _NOTHING
         finally:
             self._drop_lock()
 
@@ -121,27 +131,15 @@ class Reader(Generic[T_co]):
         if _get_ident() != self._thread:
             self._check_thread()
         while True:
-            # get_nowait, written out (one call less per message), with "nothing yet" as a value
-            # rather than a WouldBlock raised and caught.
-            if self._closed:
-                raise ClosedResourceError(self._refusal or "this reader is closed")
-            if self._take_lock(False):
-                try:
-                    if self._closed:  # closed by another thread meanwhile
-                        raise ClosedResourceError("this reader is closed")
-                    obj = self._src_get()
-                except WouldBlock:
-                    obj = _NOTHING
-                finally:
-                    self._drop_lock()
-                if obj is not _NOTHING:
-                    self._since_yield += 1
-                    if self._since_yield >= _tuning.YIELD_EVERY:
-                        # A reader that never has to wait still lets other tasks run now and then.
-                        # Shielded: the message is taken, so a cancellation here would lose it.
-                        self._since_yield = 0
-                        await anyio.lowlevel.cancel_shielded_checkpoint()
-                    return obj  # type: ignore[no-any-return]
+            obj = self._take()
+            if obj is not _NOTHING:
+                self._since_yield += 1
+                if self._since_yield >= _tuning.YIELD_EVERY:
+                    # A reader that never has to wait still lets other tasks run now and then.
+                    # Shielded: the message is taken, so a cancellation here would lose it.
+                    self._since_yield = 0
+                    await anyio.lowlevel.cancel_shielded_checkpoint()
+                return obj  # type: ignore[no-any-return]
             await self._wait()
 
     def statistics(self) -> ReaderStatistics:

@@ -152,7 +152,6 @@ async def ring(steps: Callable[[int], int]) -> tuple[ab.Writer[Any], ab.Reader[A
     reader = await ab.open_reader(writer.handle, transport="shm")
     src = cast(ShmSource, reader._src)
     src._decode = lambda raw, oob: bytes(raw)
-    src._loads = None  # (else pickle bodies skip _decode)
     stepped = SteppedWriter(src._seg)
     src._words = cast(Any, Interleave(src._seg.words, stepped, steps))
     return writer, reader, src, stepped

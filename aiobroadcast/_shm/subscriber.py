@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable
 from typing import Any
 
 import anyio
 
 from .. import _tuning
-from .._codec import decode_pickle
 from .._exceptions import (
     DeserializationError,
     EndOfStream,
@@ -63,8 +61,6 @@ class ShmSource:
         self._handle = handle
         self._name = name
         self._decode = decode
-        # decode_pickle does only this for a body without out-of-band buffers: called directly.
-        self._loads = pickle.loads if decode is decode_pickle else None
         lay = seg.layout
         self._cap = lay.capacity
         self._slot_offset = lay.slot_offset  # bound once: read per message
@@ -141,12 +137,7 @@ class ShmSource:
                         continue
                 # The one-slot message, written out: what ``_deliver`` and ``_take`` do.
                 try:
-                    loads = self._loads
-                    obj = (
-                        loads(body)
-                        if loads is not None and not flags & F_OOB
-                        else self._decode(body, flags & F_OOB != 0)
-                    )
+                    obj = self._decode(body, flags & F_OOB != 0)
                 except Exception as exc:
                     self._next_msg = msg + 1
                     self._take(c)  # consumed: the next get returns the next message

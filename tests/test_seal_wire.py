@@ -29,6 +29,15 @@ MIDDLE = "127.0.0.2"  # where the relays listen, unless a port is taken there (s
 MARKER = b"PLAINTEXT-MARKER-"
 
 
+def shut(*socks: socket.socket) -> None:
+    """End both directions of a relayed connection (whichever side ended it first)."""
+    for sock in socks:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+
 class ByteRelay:
     """Forwards TCP connections from middle:port to 127.0.0.1:port, recording every byte."""
 
@@ -61,11 +70,7 @@ class ByteRelay:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            shut(src, dst)
 
     def close(self) -> None:
         self._stop = True
@@ -126,11 +131,7 @@ class ZmtpMitm(ByteRelay):
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            shut(src, dst)
 
 
 def _zmtp(frames: list[bytes]) -> bytes:
@@ -355,11 +356,7 @@ class HeldRelay(ByteRelay):
         except OSError:
             pass
         finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+            shut(src, dst)
 
 
 @ON_ASYNCIO

@@ -37,7 +37,8 @@ class Program:
         )
         self.lines: list[str] = []
         self._queue: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
 
     def _pump(self) -> None:
         assert self.popen.stdout is not None
@@ -61,8 +62,11 @@ class Program:
                 return m
 
     def finish(self, timeout: float = 60.0) -> int:
+        """Wait for the program to end and for every line it (and its children) wrote to be read."""
         code = self.popen.wait(timeout)
-        time.sleep(0.05)
+        # The pipe ends when the last process holding it does; a loaded machine may leave the
+        # reading thread any number of lines behind the program's exit.
+        self._pump_thread.join(timeout)
         return code
 
     def stop(self) -> None:
@@ -137,7 +141,7 @@ def test_vllm_drop_in_worker_loop(programs: list[Program]) -> None:
         "worker 0",
         "worker 1",
         "worker 2",
-    ]
+    ], "\n".join(p.lines)
     assert any(
         line.startswith("the scheduler cannot dequeue from its own queue: this is the writer's MessageQueue")
         and "create_from_handle" in line

@@ -222,3 +222,29 @@ def test_the_bench_command_has_no_peer_options() -> None:
     proc = bench("--peers", "--mode", "tput", "--readers", "1", "--size", "64", "--count", "10")
     assert proc.returncode == 2
     assert "unrecognized arguments: --peers" in proc.stderr
+
+
+def test_put_floor_prints_every_row() -> None:
+    """``benchmarks/put_floor.py`` (the Python floor beside our per-message cost) runs on a real
+    channel and reports every row. No timing assertions: the figures belong in the docs."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "put_floor.py"), "--count", "2000", "--repeat", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    rows = result["us_per_msg"]
+    assert set(rows) == {
+        "floor writer",
+        "floor writer, async def",
+        "floor reader",
+        "put_nowait",
+        "put",
+        "put_many",
+        "get_nowait",
+    }
+    assert all(value > 0 for value in rows.values())

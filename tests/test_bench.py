@@ -30,6 +30,11 @@ def bench(*args: str, timeout: float = 60, side_by_side: bool = False) -> subpro
     )
 
 
+def script(*argv: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """Run this interpreter on ``argv`` (a script of benchmarks/, by path) and capture its output."""
+    return subprocess.run([sys.executable, *argv], cwd=cwd, capture_output=True, text=True, timeout=60, check=False)
+
+
 def objects(proc: subprocess.CompletedProcess[str]) -> list[dict[str, Any]]:
     assert proc.returncode == 0, proc.stderr
     out = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
@@ -203,13 +208,8 @@ def test_peer_drivers_run_in_an_interpreter_without_aiobroadcast() -> None:
     """benchmarks/peers.py runs in the peers' interpreter, which need not have aiobroadcast or its
     dependencies: without site-packages (``-S``) it still loads the shared figures code by path
     and reports the peer as unavailable, in the JSON line side_by_side.py reads."""
-    proc = subprocess.run(
-        [sys.executable, "-S", str(ROOT / "benchmarks" / "peers.py"), "pyzmq", "tput", "1", "64", "10"],
-        cwd=ROOT / "benchmarks",
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+    proc = script(
+        "-S", str(ROOT / "benchmarks" / "peers.py"), "pyzmq", "tput", "1", "64", "10", cwd=ROOT / "benchmarks"
     )
     assert proc.returncode == 3, proc.stderr
     last = json.loads(proc.stdout.splitlines()[-1])
@@ -227,14 +227,7 @@ def test_the_bench_command_has_no_peer_options() -> None:
 def test_put_floor_prints_every_row() -> None:
     """``benchmarks/put_floor.py`` (the Python floor beside our per-message cost) runs on a real
     channel and reports every row. No timing assertions: the figures belong in the docs."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "put_floor.py"), "--count", "2000", "--repeat", "1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = script(str(ROOT / "benchmarks" / "put_floor.py"), "--count", "2000", "--repeat", "1")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.splitlines()[-1])
     rows = result["us_per_msg"]

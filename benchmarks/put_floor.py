@@ -161,6 +161,10 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--size", type=int, default=64)
     args = p.parse_args()
+    if args.count < 200:
+        p.error("--count must be at least 200 (the reader's rounds take 200 messages)")
+    if not 0 <= args.size <= SLOT - 128:
+        p.error(f"--size must be 0..{SLOT - 128}: every message fits in one {SLOT}-byte slot here")
     payload = b"x" * args.size
     runs: dict[str, list[float]] = {}
 

@@ -11,9 +11,10 @@ recovery from an interrupt mid-copy, a fresh pickler per message. Then the same 
 awaited per message, which is what ``await writer.put`` adds at the least. The reader's floor is
 the mirror: read the commit word and the header, ``pickle.loads`` the slot, store the cursor.
 
-Beside them, in the same process: ``Writer.put_nowait``, ``await Writer.put``,
-``await Writer.put_many`` (batches of 64, per message) and ``Reader.get_nowait`` on a real channel
-(a ring of 256 slots refilled between rounds; only the reads are timed).
+Beside them, in the same process, on a real channel: the writer's calls as
+``benchmarks/put_many.py`` measures them (``put``, ``put_nowait``, ``put_many`` in batches of 16
+and 64; the best of its 5 rounds), and ``Reader.get_nowait`` (a ring of 256 slots refilled between
+rounds; only the reads are timed).
 
 Prints a table and one JSON object (medians of K runs, microseconds per message). The difference
 between a floor and our figure is what the guarantees and the layers cost per message; a peer
@@ -31,6 +32,7 @@ import struct
 import time
 
 import anyio
+from put_many import main as writer_costs  # benchmarks/put_many.py, beside this script
 
 import aiobroadcast as ab
 
@@ -121,25 +123,10 @@ def floor_reader(count: int, payload: bytes) -> float:
     return elapsed / count * 1e6
 
 
-async def ours(count: int, payload: bytes) -> dict[str, float]:
+async def reader_cost(count: int, payload: bytes) -> float:
+    """``Reader.get_nowait`` per message, on a real channel refilled by ``put_many``."""
     now = time.perf_counter_ns
-    out: dict[str, float] = {}
     async with ab.open_writer(capacity=CAPACITY, slot_bytes=SLOT) as writer:
-        put_nowait = writer.put_nowait
-        start = time.perf_counter()
-        for _ in range(count):
-            put_nowait((now(), payload))
-        out["put_nowait"] = (time.perf_counter() - start) / count * 1e6
-        put = writer.put
-        start = time.perf_counter()
-        for _ in range(count):
-            await put((now(), payload))
-        out["put"] = (time.perf_counter() - start) / count * 1e6
-        batch = 64
-        start = time.perf_counter()
-        for _ in range(count // batch):
-            await writer.put_many([(now(), payload) for _ in range(batch)])
-        out["put_many"] = (time.perf_counter() - start) / (count // batch * batch) * 1e6
         async with ab.open_reader(writer.handle) as reader:
             get_nowait = reader.get_nowait
             timed = 0.0
@@ -151,8 +138,7 @@ async def ours(count: int, payload: bytes) -> dict[str, float]:
                     get_nowait()
                 timed += time.perf_counter() - start
                 taken += 200
-            out["get_nowait"] = timed / taken * 1e6
-    return out
+    return timed / taken * 1e6
 
 
 def main() -> None:
@@ -175,8 +161,9 @@ def main() -> None:
         add("floor writer", floor_writer(args.count, payload))
         add("floor writer, async def", await floor_writer_async(args.count, payload))
         add("floor reader", floor_reader(args.count, payload))
-        for name, value in (await ours(args.count, payload)).items():
-            add(name, value)
+        for name, ns in (await writer_costs(args.size, args.count)).items():
+            add(name, ns / 1000)
+        add("get_nowait", await reader_cost(args.count, payload))
 
     for _ in range(args.repeat):  # interleaved: each round measures every row once
         anyio.run(one_round, backend_options={"use_uvloop": True})

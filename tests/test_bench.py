@@ -237,7 +237,8 @@ def test_put_floor_prints_every_row() -> None:
         "floor reader",
         "put_nowait",
         "put",
-        "put_many",
+        "put_many_16",
+        "put_many_64",
         "get_nowait",
     }
     assert all(value > 0 for value in rows.values())

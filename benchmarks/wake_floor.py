@@ -1,7 +1,7 @@
 """The floor under any sleeping reader's wake-up latency on this host, without aiobroadcast.
 
     python benchmarks/wake_floor.py [--pause S] [--count N] [--readers R] [--loop blocking|uvloop]
-    python benchmarks/wake_floor.py --paced [--pause 0.001] [--count N] [--readers R]
+    python benchmarks/wake_floor.py --paced [--pickle] [--pause 0.001] [--count N] [--readers R]
 
 Default (idle floor): R reader processes block on a Unix datagram socket (``recv`` in C, or an
 event loop's ``add_reader``); a sender sleeps PAUSE seconds, stamps ``perf_counter_ns()`` and sends
@@ -13,6 +13,12 @@ per ms): each reader is a bare uvloop reader parked on a FIFO with one persisten
 (default 1 ms, as the ``lat`` cell), stamps the time into shared memory and writes one byte to
 the FIFO of each reader that announced it sleeps. No serialisation, no ring: this is the least
 an asyncio reader that sleeps (no spinning) can take to see a message here.
+
+``--paced --pickle``: the same, with the message a library carries: the sender stamps the time,
+pickles ``(stamp, 64 bytes)`` into the shared page and writes the byte; the reader unpickles it
+and takes the stamp from it. The least a sleeping asyncio reader of pickled objects can take: what
+the ``lat`` cell's readers (ours, and the peers that pickle: faster-fifo, vLLM) do on top of the
+wake-up.
 
 Prints one JSON object: the medians (and, paced, the p99) per reader. This is what a kernel
 wake-up costs here (on a virtual machine, an idle vCPU must be woken by the hypervisor); a library
@@ -27,6 +33,7 @@ import json
 import mmap
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import statistics
 import struct
@@ -39,6 +46,9 @@ from typing import Any
 WORD = struct.Struct("=q")
 FLAG, STAMP, TAKEN = 0, 8, 16
 STRIDE = 24
+#: Under ``--pickle``, where the message is (its length, then its bytes), after every reader's words.
+MESSAGE = 1024
+PAYLOAD = b"x" * 64
 
 
 def _reader(path: str, count: int, loop: str, q: Any) -> None:
@@ -69,7 +79,7 @@ def _reader(path: str, count: int, loop: str, q: Any) -> None:
     q.put(lat)
 
 
-def _paced_reader(fifo: str, shm: str, rank: int, count: int, q: Any) -> None:
+def _paced_reader(fifo: str, shm: str, rank: int, count: int, q: Any, pickled: bool) -> None:
     import uvloop
 
     fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)  # read-write: never sees end of file
@@ -97,8 +107,15 @@ def _paced_reader(fifo: str, shm: str, rank: int, count: int, q: Any) -> None:
                 await waiter[0]
             WORD.pack_into(page, flag_at, 0)
             seen = WORD.unpack_from(page, stamp_at)[0]
+            if pickled:
+                n = WORD.unpack_from(page, MESSAGE)[0]
+                stamp, payload = pickle.loads(page[MESSAGE + 8 : MESSAGE + 8 + n])
+                if stamp != seen or payload != PAYLOAD:
+                    raise RuntimeError(f"reader {rank}: the message is not the one announced")
+            else:
+                stamp = seen
             WORD.pack_into(page, STRIDE * rank + TAKEN, seen)
-            lat.append((time.perf_counter_ns() - seen) / 1000)
+            lat.append((time.perf_counter_ns() - stamp) / 1000)
         ev_loop.remove_reader(fd)
 
     uvloop.run(main())
@@ -125,7 +142,10 @@ def main() -> None:
     p.add_argument("--readers", type=int, default=2)
     p.add_argument("--loop", choices=("blocking", "uvloop"), default="blocking")
     p.add_argument("--paced", action="store_true", help="the paced floor: uvloop readers on a FIFO, announced sleeps")
+    p.add_argument("--pickle", action="store_true", help="paced: carry a pickled (stamp, 64 bytes) message")
     args = p.parse_args()
+    if args.pickle and not args.paced:
+        p.error("--pickle goes with --paced")
     pause = args.pause if args.pause is not None else (0.001 if args.paced else 1.0)
     count = args.count if args.count is not None else (2000 if args.paced else 5)
     ctx = mp.get_context("spawn")
@@ -133,14 +153,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir="/dev/shm") as d:
         if args.paced:
             shm = os.path.join(d, "page")
-            with open(shm, "wb") as f:
+            with open(shm, "w+b") as f:
                 f.write(b"\0" * mmap.PAGESIZE)
-            with open(shm, "r+b") as f:
+                f.flush()
                 page = mmap.mmap(f.fileno(), 0)
             fifos = [os.path.join(d, f"r{i}.fifo") for i in range(args.readers)]
             for fifo in fifos:
                 os.mkfifo(fifo, 0o600)
-            procs = [ctx.Process(target=_paced_reader, args=(fifo, shm, i, count, q)) for i, fifo in enumerate(fifos)]
+            procs = [
+                ctx.Process(target=_paced_reader, args=(fifo, shm, i, count, q, args.pickle))
+                for i, fifo in enumerate(fifos)
+            ]
             fds: list[int] = []
 
             def send() -> None:
@@ -151,8 +174,14 @@ def main() -> None:
                     and WORD.unpack_from(page, STRIDE * i + TAKEN)[0] == WORD.unpack_from(page, STRIDE * i + STAMP)[0]
                     for i in range(args.readers)
                 ):
+                    if not all(proc.is_alive() for proc in procs):
+                        raise SystemExit("wake_floor: a reader process died (its error is above)")
                     time.sleep(pause)
                 now = time.perf_counter_ns()
+                if args.pickle:
+                    body = pickle.dumps((now, PAYLOAD), protocol=5)
+                    WORD.pack_into(page, MESSAGE, len(body))
+                    page[MESSAGE + 8 : MESSAGE + 8 + len(body)] = body
                 for i in range(args.readers):
                     WORD.pack_into(page, STRIDE * i + STAMP, now)
                 for i, fd in enumerate(fds):
@@ -189,6 +218,7 @@ def main() -> None:
         "pause_s": pause,
         "loop": "uvloop" if args.paced else args.loop,
         "paced": args.paced,
+        "pickle": args.pickle,
         "readers": args.readers,
         "count": count,
         "wake_latency_us_median_per_reader": [round(statistics.median(r), 1) for r in results],

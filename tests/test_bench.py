@@ -242,3 +242,24 @@ def test_put_floor_prints_every_row() -> None:
         "get_nowait",
     }
     assert all(value > 0 for value in rows.values())
+
+
+@pytest.mark.parametrize("pickled", [False, True], ids=["bare", "pickle"])
+def test_wake_floor_paced_runs(pickled: bool) -> None:
+    """``benchmarks/wake_floor.py --paced`` (the wake-up floor beside the ``lat`` cell), bare and
+    carrying a pickled message, runs real reader processes and reports every reader. The reader
+    checks that the message it unpickled is the one announced. No timing assertions."""
+    proc = script(
+        str(ROOT / "benchmarks" / "wake_floor.py"),
+        "--paced",
+        "--readers",
+        "2",
+        "--count",
+        "50",
+        *(["--pickle"] if pickled else []),
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["paced"] is True and result["pickle"] is pickled and result["count"] == 50
+    assert len(result["wake_latency_us_median_per_reader"]) == 2
+    assert 0 < result["p50_us"] <= result["p99_us"]

@@ -263,3 +263,31 @@ def test_wake_floor_paced_runs(pickled: bool) -> None:
     assert result["paced"] is True and result["pickle"] is pickled and result["count"] == 50
     assert len(result["wake_latency_us_median_per_reader"]) == 2
     assert 0 < result["p50_us"] <= result["p99_us"]
+
+
+def test_cpu_split_names_every_process_of_a_tcp_run() -> None:
+    """``benchmarks/cpu_split.py`` around a real run over TCP (writer, server, reader processes):
+    it reports the server's process and the reader's I/O thread among its rows, CPU per message,
+    and the run's own JSON line. No timing assertions."""
+    run = [sys.executable, "-m", "aiobroadcast", "bench", "--transport", "tcp", "--mode", "tput"]
+    run += ["--readers", "1", "--size", "65536", "--count", "2000", "--repeat", "1", "--json"]
+    proc = script(str(ROOT / "benchmarks" / "cpu_split.py"), "--messages", "2000", "--every-ms", "5", "--", *run)
+    assert proc.returncode == 0, proc.stderr
+    split, bench_line = (json.loads(line) for line in proc.stdout.splitlines()[-2:])
+    assert bench_line["received"] == [2000]
+    threads = split["threads"]
+    assert any("aiobroadcast._tcp.server" in t["command"] for t in threads)
+    server = {t["pid"] for t in threads if "aiobroadcast._tcp.server" in t["command"]}
+    assert any(t["pid"] in server and t["thread"].startswith("ZMQbg/IO") for t in threads)
+    # The reader's process: its event loop's thread and its I/O thread (Python names neither).
+    reader = [t for t in threads if "multiprocessing.spawn" in t["command"] and t["thread"] == "python"]
+    assert len({t["tid"] for t in reader}) >= 2
+    assert split["us_per_msg"] > 0
+    assert abs(sum(t["us_per_msg"] for t in threads) - split["us_per_msg"]) < 0.1 * len(threads)
+
+
+def test_cpu_split_refuses_a_missing_command_and_passes_on_a_failure() -> None:
+    proc = script(str(ROOT / "benchmarks" / "cpu_split.py"), "--messages", "10")
+    assert proc.returncode == 2 and "give the command" in proc.stderr
+    proc = script(str(ROOT / "benchmarks" / "cpu_split.py"), "--", sys.executable, "-c", "raise SystemExit(3)")
+    assert proc.returncode == 3 and "exited with 3" in proc.stderr

@@ -78,6 +78,13 @@ def _frame(sealed: bytes | bytearray) -> zmq.Frame:
     return zmq.Frame(sealed, copy=len(sealed) < ZERO_COPY_BYTES)
 
 
+#: a turn of the server's loop stops taking from the ring once it took this many bytes of bodies
+#: (or 4096 messages): the sealed ones go out, then it takes more. Taking the whole ring first (up
+#: to 64 messages of 64 KiB, 6 ms of sealing) left the readers idle while it sealed, then sent
+#: them a burst: a turn of 64 KiB took tput at 64 KiB with 1 reader from about 6,500 to 7,700
+#: msgs/s, and 4 MiB (one message a turn, either way but the first) up 8%.
+TURN_BYTES = 64 * 1024
+
 #: references to a pooled buffer that nobody uses: the pool's deque, and ``sys.getrefcount``'s
 #: own argument and the caller's name for it
 _IDLE_REFS = 3
@@ -357,11 +364,13 @@ class TcpServer:
                     pass
 
     def _pull_ring(self) -> int:
-        """Hand what the ring holds to the protocol (under "block", while it has room)."""
+        """Hand what the ring holds to the protocol (under "block", while it has room), up to
+        ``TURN_BYTES`` of bodies: then it is sent before more is taken."""
         n = 0
+        budget = TURN_BYTES
         proto = self.protocol
         src = self._src
-        while n < 4096 and proto.wants_ring():
+        while n < 4096 and budget > 0 and proto.wants_ring():
             try:
                 item = src.get_nowait()
             except WouldBlock:
@@ -376,6 +385,7 @@ class TcpServer:
                 proto.stream_ended("gone")
                 break
             proto.add(src.next_msg - 1, item)
+            budget -= len(item[0])
             n += 1
         return n
 

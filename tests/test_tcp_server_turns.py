@@ -1,0 +1,79 @@
+"""The TCP server's loop takes the ring a turn at a time: at most ``TURN_BYTES`` of bodies (or 4096
+messages) before what it sealed is sent. A real ring, and a real server built in this process on
+it (its sockets bound on 127.0.0.1), with no reader connected: ``_pull_ring`` is one turn's take."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from aiobroadcast._shm.segment import attach_segment
+from aiobroadcast._tcp import server as tcp_server
+from aiobroadcast._tcp.server import TcpServer
+from aiobroadcast.blocking import BlockingWriter, open_writer
+
+
+@pytest.fixture
+def ring_and_server(tmp_path: Path) -> Iterator[tuple[BlockingWriter[object], TcpServer]]:
+    with open_writer(capacity=64, slot_bytes=70_000, max_readers=2) as writer:
+        handle = writer.handle
+        seg = attach_segment(handle.path, handle.token, handle.capacity, handle.slot_bytes, handle.max_readers)
+        stop_r, stop_w = os.pipe()
+        try:
+            server = TcpServer(
+                seg,
+                handle,
+                "tcp://127.0.0.1:0",
+                insecure=True,
+                server_secret=None,
+                client_public=None,
+                hmac_key=os.urandom(32),
+                window=256,
+                buffer_max=512,
+                hb_interval=1.0,
+                hb_timeout=5.0,
+                max_remote=2,
+                stop_fd=stop_r,
+                stats_path=str(tmp_path / "stats.json"),
+            )
+        except BaseException:
+            seg.close()
+            raise
+        try:
+            yield writer, server
+        finally:
+            server._src.close()  # and the segment with it, as when the server stops
+            server._close_sockets()
+            os.close(stop_r)
+            os.close(stop_w)
+
+
+def test_a_turn_takes_large_bodies_up_to_turn_bytes(ring_and_server: tuple[BlockingWriter[object], TcpServer]) -> None:
+    writer, server = ring_and_server
+    body = b"x" * (16 * 1024)  # pickled: a little more than 16 KiB
+    per_turn = -(-tcp_server.TURN_BYTES // len(body))  # the turn ends once the budget is spent
+    for _ in range(3 * per_turn):
+        writer.put(body)
+    taken = [server._pull_ring() for _ in range(4)]
+    assert taken == [per_turn, per_turn, per_turn, 0]  # all of it, a turn at a time, nothing twice
+    assert server.protocol.wants_ring()
+
+
+def test_a_turn_takes_one_message_larger_than_turn_bytes(
+    ring_and_server: tuple[BlockingWriter[object], TcpServer],
+) -> None:
+    writer, server = ring_and_server
+    for _ in range(3):
+        writer.put(b"y" * (tcp_server.TURN_BYTES + 1))
+    assert [server._pull_ring() for _ in range(4)] == [1, 1, 1, 0]
+
+
+def test_small_messages_are_taken_all_in_one_turn(ring_and_server: tuple[BlockingWriter[object], TcpServer]) -> None:
+    writer, server = ring_and_server
+    for i in range(60):
+        writer.put(i)
+    assert server._pull_ring() == 60
+    assert server._pull_ring() == 0

@@ -34,6 +34,7 @@ from .._stats import ReaderStatistics
 from . import wire
 from .errors import protocol_error, zmq_errors
 from .protocol import ACK_BYTES, ClientProtocol, Ended, Lagged, Messages, Refused, Welcomed
+from .sockets import recv_parts
 
 #: bytes of data frames the I/O thread opens before it looks at acknowledgements again
 DATA_TURN_BYTES = 8 << 20
@@ -345,7 +346,7 @@ class _Pump:
                 if not cast(int, dealer.get(_EVENTS)) & _POLLIN:
                     break
                 try:
-                    msg = dealer.recv_multipart(zmq.NOBLOCK, copy=False)
+                    msg = recv_parts(dealer)
                 except zmq.Again:
                     break
                 # Large frames stay ZeroMQ's buffers (the bodies are views of them, copied once
@@ -366,7 +367,7 @@ class _Pump:
                 if budget <= 0 or not cast(int, data.get(_EVENTS)) & _POLLIN:
                     break
                 try:
-                    msg = data.recv_multipart(zmq.NOBLOCK, copy=False)
+                    msg = recv_parts(data)
                 except zmq.Again:
                     break
                 frames = []

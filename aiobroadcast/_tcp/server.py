@@ -39,6 +39,7 @@ from .._shm.subscriber import ShmSource
 from . import wire
 from .errors import zmq_errors
 from .protocol import BUFFER_BYTES, Rejected, ServerConfig, ServerEvent, ServerProtocol, TimedOut
+from .sockets import send_parts
 from .supervisor import remove_quietly, stats_tmp_path
 
 log = logging.getLogger("aiobroadcast")
@@ -402,7 +403,7 @@ class TcpServer:
         full (SEND_HWM: it is not reading) or it is not connected now. Not copied: large
         bodies are ZeroMQ messages shared by every send."""
         try:
-            sock.send_multipart([ident, *frames], flags=zmq.NOBLOCK, copy=False)
+            send_parts(sock, [ident, *frames])
         except zmq.Again:
             return False
         except zmq.ZMQError as exc:

@@ -81,9 +81,9 @@ def _frame(sealed: bytes | bytearray) -> zmq.Frame:
 
 #: a turn of the server's loop stops taking from the ring once it took this many bytes of bodies
 #: (or 4096 messages): the sealed ones go out, then it takes more. Taking the whole ring first (up
-#: to 64 messages of 64 KiB, 6 ms of sealing) left the readers idle while it sealed, then sent
-#: them a burst: a turn of 64 KiB took tput at 64 KiB with 1 reader from about 6,500 to 7,700
-#: msgs/s, and 4 MiB (one message a turn, either way but the first) up 8%.
+#: to 64 messages of 64 KiB, about 6 ms of sealing) left the readers idle while it sealed, then
+#: sent them a burst (docs/performance.md: 64 KiB with 1 reader from 4,887 to 6,333 msgs/s, medians
+#: of 5 alternated runs). Small messages still go many to a turn (64 KiB of them).
 TURN_BYTES = 64 * 1024
 
 #: references to a pooled buffer that nobody uses: the pool's deque, and ``sys.getrefcount``'s

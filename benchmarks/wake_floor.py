@@ -110,12 +110,13 @@ def _paced_reader(fifo: str, shm: str, rank: int, count: int, q: Any, pickled: b
             if pickled:
                 n = WORD.unpack_from(page, MESSAGE)[0]
                 stamp, payload = pickle.loads(page[MESSAGE + 8 : MESSAGE + 8 + n])
-                if stamp != seen or payload != PAYLOAD:
-                    raise RuntimeError(f"reader {rank}: the message is not the one announced")
             else:
-                stamp = seen
+                stamp, payload = seen, PAYLOAD
+            now = time.perf_counter_ns()  # the message is seen; what follows is bookkeeping
+            if stamp != seen or payload != PAYLOAD:
+                raise RuntimeError(f"reader {rank}: the message is not the one announced")
             WORD.pack_into(page, STRIDE * rank + TAKEN, seen)
-            lat.append((time.perf_counter_ns() - stamp) / 1000)
+            lat.append((now - stamp) / 1000)
         ev_loop.remove_reader(fd)
 
     uvloop.run(main())

@@ -9,7 +9,10 @@ the total, and with ``--messages`` the CPU per message in microseconds, per row 
 COMMAND's own last line of output, unchanged.
 
 A thread's figure is its last sample, so a thread that ends between two samples loses up to MS
-milliseconds (keep runs long against MS: seconds, not milliseconds). Linux only.
+milliseconds (keep runs long against MS: seconds, not milliseconds). The tree is walked again
+every ``RESCAN`` samples (new processes are found that late at most); in between only the known
+processes are read. The sampler's own CPU is reported (``sampler_cpu_s``): it runs beside the
+command, on the same CPUs. Linux only.
 
 Used to put aiobroadcast's processes beside a peer's on one cell, e.g. over TCP at 64 KiB:
 
@@ -25,11 +28,14 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from typing import Any
 
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
+#: samples between two walks of the whole process table (a walk reads every process's stat)
+RESCAN = 10
 
 
 def _stat_fields(path: str) -> tuple[str, list[str]]:
@@ -55,10 +61,10 @@ def descendants(root: int) -> list[int]:
     return found
 
 
-def sample(root: int, rows: dict[tuple[int, int], dict[str, Any]], commands: dict[int, str]) -> None:
-    """Record the CPU time of every thread of ``root``'s tree into ``rows`` (the latest wins),
-    and each process's command line into ``commands`` (the first seen: an exited process has none)."""
-    for pid in descendants(root):
+def sample(pids: list[int], rows: dict[tuple[int, int], dict[str, Any]], commands: dict[int, str]) -> None:
+    """Record the CPU time of every thread of ``pids`` into ``rows`` (the latest wins), and each
+    process's command line into ``commands`` (the first seen: an exited process has none)."""
+    for pid in pids:
         try:
             if not commands.get(pid):
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -97,20 +103,32 @@ def main() -> int:
         p.error("--every-ms must be positive")
     rows: dict[tuple[int, int], dict[str, Any]] = {}
     commands: dict[int, str] = {}
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
-    # The command's output is read after it exits: a run that prints more than a pipe holds
-    # would block, so the benchmarks this is for print one line (--json).
-    while proc.poll() is None:
-        sample(proc.pid, rows, commands)
-        time.sleep(args.every_ms / 1000)
-    out = proc.stdout.read() if proc.stdout is not None else ""
+    # The command's output goes to a file, read once it exits (a pipe nobody reads could fill).
+    with tempfile.TemporaryFile("w+") as output:
+        proc = subprocess.Popen(command, stdout=output, text=True)
+        cpu0 = time.process_time()
+        pids: list[int] = []
+        n = 0
+        while proc.poll() is None:
+            if n % RESCAN == 0:
+                pids = descendants(proc.pid)
+            sample(pids, rows, commands)
+            n += 1
+            time.sleep(args.every_ms / 1000)
+        sampler_cpu = time.process_time() - cpu0
+        output.seek(0)
+        out = output.read()
     if proc.returncode != 0:
         print(out, end="")
         print(f"cpu_split: the command exited with {proc.returncode}", file=sys.stderr)
         return proc.returncode
     threads = sorted((r for r in rows.values() if r["user_s"] + r["sys_s"] > 0), key=lambda r: (r["pid"], r["tid"]))
     total = sum(r["user_s"] + r["sys_s"] for r in threads)
-    result: dict[str, Any] = {"threads": threads, "total_cpu_s": round(total, 3)}
+    result: dict[str, Any] = {
+        "threads": threads,
+        "total_cpu_s": round(total, 3),
+        "sampler_cpu_s": round(sampler_cpu, 3),
+    }
     if args.messages is not None:
         for r in threads:
             r["us_per_msg"] = round((r["user_s"] + r["sys_s"]) / args.messages * 1e6, 1)

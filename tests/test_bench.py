@@ -283,6 +283,7 @@ def test_cpu_split_names_every_process_of_a_tcp_run() -> None:
     reader = [t for t in threads if "multiprocessing.spawn" in t["command"] and t["thread"] == "python"]
     assert len({t["tid"] for t in reader}) >= 2
     assert split["us_per_msg"] > 0
+    assert split["sampler_cpu_s"] >= 0  # reported beside the run's figures, never inside them
     assert abs(sum(t["us_per_msg"] for t in threads) - split["us_per_msg"]) < 0.1 * len(threads)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import threading
 import warnings
+from collections import deque
 from threading import get_ident as _get_ident
 from time import perf_counter_ns
 from types import TracebackType
@@ -36,7 +37,11 @@ def poll_budget(spin_ns: int | None, slept_ns: int) -> int:
 
 
 class Source(Protocol):
-    """What a transport provides to ``Reader`` (shared memory today)."""
+    """What a transport provides to ``Reader`` (shared memory today). ``ahead``: messages the
+    source took and decoded already, in order, which ``get_nowait`` hands out before anything
+    else; ``Reader`` takes them from it directly."""
+
+    ahead: deque[Any]
 
     def get_nowait(self) -> Any: ...
     def ready(self) -> bool: ...
@@ -52,6 +57,9 @@ class Reader(Generic[T_co]):
 
     Receives every message published after it attached, in order. Several tasks of one process
     may share a reader: each ``get`` takes a distinct message, none is lost or duplicated.
+    Over shared memory, small messages that are ready together are taken out of the ring and
+    decoded a batch at a time (up to 32), ahead of the gets that return them (docs/design.md,
+    "Taking ahead").
     """
 
     def __init__(self, token: object, source: Source, handle: Handle, name: str, spin_us: float | None = None) -> None:
@@ -77,6 +85,7 @@ class Reader(Generic[T_co]):
         self._take_lock = self._taking.acquire
         self._drop_lock = self._taking.release
         self._src_get = source.get_nowait
+        self._ahead = source.ahead
         self._thread = threading.get_ident()
         self._refusal: str | None = None  # why a fork child may not use it
         self._owner = os.getpid()
@@ -111,6 +120,12 @@ class Reader(Generic[T_co]):
         one): ``get`` waits then, without a ``WouldBlock`` raised and caught per wait."""
         if self._closed:
             raise ClosedResourceError(self._refusal or "this reader is closed")
+        ahead = self._ahead
+        if ahead:  # taken out of the ring and decoded already (ShmSource._take_ahead)
+            try:
+                return ahead.popleft()
+            except IndexError:  # another thread took the last one meanwhile
+                pass
         if not self._take_lock(False):
             return _NOTHING
         try:

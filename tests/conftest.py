@@ -6,6 +6,8 @@ from typing import Any
 
 import pytest
 
+from aiobroadcast import _tuning
+
 BACKENDS = [
     pytest.param(("asyncio", {"use_uvloop": False}), id="asyncio"),
     pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),
@@ -17,6 +19,13 @@ BACKENDS = [
 def anyio_backend(request: pytest.FixtureRequest) -> Any:
     """Every async test runs on asyncio, asyncio with uvloop, and trio."""
     return request.param
+
+
+@pytest.fixture
+def one_slot_per_get(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Readers take one message out of the ring per get (no taking ahead): for tests that step a
+    reader slot by slot to put a writer in a given wait."""
+    monkeypatch.setattr(_tuning, "AHEAD_MESSAGES", 1)
 
 
 @pytest.fixture(autouse=True)

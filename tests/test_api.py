@@ -128,7 +128,7 @@ async def test_put_nowait_would_block_when_a_reader_would_be_overrun() -> None:
             assert [reader.get_nowait() for _ in range(4)] == [1, 2, 3, 4]
 
 
-async def test_statistics_name_the_reader_the_writer_waits_for() -> None:
+async def test_statistics_name_the_reader_the_writer_waits_for(one_slot_per_get: None) -> None:
     async with ab.open_writer(capacity=2, slot_bytes=256) as writer:
         async with ab.open_reader(writer.handle, name="fast") as fast, ab.open_reader(writer.handle, name="stuck") as _:
             await writer.put(0)

@@ -59,7 +59,7 @@ async def test_a_batch_larger_than_the_ring_is_refused_and_publishes_nothing() -
             assert drain(reader) == [0, 1, 2, 3]
 
 
-async def test_put_many_waits_for_room_for_the_whole_batch() -> None:
+async def test_put_many_waits_for_room_for_the_whole_batch(one_slot_per_get: None) -> None:
     """With 2 slots free, a batch of 4 waits (publishing none of it) until the reader makes room
     (the writer waits for a quarter of the ring beyond what it needs: 6 slots), then goes out
     whole and in order."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -37,6 +38,8 @@ from .layout import (
 from .place import ReaderPlace
 from .segment import Segment
 from .wake import Inbox, Outbox
+
+_NOTHING: Any = object()  # what _take_ahead returns when the next entry is not a whole message
 
 Decoder = Callable[[memoryview | bytes | bytearray, bool], Any]
 
@@ -88,6 +91,15 @@ class ShmSource:
         self._pending: tuple[int, bytearray, int] | None = None
         self._writer_gone = False
         self._closed = True
+        #: Messages taken out of the ring and decoded ahead of their ``get_nowait``, in order
+        #: (``_take_ahead``); ``Reader`` hands them out first. Policy "block" without zero-copy
+        #: holds only: under "lag" every body is copied out under the seqlock one at a time, and
+        #: a zero-copy message must keep its slot until the next get.
+        self.ahead: deque[Any] = deque()
+        self._ahead_ok = self._block and not self._hold_slot
+        #: A message ``_take_ahead`` found undecodable after others (entry, message number, the
+        #: error): still in the ring, reported by the get after those others.
+        self._failed: tuple[int, int, Exception] | None = None
         self._outbox = Outbox()
         self._place = place = ReaderPlace(seg, handle.name, name, self._block, self._outbox)
         try:
@@ -107,10 +119,17 @@ class ShmSource:
     # --- what Reader calls -------------------------------------------------------------
     def get_nowait(self) -> Any:
         """Take the next message or raise (see ``Reader.get_nowait``)."""
+        ahead = self.ahead
+        if ahead:
+            return ahead.popleft()
         if self._held:
             self._release()
         if self._pending is not None:
             return self._deliver_assembled(*self._pending)
+        if self._ahead_ok and self._partial is None:
+            obj = self._take_ahead()
+            if obj is not _NOTHING:
+                return obj
         w = self._words
         buf = self._buf
         while True:
@@ -183,21 +202,92 @@ class ShmSource:
                 self._partial = None
                 return self._deliver_assembled(msg, partial, self._partial_flags & F_OOB)
 
+    def _take_ahead(self) -> Any:
+        """Take the next message and the whole one-slot messages ready after it, up to
+        ``AHEAD_MESSAGES`` and about ``AHEAD_BYTES``: the first is returned, the others queued
+        in ``ahead``, decoded. ``_NOTHING`` if the next entry is not a whole message ready now
+        (``get_nowait``'s general path then decides).
+
+        Nothing is taken until every one of them is decoded: a ``BaseException`` from decoding
+        (Ctrl-C, SystemExit, a cancellation raised in ``__setstate__``) leaves them all in the
+        ring for the next get. An undecodable message is consumed and raises
+        ``DeserializationError`` when it comes first; after others, it stays in the ring and the
+        get after them reports it (``_failed``), so it is decoded once."""
+        w = self._words
+        buf = self._buf
+        c0 = c = self._cursor
+        failed = self._failed
+        if failed is not None:
+            self._failed = None
+            _entry, msg, exc = failed
+            self._next_msg = msg + 1
+            self._advance(c, 1)
+            raise DeserializationError(msg, exc) from exc
+        cap = self._cap
+        size = self._slot_bytes
+        base = self._data_offset
+        off = base + (c % cap) * size
+        if w[off >> 3] != c:
+            return _NOTHING
+        msg, flen, flags, _total = SLOT_REST.unpack_from(buf, off + 8)
+        if flags & (F_WHOLE | F_GAP) != F_WHOLE:
+            return _NOTHING  # a fragment, or a relay's gap marker
+        decode = self._decode
+        try:
+            first = decode(buf[off + 32 : off + 32 + flen], flags & F_OOB != 0)
+        except Exception as exc:
+            self._next_msg = msg + 1
+            self._advance(c, 1)  # consumed: the next get returns the next message
+            raise DeserializationError(msg, exc) from exc
+        c += 1
+        more = []
+        limit = c0 + _tuning.AHEAD_MESSAGES
+        budget = _tuning.AHEAD_BYTES - flen
+        while c < limit and budget > 0:
+            off = base + (c % cap) * size
+            if w[off >> 3] != c:
+                break
+            number, flen, flags, _total = SLOT_REST.unpack_from(buf, off + 8)
+            if flags & (F_WHOLE | F_GAP) != F_WHOLE:
+                break
+            try:
+                more.append(decode(buf[off + 32 : off + 32 + flen], flags & F_OOB != 0))
+            except Exception as exc:
+                self._failed = (c, number, exc)
+                break
+            msg = number
+            budget -= flen
+            c += 1
+        # Taken: entries c0 .. c-1, with one store of the cursor and one look at the writer.
+        self._next_msg = msg + 1
+        self._cursor = c
+        w[self._cur_word] = c
+        self._received = received = self._received + (c - c0)
+        w[self._recv_word] = received
+        if more:
+            self.ahead.extend(more)
+        fence()
+        target = w[W_WAIT_TARGET]
+        if target and c0 < target <= c:  # crossed(c0, c, target)
+            self._outbox.wake(self._writer_sock)
+        return first
+
     def statistics(self, tasks_waiting: int) -> ReaderStatistics:
         w = self._words
+        waiting = len(self.ahead)  # taken out of the ring, not handed out yet
         return ReaderStatistics(
             name=self._name,
             place=self._place.index,
-            received=self._received,
+            received=self._received - waiting,
             lagged=self._lagged_total,
-            lag=max(0, w[W_HEAD] - self._cursor),
+            lag=max(0, w[W_HEAD] - self._cursor) + waiting,
             tasks_waiting=tasks_waiting,
             writer_pid=w[W_WRITER_PID],
             writer_closed=bool(w[W_CLOSED]),
         )
 
     def describe(self) -> str:
-        return f"{self._handle.name} place={self._place.index} received={self._received}"
+        return f"{self._handle.name} place={self._place.index} received={self._received - len(self.ahead)}"
 
     def close(self) -> None:
         """Leave the ring: the writer stops waiting for this place at once."""
@@ -323,6 +413,7 @@ class ShmSource:
         seq = w[(self._data_offset + (c % self._cap) * self._slot_bytes) >> 3]
         return (
             seq == c
+            or bool(self.ahead)
             or (seq != EMPTY and seq != BUSY and seq > c)
             or self._pending is not None
             or bool(w[W_CLOSED])

@@ -455,6 +455,9 @@ class TcpSource:
             now=time.monotonic(),
             gone_timeout=gone_timeout,
         )
+        #: Messages decoded ahead (``Source.ahead``): never any here; the pump's queue holds
+        #: bodies, each decoded by the get that hands it out.
+        self.ahead: collections.deque[Any] = collections.deque()
         self._received = 0
         self._lagged_total = 0
         self._unacked_bytes = 0  # consumed since the pump was last asked to acknowledge

@@ -1,0 +1,177 @@
+"""Taking ahead (docs/design.md, "Taking ahead"): a shared-memory reader that finds several small
+whole messages ready takes them out of the ring at once and hands them out one per get. These
+tests attack what must not change: order, each message once, errors in their place, exact
+statistics, bounded batches, and several threads sharing one reader."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, ClassVar
+
+import anyio
+import pytest
+
+import aiobroadcast as ab
+from aiobroadcast import _tuning
+
+pytestmark = pytest.mark.anyio
+
+
+class Counted:
+    """Counts its decodings; the one numbered ``bad`` cannot be decoded."""
+
+    decoded: ClassVar[list[int]] = []
+    bad: ClassVar[int] = -1
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        Counted.decoded.append(state["n"])
+        if state["n"] == Counted.bad:
+            raise ValueError(f"cannot decode {state['n']}")
+        self.n = state["n"]
+
+
+async def test_mixed_sizes_come_in_order_with_exact_statistics(anyio_backend: Any) -> None:
+    """Small messages, a message larger than a slot and one-slot messages larger than the batch's
+    byte budget, in one ring: each get returns the next one, and the reader's statistics count
+    exactly what was handed out, whatever was taken out of the ring ahead."""
+    sent: list[Any] = []
+    async with ab.open_writer(capacity=64, slot_bytes=40_000) as writer:
+        async with ab.open_reader(writer.handle) as reader:
+            for i in range(50):
+                if i == 10:
+                    sent.append(b"L" * 100_000)  # three slots
+                elif 20 <= i < 24:
+                    sent.append(b"M" * 39_000)  # one slot each, together above AHEAD_BYTES
+                else:
+                    sent.append(i)
+                await writer.put(sent[-1])
+            head = writer.statistics().head
+            assert head == 52  # the large message takes three slots
+            for k, expected in enumerate(sent):
+                stats = reader.statistics()
+                assert (stats.received, stats.lag) == (k, head - k - (2 if k > 10 else 0))
+                assert await reader.get() == expected
+            stats = reader.statistics()
+            assert (stats.received, stats.lag) == (50, 0)
+            with pytest.raises(ab.WouldBlock):
+                reader.get_nowait()
+
+
+async def test_a_batch_is_bounded_in_messages_and_bytes() -> None:
+    """One get takes at most ``AHEAD_MESSAGES`` messages out of the ring, and stops after the
+    message that crosses ``AHEAD_BYTES``: the writer's view of the reader shows it."""
+    async with ab.open_writer(capacity=128, slot_bytes=30_000) as writer:
+        async with ab.open_reader(writer.handle, name="r") as reader:
+            for i in range(100):
+                await writer.put(i)
+            assert await reader.get() == 0
+            (info,) = writer.statistics().readers
+            assert info.received == _tuning.AHEAD_MESSAGES  # taken out of the ring
+            assert info.lag == 100 - _tuning.AHEAD_MESSAGES
+            assert reader.statistics().received == 1  # handed out
+            assert [await reader.get() for _ in range(99)] == list(range(1, 100))
+
+            big = b"B" * 25_000  # one slot each; the third crosses 64 KiB
+            for _ in range(6):
+                await writer.put(big)
+            assert await reader.get() == big
+            (info,) = writer.statistics().readers
+            assert info.received == 100 + 3
+            assert [await reader.get() for _ in range(5)] == [big] * 5
+
+
+async def test_an_undecodable_message_after_others_is_reported_in_its_place_and_decoded_once() -> None:
+    Counted.decoded = []
+    Counted.bad = 3
+    try:
+        async with ab.open_writer(capacity=16, slot_bytes=1024) as writer:
+            async with ab.open_reader(writer.handle) as reader:
+                for i in range(6):
+                    await writer.put(Counted(i))
+                got = [(await reader.get()).n for _ in range(3)]
+                assert got == [0, 1, 2]
+                with pytest.raises(ab.DeserializationError) as info:
+                    await reader.get()
+                assert info.value.msg_index == 3
+                assert [(await reader.get()).n for _ in range(2)] == [4, 5]
+                assert reader.statistics().received == 6  # the undecodable one counts as taken
+                assert sorted(Counted.decoded) == [0, 1, 2, 3, 4, 5]  # each decoded once
+    finally:
+        Counted.bad = -1
+
+
+async def test_an_undecodable_first_message_is_consumed_and_the_rest_follow() -> None:
+    Counted.decoded = []
+    Counted.bad = 0
+    try:
+        async with ab.open_writer(capacity=16, slot_bytes=1024) as writer:
+            async with ab.open_reader(writer.handle) as reader:
+                for i in range(4):
+                    await writer.put(Counted(i))
+                with pytest.raises(ab.DeserializationError) as info:
+                    await reader.get()
+                assert info.value.msg_index == 0
+                assert [(await reader.get()).n for _ in range(3)] == [1, 2, 3]
+                assert sorted(Counted.decoded) == [0, 1, 2, 3]
+    finally:
+        Counted.bad = -1
+
+
+async def test_threads_and_the_loop_sharing_one_reader_take_each_message_once() -> None:
+    """Threads calling ``get_nowait`` while the event loop's task calls ``get``: messages taken
+    ahead are handed out without the reader's lock, while another taker may be filling the queue
+    under it. The interpreter switches threads as often as it can, to interleave them finely."""
+    total = 20_000
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        await _share(total)
+    finally:
+        sys.setswitchinterval(switch)
+
+
+async def _share(total: int) -> None:
+    async with ab.open_writer(capacity=256, slot_bytes=256) as writer:
+        async with ab.open_reader(writer.handle) as reader:
+            taken: list[list[int]] = [[], [], []]
+            stop = threading.Event()
+            failures: list[BaseException] = []
+
+            def take(mine: list[int]) -> None:
+                try:
+                    while not stop.is_set():
+                        try:
+                            mine.append(reader.get_nowait())
+                        except ab.WouldBlock:
+                            pass
+                except BaseException as exc:  # reported below: a taker must never fail
+                    failures.append(exc)
+                    raise
+
+            threads = [threading.Thread(target=take, args=(taken[i],)) for i in (1, 2)]
+            for t in threads:
+                t.start()
+            try:
+                async with anyio.create_task_group() as tg:
+
+                    async def produce() -> None:
+                        for i in range(total):
+                            await writer.put(i)
+
+                    tg.start_soon(produce)
+                    while sum(map(len, taken)) < total:
+                        with anyio.move_on_after(0.01):
+                            taken[0].append(await reader.get())
+            finally:
+                stop.set()
+                for t in threads:
+                    t.join()
+            assert failures == []
+            everything = [x for part in taken for x in part]
+            assert sorted(everything) == list(range(total))  # none lost, none twice
+            for part in taken:
+                assert part == sorted(part)  # each taker saw its messages in order

@@ -7,11 +7,14 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from aiobroadcast._codec import PickleEncoder
+from aiobroadcast._shm.layout import SLOT_HEADER_BYTES
 from aiobroadcast.cli import _bench, _bench_driver
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -60,6 +63,20 @@ def test_tput_cell_json() -> None:
     # The progress lines and the table go to stderr with --json.
     assert "[1/1] tput r=1 64 B" in proc.stderr
     assert "msgs/s" in proc.stderr and "MB/s" in proc.stderr
+
+
+@pytest.mark.parametrize("size", [0, 1, 64, 1000, 4096, 4097, 65536, 65537, 4 << 20])
+def test_the_default_ring_holds_a_protocol_message_in_one_slot_within_vllms_memory(size: int) -> None:
+    """The benchmark's message ``(perf_counter_ns(), b"x" * size)``, encoded as the writer encodes
+    it, fits in one slot; the ring takes at most 1 MiB up to 4 KiB messages, and never more than
+    vLLM's ring in the same cell (10 chunks of max(1 MiB, 2 * size + 4 KiB))."""
+    capacity, slot_bytes = _bench_driver.ring_for(size)
+    _parts, total, _oob = PickleEncoder().encode((time.perf_counter_ns(), b"x" * size))
+    assert total + SLOT_HEADER_BYTES <= slot_bytes and slot_bytes % 64 == 0
+    memory = capacity * slot_bytes
+    assert memory <= 10 * max(1 << 20, 2 * size + 4096)
+    if size <= 4096:
+        assert memory <= 1 << 20 and capacity >= 244
 
 
 def test_lat_cell_json() -> None:

@@ -115,9 +115,14 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--capacity",
         type=int,
-        help="aiobroadcast ring slots (default: 256 up to 4 KiB messages, 64 up to 64 KiB, else 10)",
+        help="aiobroadcast ring slots (default: up to 4 KiB messages as many as fit in 1 MiB, at most "
+        "4096; 64 up to 64 KiB, else 10)",
     )
-    p.add_argument("--slot-bytes", type=int, help="aiobroadcast slot size (default: message size + 4 KiB)")
+    p.add_argument(
+        "--slot-bytes",
+        type=int,
+        help="aiobroadcast slot size (default: message size + 192 B up to 4 KiB messages, else + 4 KiB)",
+    )
     p.add_argument(
         "--loop",
         choices=("uvloop", "asyncio", "trio"),

@@ -192,6 +192,25 @@ def test_zero_copy_readers_cell_json() -> None:
     assert copying["zero_copy"] is False and copying["payload_type"] == ["bytes"]
 
 
+@pytest.mark.parametrize("api", [(), ("--blocking",)], ids=["async", "blocking"])
+def test_batched_writer_cell_json(api: tuple[str, ...]) -> None:
+    """``--batch``: the writer publishes with ``put_many``; a count that is not a multiple of
+    the batch still sends every message (the last batch is short), in order, to every reader."""
+    (obj,) = objects(
+        bench("--mode", "tput", "--readers", "2", "--size", "64", "--count", "1000", "--batch", "64", "--json", *api)
+    )
+    check_common(obj, "aiobroadcast", "tput", 2, 1000)
+    assert obj["batch"] == 64 and obj["api"] == ("blocking" if api else "async")
+
+
+@pytest.mark.parametrize("mode", ["lat", "idle"])
+def test_batch_is_refused_outside_mode_tput(mode: str) -> None:
+    """A paced run publishes one message at a time; --batch there is a usage error, not ignored."""
+    proc = bench("--mode", mode, "--readers", "1", "--size", "64", "--count", "10", "--batch", "4")
+    assert proc.returncode == 2
+    assert "--batch" in proc.stderr and "only with --mode tput" in proc.stderr
+
+
 @pytest.mark.parametrize("mode", ["tput", "lat", "idle"])
 def test_blocking_api_cells(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--blocking``: writer and readers use aiobroadcast.blocking, with the same figures."""

@@ -147,6 +147,13 @@ def add_options(p: argparse.ArgumentParser) -> None:
         help="aiobroadcast's writer and readers use the blocking API (aiobroadcast.blocking: no event "
         "loop, a waiting reader blocks in poll()); --loop is then ignored",
     )
+    p.add_argument(
+        "--batch",
+        type=int,
+        default=1,
+        help="with --mode tput: aiobroadcast's writer publishes with put_many, BATCH messages at a "
+        "time (default 1: one put per message, as the protocol and the peers do)",
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is killed (default: 300)")
     p.add_argument("--gap-s", type=float, default=0.5, help="pause between runs in seconds (default: 0.5)")
 
@@ -215,6 +222,8 @@ def our_command(cell: Cell, args: argparse.Namespace) -> tuple[list[str], dict[s
         cmd.append("--zero-copy")
     if args.blocking:
         cmd.append("--blocking")
+    if args.batch > 1:
+        cmd += ["--batch", str(args.batch)]
     if args.insecure and args.transport == "tcp":
         cmd.append("--insecure")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
@@ -431,6 +440,8 @@ def check(args: argparse.Namespace) -> str | None:
         or (args.count is not None and args.count < 1)
     ):
         return "--readers and --count must be at least 1, --size at least 0"
+    if args.batch < 1 or (args.batch > 1 and args.mode != "tput"):
+        return "--batch must be at least 1, and more than 1 only with --mode tput"
     if args.idle_s is None:
         args.idle_s = float(os.environ.get("IDLE_S", "5"))
     if not select_cells(args):

@@ -2,7 +2,7 @@
 
     python -m aiobroadcast.cli._bench_driver MODE READERS SIZE COUNT [--capacity N] [--slot-bytes N]
         [--transport shm|tcp] [--insecure] [--loop uvloop|asyncio|trio] [--spin-us US] [--zero-copy]
-        [--blocking]
+        [--blocking] [--batch N]
 
 ``aiobroadcast bench`` runs it once per run. The protocol is docs/performance.md's; the figures
 come from ``_bench_figures`` (as the peer drivers' in the source tree's ``benchmarks/peers.py``
@@ -11,7 +11,8 @@ of mode ``idle``. Writer and readers use the public async API (``await writer.pu
 ``await reader.get``) on their own event loops, or with ``--blocking`` the blocking API
 (``aiobroadcast.blocking``: ``writer.put``, ``reader.get``, no event loop anywhere). Over TCP
 the channel is sealed (AES-256-GCM, keys delivered over CurveZMQ) unless ``--insecure``
-(authenticated, not encrypted). The JSON field ``security`` keeps its values: "curve" for the
+(authenticated, not encrypted). With ``--batch N`` (mode tput) the writer publishes with
+``put_many``, N messages at a time, each stamped as it is built. The JSON field ``security`` keeps its values: "curve" for the
 default, "hmac" for ``--insecure``.
 """
 
@@ -194,6 +195,7 @@ async def _writer_main(
     spin_us: float | None = None,
     insecure: bool = False,
     zero_copy: bool = False,
+    batch: int = 1,
 ) -> dict[str, Any]:
     from .. import open_writer
 
@@ -208,6 +210,10 @@ async def _writer_main(
                 for _ in range(count):
                     await anyio.sleep(PACE_S)
                     await put((time.perf_counter_ns(), payload))
+            elif batch > 1:
+                put_many = writer.put_many
+                for i in range(0, count, batch):
+                    await put_many([(time.perf_counter_ns(), payload) for _ in range(min(batch, count - i))])
             else:
                 for _ in range(count):
                     await put((time.perf_counter_ns(), payload))
@@ -235,6 +241,7 @@ def _writer_blocking(
     spin_us: float | None = None,
     insecure: bool = False,
     zero_copy: bool = False,
+    batch: int = 1,
 ) -> dict[str, Any]:
     """``_writer_main`` with the blocking API: ``writer.put()`` blocks this thread."""
     from ..blocking import open_writer
@@ -247,10 +254,15 @@ def _writer_blocking(
             put = writer.put
             pace = PACE_S if mode == "lat" else 0.0
             t0 = time.perf_counter_ns()
-            for _ in range(count):
-                if pace:
-                    time.sleep(pace)
-                put((time.perf_counter_ns(), payload))
+            if batch > 1 and not pace:
+                put_many = writer.put_many
+                for i in range(0, count, batch):
+                    put_many([(time.perf_counter_ns(), payload) for _ in range(min(batch, count - i))])
+            else:
+                for _ in range(count):
+                    if pace:
+                        time.sleep(pace)
+                    put((time.perf_counter_ns(), payload))
             if mode == "idle":
                 time.sleep(idle_s)
                 put((time.perf_counter_ns(), payload))
@@ -331,7 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="writer and readers use aiobroadcast.blocking (no event loop; --loop is ignored)",
     )
+    p.add_argument("--batch", type=int, default=1, help="mode tput: the writer's put_many takes this many at a time")
     args = p.parse_args(argv)
+    if args.batch < 1 or (args.batch > 1 and args.mode != "tput"):
+        p.error("--batch must be at least 1, and more than 1 only in mode tput")
     if args.blocking:
         args.loop = BLOCKING
     capacity, slot_bytes = ring_for(args.size)
@@ -351,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
         "spin_us": args.spin_us,
         "zero_copy": args.zero_copy,
         "api": "blocking" if args.blocking else "async",
+        "batch": args.batch,
     }
     if args.transport == "tcp":
         out["security"] = "hmac" if args.insecure else "curve"
@@ -370,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
             args.spin_us,
             args.insecure,
             args.zero_copy,
+            args.batch,
         )
     )
     print(json.dumps(out), flush=True)

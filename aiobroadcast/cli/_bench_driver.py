@@ -12,8 +12,8 @@ of mode ``idle``. Writer and readers use the public async API (``await writer.pu
 (``aiobroadcast.blocking``: ``writer.put``, ``reader.get``, no event loop anywhere). Over TCP
 the channel is sealed (AES-256-GCM, keys delivered over CurveZMQ) unless ``--insecure``
 (authenticated, not encrypted). With ``--batch N`` (mode tput) the writer publishes with
-``put_many``, N messages at a time, each stamped as it is built. The JSON field ``security`` keeps its values: "curve" for the
-default, "hmac" for ``--insecure``.
+``put_many``, N messages at a time, each stamped as it is built. The JSON field ``security``
+keeps its values: "curve" for the default, "hmac" for ``--insecure``.
 """
 
 from __future__ import annotations

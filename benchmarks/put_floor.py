@@ -12,8 +12,8 @@ awaited per message, which is what ``await writer.put`` adds at the least. The r
 the mirror: read the commit word and the header, ``pickle.loads`` the slot, store the cursor.
 
 Beside them, in the same process, on a real channel: the writer's calls as
-``benchmarks/put_many.py`` measures them (``put``, ``put_nowait``, ``put_many`` in batches of 16
-and 64; the best of its 5 rounds), and ``Reader.get_nowait`` (a ring of 256 slots refilled between
+``benchmarks/put_many.py`` measures them (``put``, ``put_nowait``, ``put_many`` in batches of 8,
+16, 32 and 64; the best of its 5 rounds), and ``Reader.get_nowait`` (a ring of 256 slots refilled between
 rounds; only the reads are timed).
 
 Prints a table and one JSON object (medians of K runs, microseconds per message). The difference

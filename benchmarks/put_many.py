@@ -1,4 +1,4 @@
-"""Writer CPU per message: ``put``, ``put_nowait`` and ``put_many`` (batches of 16 and 64).
+"""Writer CPU per message: ``put``, ``put_nowait`` and ``put_many`` (batches of 8 to 64).
 
     python benchmarks/put_many.py [--size 64] [--count 200000]
 
@@ -50,7 +50,9 @@ async def main(size: int, count: int) -> dict[str, float]:
             ways: dict[str, Callable[[int], Awaitable[None]]] = {
                 "put": put,
                 "put_nowait": put_nowait,
+                "put_many_8": batches(8),
                 "put_many_16": batches(16),
+                "put_many_32": batches(32),
                 "put_many_64": batches(64),
             }
             best = {name: float("inf") for name in ways}

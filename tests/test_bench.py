@@ -273,7 +273,9 @@ def test_put_floor_prints_every_row() -> None:
         "floor reader",
         "put_nowait",
         "put",
+        "put_many_8",
         "put_many_16",
+        "put_many_32",
         "put_many_64",
         "get_nowait",
     }

@@ -5,8 +5,10 @@ statistics, bounded batches, and several threads sharing one reader."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import anyio
@@ -32,6 +34,16 @@ class Counted:
         if state["n"] == Counted.bad:
             raise ValueError(f"cannot decode {state['n']}")
         self.n = state["n"]
+
+
+@contextlib.contextmanager
+def undecodable(n: int) -> Iterator[None]:
+    """``Counted(n)`` cannot be decoded inside the block; the decodings are counted afresh."""
+    Counted.decoded, Counted.bad = [], n
+    try:
+        yield
+    finally:
+        Counted.bad = -1
 
 
 async def test_mixed_sizes_come_in_order_with_exact_statistics(anyio_backend: Any) -> None:
@@ -84,41 +96,23 @@ async def test_a_batch_is_bounded_in_messages_and_bytes() -> None:
             assert [await reader.get() for _ in range(5)] == [big] * 5
 
 
-async def test_an_undecodable_message_after_others_is_reported_in_its_place_and_decoded_once() -> None:
-    Counted.decoded = []
-    Counted.bad = 3
-    try:
+@pytest.mark.parametrize(("bad", "count"), [(3, 6), (0, 4)], ids=["after-others", "first"])
+async def test_an_undecodable_message_is_reported_in_its_place_and_the_rest_follow(bad: int, count: int) -> None:
+    """Taken ahead with the messages around it, an undecodable message raises at its own turn,
+    not before (the ones ahead of it come first) and not again; it counts as taken, and every
+    message is decoded exactly once."""
+    with undecodable(bad):
         async with ab.open_writer(capacity=16, slot_bytes=1024) as writer:
             async with ab.open_reader(writer.handle) as reader:
-                for i in range(6):
+                for i in range(count):
                     await writer.put(Counted(i))
-                got = [(await reader.get()).n for _ in range(3)]
-                assert got == [0, 1, 2]
+                assert [(await reader.get()).n for _ in range(bad)] == list(range(bad))
                 with pytest.raises(ab.DeserializationError) as info:
                     await reader.get()
-                assert info.value.msg_index == 3
-                assert [(await reader.get()).n for _ in range(2)] == [4, 5]
-                assert reader.statistics().received == 6  # the undecodable one counts as taken
-                assert sorted(Counted.decoded) == [0, 1, 2, 3, 4, 5]  # each decoded once
-    finally:
-        Counted.bad = -1
-
-
-async def test_an_undecodable_first_message_is_consumed_and_the_rest_follow() -> None:
-    Counted.decoded = []
-    Counted.bad = 0
-    try:
-        async with ab.open_writer(capacity=16, slot_bytes=1024) as writer:
-            async with ab.open_reader(writer.handle) as reader:
-                for i in range(4):
-                    await writer.put(Counted(i))
-                with pytest.raises(ab.DeserializationError) as info:
-                    await reader.get()
-                assert info.value.msg_index == 0
-                assert [(await reader.get()).n for _ in range(3)] == [1, 2, 3]
-                assert sorted(Counted.decoded) == [0, 1, 2, 3]
-    finally:
-        Counted.bad = -1
+                assert info.value.msg_index == bad
+                assert [(await reader.get()).n for _ in range(bad + 1, count)] == list(range(bad + 1, count))
+                assert reader.statistics().received == count  # the undecodable one counts as taken
+                assert sorted(Counted.decoded) == list(range(count))  # each decoded once
 
 
 async def test_threads_and_the_loop_sharing_one_reader_take_each_message_once() -> None:

@@ -6,6 +6,8 @@ statistics, bounded batches, and several threads sharing one reader."""
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator
@@ -169,3 +171,60 @@ async def _share(total: int) -> None:
             assert sorted(everything) == list(range(total))  # none lost, none twice
             for part in taken:
                 assert part == sorted(part)  # each taker saw its messages in order
+
+
+FORK_SCRIPT = """
+import json, os, anyio
+import aiobroadcast as ab
+
+async def main():
+    async with ab.open_writer(capacity=16, slot_bytes=256) as writer:
+        async with ab.open_reader(writer.handle) as reader:
+            for i in range(6):
+                await writer.put(i)
+            first = await reader.get()
+            waiting = reader.statistics().lag  # taken ahead, not handed out yet
+            pid = os.fork()
+            if pid == 0:  # the child: what the parent took ahead is not its to hand out
+                seen = []
+                for call in (reader.get_nowait, reader.statistics):
+                    try:
+                        seen.append(repr(call()))
+                    except ab.ClosedResourceError as exc:
+                        seen.append(type(exc).__name__)
+                print(json.dumps({"child": seen}), flush=True)
+                os._exit(0)
+            _, status = os.waitpid(pid, 0)
+            rest = [await reader.get() for _ in range(5)]
+            print(json.dumps({"first": first, "waiting": waiting, "rest": rest, "status": status}), flush=True)
+
+anyio.run(main, backend_options={"use_uvloop": True})
+"""
+
+
+def test_a_fork_child_hands_out_nothing_the_parent_took_ahead() -> None:
+    """A reader that holds decoded messages taken ahead forks (as a pre-fork server or a
+    DataLoader does): the child's use of the inherited reader is refused, and the parent still
+    gets every message, once, in order."""
+    proc = subprocess.run([sys.executable, "-c", FORK_SCRIPT], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    lines = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert lines[0] == {"child": ["ClosedResourceError", "ClosedResourceError"]}
+    assert lines[1] == {"first": 0, "waiting": 5, "rest": [1, 2, 3, 4, 5], "status": 0}
+
+
+@pytest.mark.parametrize("how", ["lag", "zero_copy"])
+async def test_lag_and_zero_copy_readers_take_one_message_at_a_time(how: str) -> None:
+    """Under policy "lag" a body is copied out under the seqlock one at a time, and a zero-copy
+    message keeps its slot until the next get: neither takes messages ahead."""
+    writer_kw: dict[str, Any] = {"policy": "lag"} if how == "lag" else {}
+    reader_kw: dict[str, Any] = {"zero_copy": True} if how == "zero_copy" else {}
+    async with ab.open_writer(capacity=16, slot_bytes=256, **writer_kw) as writer:
+        async with ab.open_reader(writer.handle, **reader_kw) as reader:
+            for i in range(6):
+                await writer.put(b"%d" % i)
+            got = bytes(await reader.get())
+            assert got == b"0"
+            (info,) = writer.statistics().readers
+            assert info.received == 1  # the writer sees the reader's cursor one past the first
+            assert [bytes(await reader.get()) for _ in range(5)] == [b"%d" % i for i in range(1, 6)]

@@ -147,21 +147,28 @@ async def test_a_writer_used_from_several_threads_at_worst_raises_would_block() 
         assert mine == sorted(mine)
 
 
-async def test_a_get_from_inside_unpickling_raises_would_block_and_duplicates_nothing() -> None:
+@pytest.mark.parametrize("before", [0, 2], ids=["first", "inside-a-batch"])
+async def test_a_get_from_inside_unpickling_raises_would_block_and_duplicates_nothing(before: int) -> None:
     """A ``__setstate__`` that reads from the same reader (a callback) must not be handed the
-    message being decoded a second time."""
+    message being decoded a second time, nor one after it. With messages ahead of it, it is
+    decoded in the middle of a batch taken ahead (docs/design.md, "Taking ahead")."""
     async with ab.open_writer(capacity=8, slot_bytes=4096) as writer:
         async with ab.open_reader(writer.handle) as reader:
             seen: list[Any] = []
             _REENTRY["reader"] = reader
             _REENTRY["seen"] = seen
             try:
+                for i in range(before):
+                    await writer.put(f"before {i}")
                 await writer.put(Peeker(1))
                 await writer.put("second")
+                assert [await reader.get() for _ in range(before)] == [f"before {i}" for i in range(before)]
                 first = await reader.get()
                 assert isinstance(first, Peeker) and first.n == 1
                 assert seen == ["WouldBlock"]
                 assert await reader.get() == "second"
+                with pytest.raises(ab.WouldBlock):  # nothing left over, nothing handed out twice
+                    reader.get_nowait()
             finally:
                 _REENTRY.clear()
 

@@ -286,20 +286,32 @@ async def test_put_many_cancelled_by_a_scope_publishes_nothing(way: str) -> None
     await check_puts(attempt_scope, way, many=True, seed=6)
 
 
-@pytest.mark.parametrize("anyio_backend", ASYNCIO[:1])
+@pytest.mark.parametrize("anyio_backend", ASYNCIO)
 async def test_tcp_get_cancelled_by_asyncio_takes_nothing() -> None:
     """Reader.get is the same over TCP: every asyncio way and k in turn, on one remote reader."""
     ways = itertools.cycle(itertools.product(ASYNCIO_WAYS, range(ROUNDS)))
     await check_gets("tcp", attempt_asyncio, lambda: next(ways), seed=7)
 
 
-@pytest.mark.parametrize("way", ["scope.cancel", "task.cancel"])
-async def test_a_cancelled_relay_hands_on_every_message_it_took_or_none(anyio_backend: Any, way: str) -> None:
+@pytest.mark.parametrize("anyio_backend", [pytest.param(("trio", {}), id="trio")])
+async def test_tcp_get_cancelled_by_a_trio_scope_takes_nothing() -> None:
+    ways = itertools.cycle(itertools.product(SCOPE_WAYS, range(ROUNDS)))
+    await check_gets("tcp", attempt_scope, lambda: next(ways), seed=8)
+
+
+async def test_a_relay_cancelled_by_a_scope_hands_on_a_prefix() -> None:
+    await check_relay("scope.cancel")
+
+
+@pytest.mark.parametrize("anyio_backend", ASYNCIO)
+async def test_a_relay_cancelled_by_asyncio_hands_on_a_prefix() -> None:
+    await check_relay("task.cancel")
+
+
+async def check_relay(way: str) -> None:
     """A relay cancelled anywhere stops: its local readers receive what it republished, a prefix of
     the upstream stream with no gap and no duplicate, then EndOfStream."""
-    if way == "task.cancel" and anyio_backend[0] != "asyncio":
-        pytest.skip("asyncio's own cancellation")
-    rng = random.Random(8)
+    rng = random.Random(9)
     for k in range(0, 60, 4):
         with anyio.fail_after(30):
             async with ab.open_writer(capacity=16, slot_bytes=256) as up:

@@ -87,19 +87,23 @@ class WriterChannel:
     def entries_for(self, total: int) -> int:
         return 1 if total <= self.payload_bytes else self.pub.layout.entries_for(total)
 
-    async def put_encoded(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int) -> bool:
-        """Publish, waiting (in turn) for room. True if it went out at once, without a turn
-        (the caller then yields to its loop now and then)."""
+    async def put_encoded(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int) -> None:
+        """Publish, waiting (in turn) for room; no await once the message is out."""
         if not self.turns.locked() and self.pub.try_publish(parts, total, oob, entries):
-            return True
+            return
         await self.put_in_turn(parts, total, oob, entries)
-        return False
 
-    async def put_in_turn(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int) -> None:
-        """Publish after the tasks ahead of this one, waiting for room."""
+    async def put_in_turn(
+        self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, yield_first: bool = False
+    ) -> None:
+        """Publish after the tasks ahead of this one, waiting for room. ``yield_first``: let the
+        loop's other tasks run once, holding the turn, before anything is published (a
+        cancellation there publishes nothing)."""
         self.waiting_tasks += 1
         try:
             async with self.turns:
+                if yield_first:
+                    await anyio.lowlevel.checkpoint()
                 self.pub.check_open()
                 if entries <= self.pub.layout.capacity or not self.pub.block:
                     await self.publish_when_room(parts, total, oob, entries)
@@ -108,15 +112,18 @@ class WriterChannel:
         finally:
             self.waiting_tasks -= 1
 
-    async def put_batch(self, batch: Sequence[Encoded], entries: int) -> bool:
+    async def put_batch(self, batch: Sequence[Encoded], entries: int, yield_first: bool = False) -> bool:
         """Publish several messages at once (``entries`` slots in all, at most the ring's
-        capacity), waiting (in turn) for room for all of them. True if they went out at once."""
+        capacity), waiting (in turn) for room for all of them. True if they went out at once.
+        ``yield_first`` as for ``put_in_turn``."""
         pub = self.pub
-        if not self.turns.locked() and pub.try_publish_many(batch, entries):
+        if not yield_first and not self.turns.locked() and pub.try_publish_many(batch, entries):
             return True
         self.waiting_tasks += 1
         try:
             async with self.turns:
+                if yield_first:
+                    await anyio.lowlevel.checkpoint()
                 pub.check_open()
                 while True:
                     if pub.block:

@@ -145,15 +145,17 @@ class Reader(Generic[T_co]):
         """
         if _get_ident() != self._thread:
             self._check_thread()
+        if self._since_yield >= _tuning.YIELD_EVERY:
+            # A reader that never has to wait still lets other tasks run now and then. Before the
+            # take, and cancellable: a cancellation here (an anyio scope, or asyncio's own, which
+            # no anyio shield stops) has taken nothing. Once a message is taken, get returns it
+            # without another await.
+            self._since_yield = 0
+            await anyio.lowlevel.checkpoint()
         while True:
             obj = self._take()
             if obj is not _NOTHING:
                 self._since_yield += 1
-                if self._since_yield >= _tuning.YIELD_EVERY:
-                    # A reader that never has to wait still lets other tasks run now and then.
-                    # Shielded: the message is taken, so a cancellation here would lose it.
-                    self._since_yield = 0
-                    await anyio.lowlevel.cancel_shielded_checkpoint()
                 return obj  # type: ignore[no-any-return]
             await self._wait()
 

@@ -7,9 +7,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import anyio.lowlevel
-
-from . import _tuning
 from ._exceptions import EndOfStream, ReaderLagged, WriterGone
 from ._handle import Handle
 from ._open import DEFAULT_DIRECTORY, Transport, _open_channel, _open_raw_reader, _WriterSpec
@@ -52,7 +49,6 @@ async def relay(
             down.set_codec(up.codec, up.schema_path)
             if on_ready is not None:
                 on_ready(down.handle)
-            published = 0
             while True:
                 try:
                     body, oob = await source.get()
@@ -64,9 +60,8 @@ async def relay(
                 except WriterGone:
                     await down.abandon()
                     return
-                if await down.put_encoded((body,), len(body), oob, down.entries_for(len(body))):
-                    published += 1  # at once: yield to the loop now and then, as Writer.put does
-                    if published % _tuning.YIELD_EVERY == 0:
-                        await anyio.lowlevel.cancel_shielded_checkpoint()
+                # No await after the publish: source.get() already yields to the loop once in
+                # YIELD_EVERY messages, before it takes one.
+                await down.put_encoded((body,), len(body), oob, down.entries_for(len(body)))
         finally:
             await down.aclose()

@@ -8,8 +8,6 @@ from threading import get_ident as _get_ident
 from types import TracebackType
 from typing import Generic, NoReturn, TypeVar, final
 
-import anyio.lowlevel
-
 from . import _tuning
 from ._channel import WriterChannel
 from ._exceptions import BroadcastError, WouldBlock
@@ -82,16 +80,17 @@ class Writer(Generic[T_contra]):
         parts, total, oob = ch.encode(obj)  # the object as it is now
         entries = 1 if total <= ch.payload_bytes else ch.entries_for(total)
         # The usual case first, without a coroutine of its own: no task waits ahead of this one
-        # and there is room. Then yield to the loop now and then so that a tight loop of puts
-        # does not starve other tasks. Shielded: the message is published, so a cancellation
-        # here would report a published message as not sent.
-        if not ch.turns.locked() and pub.try_publish(parts, total, oob, entries):
+        # and there is room. Once in YIELD_EVERY puts, the put yields to the loop first, so that
+        # a tight loop of puts does not starve other tasks: in its turn (the tasks behind it wait
+        # as for room) and before publishing, so a cancellation there (an anyio scope, or
+        # asyncio's own) has published nothing. Once published, put returns without an await.
+        if self._since_yield >= _tuning.YIELD_EVERY:
+            self._since_yield = 0
+            await ch.put_in_turn(parts, total, oob, entries, yield_first=True)
+        elif not ch.turns.locked() and pub.try_publish(parts, total, oob, entries):
             self._since_yield += 1
-            if self._since_yield >= _tuning.YIELD_EVERY:
-                self._since_yield = 0
-                await anyio.lowlevel.cancel_shielded_checkpoint()
-            return
-        await ch.put_in_turn(parts, total, oob, entries)
+        else:
+            await ch.put_in_turn(parts, total, oob, entries)
 
     async def put_many(self, objs: Iterable[T_contra]) -> None:
         """Publish several messages, in order, as one operation: all of them, or (cancelled, or
@@ -110,11 +109,12 @@ class Writer(Generic[T_contra]):
         batch, entries = ch.encode_batch(objs)  # the objects as they are now
         if not batch:
             return
-        if await ch.put_batch(batch, entries):
+        # Yields now and then as put does: first, in turn, and never after publishing.
+        yield_first = self._since_yield >= _tuning.YIELD_EVERY
+        if yield_first:
+            self._since_yield = 0
+        if await ch.put_batch(batch, entries, yield_first=yield_first):
             self._since_yield += len(batch)
-            if self._since_yield >= _tuning.YIELD_EVERY:
-                self._since_yield = 0
-                await anyio.lowlevel.cancel_shielded_checkpoint()
 
     def statistics(self) -> WriterStatistics:
         return self._ch.statistics(self._ch.waiting_tasks)

@@ -55,6 +55,11 @@ DEFAULT_MAX_FRAME = 1 << 31
 #: with a name of NAME_CHARS characters each escaped as two UTF-16 units and a host name of
 #: HOST_CHARS, is under 3.5 KiB)
 MAX_CONTROL_FRAME = 4 * 1024
+#: the longest data-connection password a WELCOME may name (the server's are 32 hex digits)
+MAX_DATA_TOKEN = 128
+#: the user name of the PLAIN handshakes (the data connection; the control connection under
+#: insecure=True): the password is what admits
+PLAIN_USER = b"aiobroadcast"
 #: frames of a reader's message, the signature included: the kind and at most one argument
 MAX_CONTROL_FRAMES = 3
 #: a reader's name and host name as they travel in HELLO (longer ones are cut by the reader)
@@ -85,6 +90,13 @@ def _mac(key: bytes, frames: Sequence[Any]) -> bytes:
         mac.update(U64.pack(_nbytes(f)))
         mac.update(f)
     return mac.digest()
+
+
+def control_password(key: bytes) -> bytes:
+    """The PLAIN password of the control connection under insecure=True, derived from the
+    handle's HMAC key: the server refuses a peer without it at the handshake. It travels in
+    clear (as everything does in that mode); it is not the key, and signs nothing."""
+    return hmac.new(key, b"aiobroadcast control connection", hashlib.sha256).hexdigest().encode()
 
 
 def sign(key: bytes | None, frames: list[Any]) -> list[Any]:

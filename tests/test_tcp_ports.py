@@ -11,6 +11,7 @@ and time and stops by itself. The server's descriptors are counted in /proc (psu
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import threading
 import time
@@ -236,3 +237,16 @@ async def test_a_server_out_of_descriptors_says_so_in_statistics_and_recovers() 
                 stream.stopping = True
             stream.check()
     assert "descriptor" in health, health
+
+
+@ON_ASYNCIO
+async def test_a_wrong_hmac_key_is_refused_at_the_handshake_of_an_insecure_control_port() -> None:
+    """insecure=True: the control handshake is PLAIN with a password derived from the HMAC key,
+    so a handle with another key fails ``open_reader`` at once, not after ``connect_timeout``."""
+    async with tcp_writer(insecure=True) as writer:
+        wrong = writer.handle.model_copy(update={"hmac_key": secrets.token_hex(32)})
+        t0 = time.monotonic()
+        with pytest.raises(ab.TransportError, match="refused this reader's keys at the handshake"):
+            await ab.open_reader(wrong, transport="tcp", name="wrong-key", connect_timeout=60)
+        assert time.monotonic() - t0 < 10
+        assert writer.statistics().rejected_frames == 0

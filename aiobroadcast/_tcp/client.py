@@ -222,9 +222,9 @@ class _Pump:
         self._ctrl_w.setblocking(False)
         self._ctx = zmq.Context()
         d = self._dealer = self._ctx.socket(zmq.DEALER)
-        # The data connection: plain ZeroMQ, every frame sealed. It has the control connection's
-        # routing id, which is how the server knows whose it is; it connects once WELCOME says
-        # where.
+        # The data connection: ZeroMQ without CurveZMQ, every frame sealed. It has the control
+        # connection's routing id, which is how the server knows whose it is; it connects once
+        # WELCOME says where, and with which PLAIN password.
         self._data = self._ctx.socket(zmq.DEALER)
         self._data_endpoint: str | None = None
         self._data_token: str | None = None

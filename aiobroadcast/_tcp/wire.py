@@ -6,8 +6,9 @@ Every frame group starts with a one-byte kind. Two connections per reader:
 - the control connection (HELLO, ACK, NACK, BYE; WELCOME, KEYS, HEARTBEAT, UNKNOWN, REFUSED):
   CurveZMQ encrypts and authenticates it; in insecure mode a last frame carries an HMAC-SHA256
   of the others, checked with ``compare_digest`` before anything else is parsed;
-- the data connection (BATCH, LAGGED, END, server to reader only): plain ZeroMQ, each body and
-  each frame sealed by ``_seal.py`` under the group key that WELCOME and KEYS deliver.
+- the data connection (BATCH, LAGGED, END, server to reader only): ZeroMQ without CurveZMQ
+  (a PLAIN password from WELCOME admits it), each body and each frame sealed by ``_seal.py``
+  under the group key that WELCOME and KEYS deliver.
 """
 
 from __future__ import annotations

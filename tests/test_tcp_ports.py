@@ -10,6 +10,7 @@ and time and stops by itself. The server's descriptors are counted in /proc (psu
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
@@ -25,10 +26,11 @@ import anyio.to_thread
 import psutil
 import pytest
 import zmq
-from _peers import ON_ASYNCIO, tcp_writer, the_server, until
+from _peers import ON_ASYNCIO, hello, keyed_peer, tcp_writer, the_server, until
 
 import aiobroadcast as ab
 from aiobroadcast._tcp import server as tcp_server
+from aiobroadcast._tcp import wire
 
 pytestmark = pytest.mark.anyio
 
@@ -250,3 +252,33 @@ async def test_a_wrong_hmac_key_is_refused_at_the_handshake_of_an_insecure_contr
             await ab.open_reader(wrong, transport="tcp", name="wrong-key", connect_timeout=60)
         assert time.monotonic() - t0 < 10
         assert writer.statistics().rejected_frames == 0
+
+
+@ON_ASYNCIO
+async def test_a_reader_that_sends_on_its_data_connection_does_not_stall_it() -> None:
+    """A client with the keys (so with the data port's password, from WELCOME) sends messages
+    on its data connection, where readers send nothing, then closes it: the server reads and
+    drops them, so it sees the connection end and lets its descriptor go."""
+    async with tcp_writer() as writer:
+        server = the_server()
+        with keyed_peer(writer.handle) as peer:
+            peer.send(hello("chatty"))
+            frames = await peer.answer()
+            assert frames[0] == wire.WELCOME
+            welcome = json.loads(frames[1])
+            fds_before = server.num_fds()
+            ctx = zmq.Context()
+            try:
+                data = ctx.socket(zmq.DEALER)
+                data.linger = 0
+                data.plain_username = wire.PLAIN_USER
+                data.plain_password = welcome["data_token"].encode()
+                data.connect(f"tcp://127.0.0.1:{welcome['data_port']}")
+                for k in range(200):
+                    data.send(b"chatter %d" % k)
+                await until(lambda: server.num_fds() > fds_before)  # it got in
+                await anyio.sleep(0.5)
+                data.close(linger=0)
+            finally:
+                ctx.term()
+            await until(lambda: server.num_fds() <= fds_before, within_s=RECOVER_S)

@@ -63,6 +63,8 @@ HANDSHAKE_S = 5.0
 #: frame groups taken off the data socket, and dropped, per turn of the loop: readers send nothing
 #: there, and one left unread would stop ZeroMQ reading that connection, even its end
 DATA_DRAIN = 64
+#: messages (of at most 1 KiB) ZeroMQ queues from one data connection before the server drops them
+DATA_RECV_HWM = 16
 #: the ZAP domains of the two sockets
 CONTROL_DOMAIN = "aiobroadcast"
 DATA_DOMAIN = "aiobroadcast-data"
@@ -263,11 +265,12 @@ class TcpServer:
             d = self._data
             d.linger = 0
             d.sndhwm = SEND_HWM
-            d.rcvhwm = 1
             # Readers send nothing here; what a peer sends anyway is read and dropped (a message
             # left unread would stop ZeroMQ reading that connection, and noticing its end). A
             # message over 1 KiB closes the connection (the bound also applies to the handshake,
-            # hence not 0).
+            # hence not 0). Not a queue of 1: behind a ZAP handshake, ZeroMQ 4.3 then delivers
+            # nothing from the connection, and stops reading it.
+            d.rcvhwm = DATA_RECV_HWM
             d.maxmsgsize = 1024
             d.router_mandatory = True
             d.handshake_ivl = int(HANDSHAKE_S * 1000)

@@ -434,20 +434,20 @@ HOSTILE = {
     "BYE with an argument": [wire.BYE, b"x"],
     "HELLO without a body": [wire.HELLO],
     "HELLO not JSON": [wire.HELLO, b"{version: 3"],
-    "HELLO window 0": [wire.HELLO, b'{"version":4,"window":0}'],
-    "HELLO window a float": [wire.HELLO, b'{"version":4,"window":4.0}'],
-    "HELLO window NaN": [wire.HELLO, b'{"version":4,"window":NaN}'],
-    "HELLO resume negative": [wire.HELLO, b'{"version":4,"window":4,"resume":-1}'],
-    "HELLO resume beyond the stream": [wire.HELLO, b'{"version":4,"window":4,"resume":1000}'],
-    "HELLO name too long": [wire.HELLO, b'{"version":4,"window":4,"name":"' + b"n" * 300 + b'"}'],
-    "HELLO pid a string": [wire.HELLO, b'{"version":4,"window":4,"pid":"1"}'],
+    "HELLO window 0": [wire.HELLO, b'{"version":5,"window":0}'],
+    "HELLO window a float": [wire.HELLO, b'{"version":5,"window":4.0}'],
+    "HELLO window NaN": [wire.HELLO, b'{"version":5,"window":NaN}'],
+    "HELLO resume negative": [wire.HELLO, b'{"version":5,"window":4,"resume":-1}'],
+    "HELLO resume beyond the stream": [wire.HELLO, b'{"version":5,"window":4,"resume":1000}'],
+    "HELLO name too long": [wire.HELLO, b'{"version":5,"window":4,"name":"' + b"n" * 300 + b'"}'],
+    "HELLO pid a string": [wire.HELLO, b'{"version":5,"window":4,"pid":"1"}'],
     "HELLO an array": [wire.HELLO, b"[1,2]"],
-    "HELLO channel a number": [wire.HELLO, b'{"version":4,"window":4,"channel":7}'],
-    "HELLO channel too long": [wire.HELLO, b'{"version":4,"window":4,"channel":"' + b"c" * 300 + b'"}'],
+    "HELLO channel a number": [wire.HELLO, b'{"version":5,"window":4,"channel":7}'],
+    "HELLO channel too long": [wire.HELLO, b'{"version":5,"window":4,"channel":"' + b"c" * 300 + b'"}'],
     "a data frame sent back": [wire.BATCH, wire.BATCH_HEAD.pack(0, 0)],
     "KEYS from a reader": [wire.KEYS, b"\1\0"],
 }
-assert wire.PROTOCOL_VERSION == 4  # the HELLOs above are of this version: refused for what they hold
+assert wire.PROTOCOL_VERSION == 5  # the HELLOs above are of this version: refused for what they hold
 
 
 @pytest.mark.parametrize("what", list(HOSTILE))

@@ -25,7 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 #: 2: a batch carries its bodies in one or more frames (large bodies alone), not one blob.
 #: 3: the pickle body format of aiobroadcast/_codec.py (large bytes indexed, or out of band).
 #: 4: sealed data frames on a connection of their own (the group key in WELCOME and KEYS).
-PROTOCOL_VERSION = 4
+#: 5: the data connection's PLAIN password in WELCOME (a reader of 4 would connect without it and
+#: starve); insecure=True: the control handshake is PLAIN.
+PROTOCOL_VERSION = 5
 
 # reader -> server
 HELLO = b"H"  # json {version, name, pid, host (optional), window, resume, channel}

@@ -330,8 +330,9 @@ class TcpServer:
             if not self._report_failing:
                 self._report_failing = True
                 log.warning(
-                    "aiobroadcast: the TCP server cannot write its report %s (%s); remote readers are "
-                    "served as before, statistics() shows the last report until there is room",
+                    "aiobroadcast: the TCP server cannot write its report %s (%s); connected remote readers "
+                    "are served as before; statistics() shows the last report, and its tcp_server_health "
+                    "why, until it can",
                     self._stats_path,
                     exc.strerror or exc,
                 )

@@ -301,6 +301,7 @@ class WriterChannel:
             tcp_server=state,
             tcp_server_restarts=server.restarts if server is not None else 0,
             rejected_frames=rejected,
+            tcp_server_health=server.health() if server is not None else "",
         )
 
     def check_thread(self) -> None:

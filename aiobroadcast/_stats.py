@@ -39,6 +39,10 @@ class WriterStatistics(NamedTuple):
     tcp_server: TcpServerState = "none"
     tcp_server_restarts: int = 0  #: times the writer restarted it
     rejected_frames: int = 0  #: frame groups from remote peers the TCP server refused
+    #: whether the running TCP server can serve: "ok", or what stops it (out of file descriptors,
+    #: so new remote readers cannot connect; a report it cannot write); "" unless ``tcp_server``
+    #: is "running". Readers already connected may still be served.
+    tcp_server_health: str = ""
 
 
 class ReaderStatistics(NamedTuple):

@@ -85,7 +85,11 @@ class RawPeer:
     """A hand-driven ZeroMQ DEALER: a client that is not aiobroadcast's. ``send`` sends the frames
     as they are (sign them yourself to play a client with the key)."""
 
-    def __init__(self, endpoint: str, *, curve: tuple[str, str, str] | None = None) -> None:
+    def __init__(
+        self, endpoint: str, *, curve: tuple[str, str, str] | None = None, password: bytes | None = None
+    ) -> None:
+        """``curve``: the CurveZMQ keys (server, public, secret); ``password``: the PLAIN
+        password (an insecure server's control port wants ``wire.control_password(key)``)."""
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.linger = 0
@@ -95,6 +99,9 @@ class RawPeer:
             self.sock.curve_serverkey = server_key.encode()
             self.sock.curve_publickey = public.encode()
             self.sock.curve_secretkey = secret.encode()
+        if password is not None:
+            self.sock.plain_username = wire.PLAIN_USER
+            self.sock.plain_password = password
         self.sock.connect(endpoint)
 
     def send(self, frames: list[bytes]) -> None:
@@ -110,8 +117,10 @@ class RawPeer:
 
 
 @contextmanager
-def raw_peer(endpoint: str, *, curve: tuple[str, str, str] | None = None) -> Iterator[RawPeer]:
-    peer = RawPeer(endpoint, curve=curve)
+def raw_peer(
+    endpoint: str, *, curve: tuple[str, str, str] | None = None, password: bytes | None = None
+) -> Iterator[RawPeer]:
+    peer = RawPeer(endpoint, curve=curve, password=password)
     try:
         yield peer
     finally:
@@ -133,11 +142,14 @@ class KeyedPeer(RawPeer):
 
     def __init__(self, h: ab.Handle) -> None:
         assert h.tcp is not None
-        curve = None
+        curve = password = None
         if not h.insecure:
             assert h.server_key and h.client_public_key and h.client_secret_key
             curve = (h.server_key, h.client_public_key, h.client_secret_key)
-        super().__init__(h.tcp, curve=curve)
+        else:
+            assert h.hmac_key
+            password = wire.control_password(h.hmac_key.encode())
+        super().__init__(h.tcp, curve=curve, password=password)
         self.key = h.hmac_key.encode() if h.insecure and h.hmac_key else None
 
     def send(self, frames: list[bytes]) -> None:

@@ -355,6 +355,7 @@ async def _full_shm_write(conn: Conn, spec: FullShmSpec) -> None:
             await anyio.sleep(hb / 4)
         leftovers = sorted(set.intersection(*looks))
         while_full = received()
+        health_while_full = writer.statistics().tcp_server_health
         os.unlink(filler)
         with anyio.fail_after(30):
             while True:
@@ -371,6 +372,8 @@ async def _full_shm_write(conn: Conn, spec: FullShmSpec) -> None:
             "received_while_full": while_full,
             "received_again": received(),
             "complaints": complaints,
+            "health_while_full": health_while_full,
+            "health_again": stats.tcp_server_health,
         }
         conn.send(("report", report))
         _expect(conn, "close")

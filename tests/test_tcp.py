@@ -61,6 +61,7 @@ from _tcp_workers import (
     summary,
     writer_proc,
 )
+from zmq.auth.thread import ThreadAuthenticator
 
 import aiobroadcast as ab
 from aiobroadcast import _seal as seal
@@ -232,6 +233,11 @@ async def test_a_connecting_reader_can_be_cancelled_and_leaves_nothing_behind() 
         assert reader_threads() == 0
 
 
+class _AnyPassword(ThreadAuthenticator):
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        return True, b"OK"
+
+
 class FakeServer:
     """A hand-driven ROUTER on loopback that plays a writer's TCP server (a forgery), with the
     data socket beside it. ``use(handle, secret)`` gives it a sealer: that of the real server
@@ -241,9 +247,15 @@ class FakeServer:
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.linger = 0
+        self.auth: _AnyPassword | None = None
         if curve_secret is not None:
             self.sock.curve_server = True
             self.sock.curve_secretkey = curve_secret
+        else:  # an insecure reader says PLAIN: let any password in (this server forges the rest)
+            self.auth = _AnyPassword(self.ctx)
+            self.auth.start()
+            self.sock.zap_domain = b"fake"
+            self.sock.plain_server = True
         port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         self.endpoint = f"tcp://127.0.0.1:{port}"
         self.peer = b""
@@ -308,6 +320,8 @@ class FakeServer:
     def close(self) -> None:
         self.sock.close(linger=0)
         self.data.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()
         self.ctx.term()
 
 
@@ -518,7 +532,7 @@ async def test_bad_frames_from_a_client_do_not_break_the_server(insecure: bool) 
                     tg.start_soon(read_all)
                     for i in range(n // 2):
                         await writer.put(message(i))
-                    with raw_peer(h.tcp, curve=keys) as rogue:
+                    with raw_peer(h.tcp, curve=keys, password=wire.control_password(key) if key else None) as rogue:
                         rogue.send(wire.sign(key, hello("rogue")))
                         assert await rogue.heard(5.0)  # WELCOME: it holds the keys
                         for frames in (

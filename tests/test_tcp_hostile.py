@@ -358,6 +358,8 @@ async def test_a_full_shm_degrades_the_servers_report_not_the_data_path() -> Non
             assert report["received_while_full"] == 0  # the last report written, before the fill
             assert report["received_again"] == spec.count  # written again once there is room
             assert report["complaints"] == 1, report  # logged once, not at every heartbeat
+            assert "report was last written" in report["health_while_full"], report  # stale, and says so
+            assert report["health_again"] == "ok", report
             wproc.send("close")
             with pytest.raises(ab.EndOfStream):
                 with anyio.fail_after(20):

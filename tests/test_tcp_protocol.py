@@ -117,6 +117,7 @@ def server(
     start: int = 0,
     returning: int = 0,
     buffer_bytes: int = BUFFER_BYTES,
+    data_token: str | None = None,
 ) -> ServerProtocol:
     config = ServerConfig(
         policy,
@@ -128,6 +129,7 @@ def server(
         max_remote=max_remote,
         channel=CHANNEL,
         data_port=5555,
+        data_token=data_token,
         buffer_bytes=buffer_bytes,
     )
     return ServerProtocol(config, start=start, now=0.0, returning=returning)
@@ -434,20 +436,20 @@ HOSTILE = {
     "BYE with an argument": [wire.BYE, b"x"],
     "HELLO without a body": [wire.HELLO],
     "HELLO not JSON": [wire.HELLO, b"{version: 3"],
-    "HELLO window 0": [wire.HELLO, b'{"version":4,"window":0}'],
-    "HELLO window a float": [wire.HELLO, b'{"version":4,"window":4.0}'],
-    "HELLO window NaN": [wire.HELLO, b'{"version":4,"window":NaN}'],
-    "HELLO resume negative": [wire.HELLO, b'{"version":4,"window":4,"resume":-1}'],
-    "HELLO resume beyond the stream": [wire.HELLO, b'{"version":4,"window":4,"resume":1000}'],
-    "HELLO name too long": [wire.HELLO, b'{"version":4,"window":4,"name":"' + b"n" * 300 + b'"}'],
-    "HELLO pid a string": [wire.HELLO, b'{"version":4,"window":4,"pid":"1"}'],
+    "HELLO window 0": [wire.HELLO, b'{"version":5,"window":0}'],
+    "HELLO window a float": [wire.HELLO, b'{"version":5,"window":4.0}'],
+    "HELLO window NaN": [wire.HELLO, b'{"version":5,"window":NaN}'],
+    "HELLO resume negative": [wire.HELLO, b'{"version":5,"window":4,"resume":-1}'],
+    "HELLO resume beyond the stream": [wire.HELLO, b'{"version":5,"window":4,"resume":1000}'],
+    "HELLO name too long": [wire.HELLO, b'{"version":5,"window":4,"name":"' + b"n" * 300 + b'"}'],
+    "HELLO pid a string": [wire.HELLO, b'{"version":5,"window":4,"pid":"1"}'],
     "HELLO an array": [wire.HELLO, b"[1,2]"],
-    "HELLO channel a number": [wire.HELLO, b'{"version":4,"window":4,"channel":7}'],
-    "HELLO channel too long": [wire.HELLO, b'{"version":4,"window":4,"channel":"' + b"c" * 300 + b'"}'],
+    "HELLO channel a number": [wire.HELLO, b'{"version":5,"window":4,"channel":7}'],
+    "HELLO channel too long": [wire.HELLO, b'{"version":5,"window":4,"channel":"' + b"c" * 300 + b'"}'],
     "a data frame sent back": [wire.BATCH, wire.BATCH_HEAD.pack(0, 0)],
     "KEYS from a reader": [wire.KEYS, b"\1\0"],
 }
-assert wire.PROTOCOL_VERSION == 4  # the HELLOs above are of this version: refused for what they hold
+assert wire.PROTOCOL_VERSION == 5  # the HELLOs above are of this version: refused for what they hold
 
 
 @pytest.mark.parametrize("what", list(HOSTILE))
@@ -612,8 +614,8 @@ class Stream:
 STREAM = Stream(presealed=64)
 
 
-def welcome(start: int = 0, window: int = 4, stream: Stream = STREAM, port: int = 5555) -> list[Any]:
-    body = {
+def welcome(start: int = 0, window: int = 4, stream: Stream = STREAM, port: int = 5555, **extra: Any) -> list[Any]:
+    body: dict[str, Any] = {
         "start": start,
         "policy": "lag",
         "hb_interval": HB,
@@ -621,6 +623,7 @@ def welcome(start: int = 0, window: int = 4, stream: Stream = STREAM, port: int 
         "window": window,
         "data_port": port,
         "keys": stream.sealer.keys_message().hex(),
+        **extra,
     }
     return signed(wire.WELCOME, wire.encode_json(body))
 
@@ -814,6 +817,26 @@ def test_a_welcome_with_keys_of_the_other_mode_or_no_data_port_is_dropped() -> N
     for frames in bad:
         assert c.receive(frames, 0.1) is None
     assert not c.welcomed and c.data_port is None
+
+
+def test_the_welcome_gives_the_data_connections_password_and_a_bad_one_drops_it() -> None:
+    c = client()
+    c.data_to_send()
+    for token in (7, "", "x" * (wire.MAX_DATA_TOKEN + 1), ["ab"]):
+        assert c.receive(welcome(0, data_token=token), 0.1) is None
+        assert not c.welcomed and c.data_token is None
+    assert c.receive(welcome(0, data_token="ab" * 16), 0.1) == Welcomed(0)
+    assert c.data_token == "ab" * 16  # the pump connects the data connection with it (PLAIN)
+    assert c.receive(welcome(0, data_token="cd" * 16), 0.2) is None  # a restarted server's
+    assert c.data_token == "cd" * 16
+
+
+def test_the_servers_welcome_names_its_data_password() -> None:
+    for token in (None, "ef" * 16):
+        srv, net = server(data_token=token), Net()
+        assert isinstance(srv.receive(b"r", hello(), now=0.0, published=0, send=net), Admitted)
+        ((_, welcome_frames),) = net.take(b"r")
+        assert wire.decode_json(wire.verify(KEY, welcome_frames)[1]).get("data_token") == token
 
 
 @pytest.mark.parametrize(

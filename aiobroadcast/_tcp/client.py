@@ -182,8 +182,8 @@ class _HandshakeWatch:
                 return None
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 return (
-                    f"{where} refused this reader's keys at the CurveZMQ handshake (ZAP status {value}): "
-                    "the handle's client key pair is not this channel's"
+                    f"{where} refused this reader's keys at the handshake (ZAP status {value}): "
+                    "the handle's client key pair (insecure=True: its hmac_key) is not this channel's"
                 )
             if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 return (
@@ -222,11 +222,12 @@ class _Pump:
         self._ctrl_w.setblocking(False)
         self._ctx = zmq.Context()
         d = self._dealer = self._ctx.socket(zmq.DEALER)
-        # The data connection: plain ZeroMQ, every frame sealed. It has the control connection's
-        # routing id, which is how the server knows whose it is; it connects once WELCOME says
-        # where.
+        # The data connection: ZeroMQ without CurveZMQ, every frame sealed. It has the control
+        # connection's routing id, which is how the server knows whose it is; it connects once
+        # WELCOME says where, and with which PLAIN password.
         self._data = self._ctx.socket(zmq.DEALER)
         self._data_endpoint: str | None = None
+        self._data_token: str | None = None
         self._tcp = handle.tcp
         self._watch: _HandshakeWatch | None = None
         try:
@@ -263,6 +264,10 @@ class _Pump:
             d.curve_serverkey = handle.server_key.encode()
             d.curve_publickey = handle.client_public_key.encode()
             d.curve_secretkey = handle.client_secret_key.encode()
+        else:  # PLAIN, with the password the server derives from the same HMAC key
+            assert handle.hmac_key
+            d.plain_username = wire.PLAIN_USER
+            d.plain_password = wire.control_password(handle.hmac_key.encode())
         self._watch = _HandshakeWatch(d, f"the writer's server at {handle.tcp}")
         d.connect(handle.tcp)
 
@@ -353,7 +358,7 @@ class _Pump:
                 # when decoded); small ones become bytes.
                 event = proto.receive([f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg], now)
                 if proto.data_port is not None:
-                    self._connect_data(proto.data_port)
+                    self._connect_data(proto.data_port, proto.data_token)
                 if event is not None and self._on_event(event):
                     self._flush()
                     return  # the stream ended or the server refused us: everything it sent is queued
@@ -389,20 +394,26 @@ class _Pump:
                 self._inbox.push(event)
                 return
 
-    def _connect_data(self, port: int) -> None:
-        """Connect the data connection to ``port`` of the writer's host (again if a restarted
-        server took another port)."""
+    def _connect_data(self, port: int, token: str | None) -> None:
+        """Connect the data connection to ``port`` of the writer's host, with the PLAIN password
+        ``token`` (again if a restarted server took another port or password)."""
         assert self._tcp is not None
         endpoint = f"{self._tcp.rsplit(':', 1)[0]}:{port}"
-        if endpoint == self._data_endpoint:
+        if (endpoint, token) == (self._data_endpoint, self._data_token):
             return
         if self._data_endpoint is not None:
             try:
                 self._data.disconnect(self._data_endpoint)
             except zmq.ZMQError:
                 pass
+        # Options apply to the connections made after they are set (reconnections included);
+        # without a password, the NULL mechanism (a server that asks for none).
+        if token is not None:
+            self._data.plain_username = wire.PLAIN_USER
+            self._data.plain_password = token.encode()
         self._data.connect(endpoint)
         self._data_endpoint = endpoint
+        self._data_token = token
 
     def _on_event(self, event: Welcomed | Messages | Lagged | Ended | Refused) -> bool:
         """Act on one event of the protocol; True when it ends the stream."""

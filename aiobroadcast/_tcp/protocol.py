@@ -144,6 +144,9 @@ class ServerConfig:
     channel: str | None = None
     #: the port of the data socket, for WELCOME
     data_port: int = 0
+    #: the password of the data socket's PLAIN handshake (hex), for WELCOME: a peer without it
+    #: is refused before it costs the server more than the handshake (docs/security.md)
+    data_token: str | None = None
     #: bytes of sealed bodies held, at most (as ``buffer_max``, by size: a server holding a
     #: window of 4 MiB messages would hold a gigabyte)
     buffer_bytes: int = BUFFER_BYTES
@@ -492,6 +495,8 @@ class ServerProtocol:
             "data_port": self._cfg.data_port,
             "keys": self.sealer.keys_message().hex(),
         }
+        if self._cfg.data_token is not None:
+            welcome["data_token"] = self._cfg.data_token
         self._send(send, ident, [wire.WELCOME, wire.encode_json(welcome)])
         return Admitted(ident, info)
 
@@ -678,6 +683,8 @@ class ClientProtocol:
         self._opener = seal.Opener(channel.encode(), secret=key)
         #: the port of the server's data socket (a restarted server may take another)
         self.data_port: int | None = None
+        #: the data connection's PLAIN password, as the last WELCOME said (None: no handshake)
+        self.data_token: str | None = None
         self._credit_base = 0  # the number the server counts this reader's credit from, at least
         self._keys_asked: float | None = None  # when it last asked for the keys again (UnknownKey)
         self._name = name[: wire.NAME_CHARS]  # the server refuses longer ones (and shows 64)
@@ -774,7 +781,11 @@ class ClientProtocol:
         if not 0 < data_port < 65536:
             raise wire.FrameError(f"data port {data_port}")
         self._install_keys(keys)
+        token = welcome.get("data_token")
+        if token is not None and not (isinstance(token, str) and 0 < len(token) <= wire.MAX_DATA_TOKEN):
+            raise wire.FrameError("data token")
         self.data_port = data_port  # again after a restart: that server may have another
+        self.data_token = token
         self._credit_base = start
         if self.welcomed:
             return None  # a repeated WELCOME (our HELLO went twice): the place stays ours

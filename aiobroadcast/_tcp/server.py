@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import hmac
 import json
 import logging
 import os
+import resource
+import secrets
 import signal
 import sys
 import time
@@ -53,6 +56,18 @@ SEND_HWM = 16
 RECV_HWM = 64
 #: how soon the server tries again to send to a reader whose queue was full
 RETRY_S = 0.005
+#: a connection to either port that has not finished its handshake (the ZMTP greeting, then
+#: CurveZMQ, or PLAIN and its password) this long after it was accepted is closed: a peer without
+#: the keys holds a descriptor no longer than this (docs/security.md, "Peers without the keys")
+HANDSHAKE_S = 5.0
+#: frame groups taken off the data socket, and dropped, per turn of the loop: readers send nothing
+#: there, and one left unread would stop ZeroMQ reading that connection, even its end
+DATA_DRAIN = 64
+#: messages (of at most 1 KiB) ZeroMQ queues from one data connection before the server drops them
+DATA_RECV_HWM = 16
+#: the ZAP domains of the two sockets
+CONTROL_DOMAIN = "aiobroadcast"
+DATA_DOMAIN = "aiobroadcast-data"
 #: a remote peer's refused frames are logged at most once in this many seconds
 COMPLAIN_EVERY_S = 60.0
 #: peers remembered for that (a flood of new peers is not logged one by one)
@@ -145,6 +160,17 @@ class _Allow:
         return key == self._key
 
 
+class _Zap(zmq.auth.thread.ThreadAuthenticator):
+    """The ZAP handler of both sockets (a thread): CurveZMQ keys through ``_Allow``, PLAIN
+    passwords compared in constant time (pyzmq's own compare with ``==``)."""
+
+    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
+        expected = self.passwords.get(domain, {}).get(username)
+        if expected is not None and hmac.compare_digest(password.encode(), expected.encode()):
+            return True, b"OK"
+        return False, b"Invalid password"
+
+
 class TcpServer:
     """Moves frames between the ROUTER socket, the ring and a ``ServerProtocol``, which decides
     everything: what each reader gets, when, and what is refused."""
@@ -172,17 +198,21 @@ class TcpServer:
         rekey_bytes: int = seal.REKEY_BYTES,
         buffer_bytes: int = BUFFER_BYTES,
         data_port: int = 0,
+        data_token: str | None = None,
     ) -> None:
         """``take_over`` and ``returning``: this server replaces one that died (pid
         ``take_over``), which served ``returning`` remote readers. ``rekey_messages`` and
         ``rekey_bytes``: the data plane's rekey policy (``_seal.py``). ``buffer_bytes``: the
         bytes of sealed bodies held for readers, at most (beside ``buffer_max`` messages).
-        ``data_port``: the data socket's port (0: a free one)."""
+        ``data_port``: the data socket's port (0: a free one). ``data_token``: the password
+        of its PLAIN handshake, which WELCOME hands to admitted readers (None: a new one; the
+        supervisor keeps one for the servers it starts, so reconnecting readers get in at once)."""
         self._stats_path = stats_path
         self.drain_timeout = 2 * hb_timeout
         self._ring_words = seg.words
         self._ctx = zmq.Context()
-        self._auth: zmq.auth.thread.ThreadAuthenticator | None = None
+        self._auth: _Zap | None = None
+        self.data_token = data_token or secrets.token_hex(16)
         self._router = self._ctx.socket(zmq.ROUTER)
         # Sealed data frames (BATCH, LAGGED, END) go on a second socket without CurveZMQ: each
         # message is sealed once for every reader (_seal.py), instead of CurveZMQ encrypting it
@@ -210,25 +240,46 @@ class TcpServer:
             # A full queue raises Again, an unknown peer EHOSTUNREACH: nothing is dropped silently,
             # so the protocol knows what was sent.
             r.router_mandatory = True
+            r.handshake_ivl = int(HANDSHAKE_S * 1000)
+            # Every connection to either port is admitted at its handshake, by the ZAP handler:
+            # a peer without the credentials is closed there (and one that says nothing, or
+            # dribbles, after HANDSHAKE_S), before it costs more than a descriptor for that long.
+            self._auth = _Zap(self._ctx, log=logging.getLogger("aiobroadcast.zap"))
+            self._auth.start()
             if not insecure:
                 assert server_secret is not None and client_public is not None
-                self._auth = zmq.auth.thread.ThreadAuthenticator(self._ctx, log=logging.getLogger("aiobroadcast.zap"))
-                self._auth.start()
-                self._auth.configure_curve_callback("aiobroadcast", credentials_provider=_Allow(client_public))
-                r.zap_domain = b"aiobroadcast"
+                self._auth.configure_curve_callback(CONTROL_DOMAIN, credentials_provider=_Allow(client_public))
+                r.zap_domain = CONTROL_DOMAIN.encode()
                 r.curve_server = True
                 r.curve_secretkey = server_secret
+            else:
+                # No CurveZMQ: PLAIN, with a password derived from the HMAC key.
+                assert hmac_key is not None
+                password = wire.control_password(hmac_key).decode()
+                self._auth.configure_plain(CONTROL_DOMAIN, {wire.PLAIN_USER.decode(): password})
+                r.zap_domain = CONTROL_DOMAIN.encode()
+                r.plain_server = True
             with zmq_errors(TransportError, f"cannot bind {endpoint}"):
                 r.bind(_port_star(endpoint))
             self.endpoint = r.getsockopt_string(zmq.LAST_ENDPOINT)
             d = self._data
             d.linger = 0
             d.sndhwm = SEND_HWM
-            d.rcvhwm = 1
-            # Readers send nothing here, and the server never reads it: what a peer sends stops
-            # at one small message (the bound also applies to the handshake, hence not 0).
+            # Readers send nothing here; what a peer sends anyway is read and dropped (a message
+            # left unread would stop ZeroMQ reading that connection, and noticing its end). A
+            # message over 1 KiB closes the connection (the bound also applies to the handshake,
+            # hence not 0). Not a queue of 1: behind a ZAP handshake, ZeroMQ 4.3 then delivers
+            # nothing from the connection, and stops reading it.
+            d.rcvhwm = DATA_RECV_HWM
             d.maxmsgsize = 1024
             d.router_mandatory = True
+            d.handshake_ivl = int(HANDSHAKE_S * 1000)
+            # PLAIN: the password is data_token, which admitted readers get in WELCOME (over
+            # CurveZMQ). Not secret from the path (it travels in clear, as the bodies do, sealed),
+            # but a peer that was never admitted does not have it.
+            self._auth.configure_plain(DATA_DOMAIN, {wire.PLAIN_USER.decode(): self.data_token})
+            d.zap_domain = DATA_DOMAIN.encode()
+            d.plain_server = True
             with zmq_errors(TransportError, f"cannot bind the data port {data_port or '(any)'} beside {self.endpoint}"):
                 d.bind(_data_endpoint(self.endpoint, data_port))
             self.data_port = int(d.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
@@ -250,6 +301,7 @@ class TcpServer:
             max_remote=max_remote,
             channel=handle.token,
             data_port=self.data_port,
+            data_token=self.data_token,
             buffer_bytes=buffer_bytes,
         )
         self.protocol = ServerProtocol(
@@ -278,8 +330,9 @@ class TcpServer:
             if not self._report_failing:
                 self._report_failing = True
                 log.warning(
-                    "aiobroadcast: the TCP server cannot write its report %s (%s); remote readers are "
-                    "served as before, statistics() shows the last report until there is room",
+                    "aiobroadcast: the TCP server cannot write its report %s (%s); connected remote readers "
+                    "are served as before; statistics() shows the last report, and its tcp_server_health "
+                    "why, until it can",
                     self._stats_path,
                     exc.strerror or exc,
                 )
@@ -314,6 +367,7 @@ class TcpServer:
         proto = self.protocol
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
+        poller.register(self._data, zmq.POLLIN)
         poller.register(self._ctrl_r, zmq.POLLIN)
         inbox = self._src.inbox_fd
         stopping = False
@@ -327,6 +381,7 @@ class TcpServer:
             proto.send_keys(self._send)  # before anything sealed under the new key goes out
             now = time.monotonic()
             self._recv_clients(now)
+            self._drain_data()
             sent = proto.transmit(self._send_data)
             proto.trim(now)
             if proto.heartbeat_due(now):
@@ -426,6 +481,17 @@ class TcpServer:
             if event is not None:
                 self._on_event(event)
 
+    def _drain_data(self) -> None:
+        """Take what peers sent on the data socket and drop it (readers send nothing there)."""
+        data = self._data
+        for _ in range(DATA_DRAIN):
+            if not cast(int, data.get(_EVENTS)) & _POLLIN:
+                return
+            try:
+                data.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+
     def _on_event(self, event: ServerEvent) -> None:
         if isinstance(event, Rejected):
             self._complain(event)
@@ -507,12 +573,27 @@ def _keep_freed_memory() -> None:
     mallopt(_M_MMAP_THRESHOLD, 4 << 20)  # fixed (it was adaptive): bodies up to 4 MiB reuse the heap
 
 
+def _raise_descriptor_limit() -> None:
+    """Raise this process's soft limit of descriptors to its hard limit: room for readers, and
+    for peers between their connection and the end of their handshake (HANDSHAKE_S). The bound
+    on what those cost is HANDSHAKE_S, not this; it only moves the point where the server
+    runs out (``statistics().tcp_server_health`` says when it does)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft == resource.RLIM_INFINITY or soft >= hard:
+        return
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (OSError, ValueError):  # pragma: no cover - refused by the system
+        pass
+
+
 def main() -> int:
     """Entry point of the server process. Reads its configuration (with the keys: never on the
     command line) as one JSON line on stdin, answers with one JSON line on stdout (the endpoint
     it bound, or the error), then serves until stdin closes and remote readers have drained."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     _keep_freed_memory()
+    _raise_descriptor_limit()
     # A terminal's Ctrl-C is for the writer: it stops this server by closing our stdin, after
     # remote readers have drained.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -547,6 +628,7 @@ def main() -> int:
                 rekey_bytes=cfg.get("rekey_bytes") or seal.REKEY_BYTES,
                 buffer_bytes=cfg.get("buffer_bytes") or BUFFER_BYTES,
                 data_port=cfg.get("data_port") or 0,
+                data_token=cfg.get("data_token"),
             )
         except BaseException:
             seg.close()

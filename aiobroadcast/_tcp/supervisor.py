@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
+import secrets
 import select
 import subprocess
 import sys
@@ -37,6 +39,12 @@ RESTART_DELAY_S = 0.2
 RESTART_MAX_S = 5.0
 #: a server that ran this long before dying is restarted at once
 STABLE_S = 60.0
+
+#: the server is short of descriptors when fewer than this many of its limit are free (or a 64th of
+#: it, if more): it cannot accept new readers' connections, nor write its report, for long
+FD_SPARE = 8
+#: its report is stale (it cannot write it) when it is older than this many heartbeats, plus a second
+STALE_HEARTBEATS = 4
 
 #: the directory that holds the ``aiobroadcast`` package this module belongs to
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -84,7 +92,9 @@ class ServerProcess:
         """``cfg``: the server's configuration (keys included: it goes to the process on its
         stdin, never on the command line). ``stop_s``: how long ``stop`` waits for remote
         readers to drain."""
-        self._cfg = cfg
+        # The data socket's password is kept for the servers started again: a reader's data
+        # connection, which reconnects by itself, gets in at once.
+        self._cfg = {"data_token": secrets.token_hex(16), **cfg}
         self._stop_s = stop_s
         self.stats_path: str = cfg["stats_path"]
         self._lock = threading.Lock()
@@ -95,6 +105,7 @@ class ServerProcess:
         self.restarts = 0
         #: the exit code of the server ``stop`` stopped (0: it drained and stopped by itself)
         self.returncode: int | None = None
+        self._served_at = time.monotonic()
         #: every server process this writer started (their ring places are named after them)
         self.pids: set[int] = set()
         # What servers that died had counted, so the totals in statistics() do not go back.
@@ -127,6 +138,7 @@ class ServerProcess:
         again binds that same endpoint (the port that was read back, not port 0)."""
         self._cfg = {**self._cfg, "endpoint": endpoint}
         self._proc = proc
+        self._served_at = time.monotonic()
         self.pids.add(proc.pid)
         self._thread = threading.Thread(target=self._watch, args=(proc,), name="aiobroadcast-tcp-watch", daemon=True)
         self._thread.start()
@@ -161,6 +173,28 @@ class ServerProcess:
             return state, infos, dropped + int(snap.get("dropped", 0)), rejected + int(snap.get("rejected_frames", 0))
         except (AttributeError, KeyError, TypeError, ValueError):  # not a report this version writes
             return state, (), dropped, rejected
+
+    def health(self) -> str:
+        """ "ok" if the running server can serve; else what stops it, as far as can be seen from
+        here: its descriptors (counted in /proc, as it may have none left to say so itself), or
+        a report it stopped writing. "" unless the state is "running"."""
+        proc = self._proc
+        if self.state != "running" or proc is None:
+            return ""
+        used, limit = _descriptors(proc.pid)
+        if limit > 0 and limit - used < max(FD_SPARE, limit // 64):
+            return (
+                f"out of file descriptors: {used} of {limit} in use, so new connections of remote readers "
+                "fail (peers opening connections faster than the handshake limit closes them?)"
+            )
+        try:
+            age = time.time() - os.stat(self.stats_path).st_mtime
+        except OSError:
+            age = time.monotonic() - self._served_at
+        stale = STALE_HEARTBEATS * float(self._cfg.get("hb_interval", 1.0)) + 1.0
+        if age > stale:
+            return f"its report was last written {age:.1f} s ago: it cannot write it (/dev/shm full?)"
+        return "ok"
 
     def _read_report(self) -> dict[str, Any] | None:
         try:
@@ -307,6 +341,7 @@ class ServerProcess:
                 if self._stopped.is_set():
                     return None  # stop() has it now
                 if "endpoint" in answer:
+                    self._served_at = time.monotonic()
                     self.state = "running"
                     self.restarts += 1
                     self.pids.add(proc.pid)
@@ -336,3 +371,16 @@ class ServerProcess:
             error,
         )
         return None
+
+
+def _descriptors(pid: int) -> tuple[int, int]:
+    """The descriptors process ``pid`` holds and its soft limit; (0, 0) where /proc cannot say
+    (not Linux, or the process just ended)."""
+    try:
+        used = len(os.listdir(f"/proc/{pid}/fd"))
+        limit = resource.prlimit(pid, resource.RLIMIT_NOFILE)[0]
+    except OSError:
+        return 0, 0
+    if limit == resource.RLIM_INFINITY:
+        return 0, 0
+    return used, limit

@@ -6,8 +6,9 @@ Every frame group starts with a one-byte kind. Two connections per reader:
 - the control connection (HELLO, ACK, NACK, BYE; WELCOME, KEYS, HEARTBEAT, UNKNOWN, REFUSED):
   CurveZMQ encrypts and authenticates it; in insecure mode a last frame carries an HMAC-SHA256
   of the others, checked with ``compare_digest`` before anything else is parsed;
-- the data connection (BATCH, LAGGED, END, server to reader only): plain ZeroMQ, each body and
-  each frame sealed by ``_seal.py`` under the group key that WELCOME and KEYS deliver.
+- the data connection (BATCH, LAGGED, END, server to reader only): ZeroMQ without CurveZMQ
+  (a PLAIN password from WELCOME admits it), each body and each frame sealed by ``_seal.py``
+  under the group key that WELCOME and KEYS deliver.
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 #: 2: a batch carries its bodies in one or more frames (large bodies alone), not one blob.
 #: 3: the pickle body format of aiobroadcast/_codec.py (large bytes indexed, or out of band).
 #: 4: sealed data frames on a connection of their own (the group key in WELCOME and KEYS).
-PROTOCOL_VERSION = 4
+#: 5: the data connection's PLAIN password in WELCOME (a reader of 4 would connect without it and
+#: starve); insecure=True: the control handshake is PLAIN.
+PROTOCOL_VERSION = 5
 
 # reader -> server
 HELLO = b"H"  # json {version, name, pid, host (optional), window, resume, channel}
@@ -55,6 +58,11 @@ DEFAULT_MAX_FRAME = 1 << 31
 #: with a name of NAME_CHARS characters each escaped as two UTF-16 units and a host name of
 #: HOST_CHARS, is under 3.5 KiB)
 MAX_CONTROL_FRAME = 4 * 1024
+#: the longest data-connection password a WELCOME may name (the server's are 32 hex digits)
+MAX_DATA_TOKEN = 128
+#: the user name of the PLAIN handshakes (the data connection; the control connection under
+#: insecure=True): the password is what admits
+PLAIN_USER = b"aiobroadcast"
 #: frames of a reader's message, the signature included: the kind and at most one argument
 MAX_CONTROL_FRAMES = 3
 #: a reader's name and host name as they travel in HELLO (longer ones are cut by the reader)
@@ -85,6 +93,13 @@ def _mac(key: bytes, frames: Sequence[Any]) -> bytes:
         mac.update(U64.pack(_nbytes(f)))
         mac.update(f)
     return mac.digest()
+
+
+def control_password(key: bytes) -> bytes:
+    """The PLAIN password of the control connection under insecure=True, derived from the
+    handle's HMAC key: the server refuses a peer without it at the handshake. It travels in
+    clear (as everything does in that mode); it is not the key, and signs nothing."""
+    return hmac.new(key, b"aiobroadcast control connection", hashlib.sha256).hexdigest().encode()
 
 
 def sign(key: bytes | None, frames: list[Any]) -> list[Any]:

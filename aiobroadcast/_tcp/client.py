@@ -8,6 +8,7 @@ queue bounded by the credit window.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import socket
 import threading
@@ -45,6 +46,7 @@ WAKE_ITEMS = 32
 #: ZMQ_EVENTS and POLLIN as plain ints (pyzmq's enums cost microseconds per use)
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
+
 
 #: what the reader's queue holds: messages ``(seq, flags, body)``, and the events it raises
 #: where they fall in the stream (a refusal after the WELCOME is a ``Refused``)
@@ -118,6 +120,8 @@ class _Inbox:
             self._wake_w.send(b"\0")
         except BlockingIOError:
             pass  # full: the sleeper is being woken already
+        except OSError:
+            pass  # closed (a wake-up from another thread that lost the race to a close): nobody sleeps
 
     def begin_sleep(self) -> bool:
         """Announce a sleep; True if there is no need (something is queued)."""
@@ -145,6 +149,13 @@ class _Inbox:
         return got
 
     def close(self) -> None:
+        """Close the wake-up socket. A task of this thread's event loop parked on it (a ``get``
+        of the reader being closed) raises ``anyio.ClosedResourceError`` at once: the loop lets go
+        of the descriptor before it is closed (else the task sleeps on, and the loop polls a
+        closed descriptor, or whatever file reuses its number)."""
+        if self._wake_r.fileno() >= 0:
+            with contextlib.suppress(RuntimeError):  # no event loop here, so no task can be parked
+                anyio.notify_closing(self._wake_r)
         self._wake_r.close()
         self._wake_w.close()
 
@@ -561,6 +572,8 @@ class TcpSource:
             with anyio.move_on_after(self.sleep_limit_s):
                 await anyio.wait_readable(self._inbox.fd)
             self.drain_inbox()
+        except anyio.ClosedResourceError:
+            return  # closed by aclose() meanwhile: Reader raises ClosedResourceError
         finally:
             self.end_sleep(False)
 
@@ -584,8 +597,10 @@ class TcpSource:
         return self._inbox.drain()
 
     def interrupt(self) -> None:
-        """Wake the sleeper (from another thread): it looks at the queue again."""
-        self._inbox.wake()
+        """Wake the sleeper (from another thread): it looks at the queue again. Nothing once
+        closed."""
+        if not self._closed:
+            self._inbox.wake()
 
     def statistics(self, tasks_waiting: int) -> ReaderStatistics:
         return ReaderStatistics(

@@ -6,6 +6,9 @@ Every close returns, every later close does nothing, a waiting call raises ``Clo
 within seconds (never an ``OSError``, never a hang), and a closed role refuses every use with
 ``ClosedResourceError``. Real rings, real TCP servers (one writer per module serves the reader
 cases of both transports), real threads.
+
+And the remote reader's I/O thread failing after the welcome: the stream ends with a
+``TransportError`` that says so, and a waiting ``get`` wakes up.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from _peers import LOOPBACK
 
 import aiobroadcast as ab
 from aiobroadcast import blocking
+from aiobroadcast._tcp import client as tcp_client
+from aiobroadcast._tcp.protocol import ClientProtocol
 from aiobroadcast.vllm import Handle as QueueHandle
 from aiobroadcast.vllm import MessageQueue
 
@@ -315,3 +320,71 @@ async def test_a_relay_cancelled_while_it_waits_upstream_ends_its_channel(
                 tg.cancel_scope.cancel()
                 with anyio.fail_after(PROMPT_S), pytest.raises(ab.EndOfStream):
                     await down.get()
+
+
+# --- the remote reader's I/O thread -------------------------------------------------------------------
+class PumpFault(Exception):
+    """Raised in a remote reader's I/O thread, at the test's command."""
+
+
+@pytest.fixture
+def pump_fault(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """Set it: a remote reader's I/O thread raises ``PumpFault`` at its next turn (the test then
+    pokes the thread so that the turn comes at once), or as it takes the next frame from the
+    server (set before ``open_reader``: the WELCOME)."""
+    armed = threading.Event()
+
+    def failing(method: Callable[..., Any]) -> Callable[..., Any]:
+        def fail_when_armed(self: ClientProtocol, *args: Any, **kw: Any) -> Any:
+            if armed.is_set():
+                raise PumpFault("injected")
+            return method(self, *args, **kw)
+
+        return fail_when_armed
+
+    monkeypatch.setattr(ClientProtocol, "tick", failing(ClientProtocol.tick))
+    monkeypatch.setattr(ClientProtocol, "receive", failing(ClientProtocol.receive))
+    return armed
+
+
+def pump_of(source: object) -> tcp_client._Pump:
+    assert isinstance(source, tcp_client.TcpSource)
+    return source._pump
+
+
+@pytest.mark.anyio
+async def test_a_failed_io_thread_ends_the_stream_with_a_transport_error(
+    channel: ab.Handle, pump_fault: threading.Event
+) -> None:
+    async with await ab.open_reader(channel, transport="tcp") as reader:
+        failed = False
+
+        async def wait() -> None:
+            nonlocal failed
+            with pytest.raises(ab.TransportError, match=r"I/O thread failed.*PumpFault"):
+                await reader.get()
+            failed = True
+
+        with anyio.fail_after(PROMPT_S + PARK_S):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(wait)
+                await anyio.sleep(PARK_S)  # the get is asleep
+                pump_fault.set()
+                pump_of(reader._src).poke()
+        assert failed
+        with pytest.raises(ab.TransportError, match="I/O thread failed"):  # for good
+            reader.get_nowait()
+
+
+def test_a_failed_io_thread_wakes_a_blocking_get(channel: ab.Handle, pump_fault: threading.Event) -> None:
+    with blocking.open_reader(channel, transport="tcp") as reader:
+        getter = Call(reader.get)
+        time.sleep(PARK_S)
+        pump_fault.set()
+        pump_of(reader._src).poke()
+        ok, got = getter.outcome()
+        assert not ok and isinstance(got, ab.TransportError), got
+        assert "PumpFault" in str(got)
+    # Before the WELCOME (its first turn fails): open_reader says why, without waiting for its timeout.
+    with pytest.raises(ab.TransportError, match=r"I/O thread failed.*PumpFault"):
+        blocking.open_reader(channel, transport="tcp", connect_timeout=PROMPT_S)

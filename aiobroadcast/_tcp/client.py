@@ -14,6 +14,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import anyio
@@ -48,9 +49,18 @@ _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 
 
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """The I/O thread failed (a bug, or a resource it needs broke): nothing more can come. The
+    reader raises ``TransportError(reason)`` from ``cause``."""
+
+    reason: str
+    cause: BaseException
+
+
 #: what the reader's queue holds: messages ``(seq, flags, body)``, and the events it raises
 #: where they fall in the stream (a refusal after the WELCOME is a ``Refused``)
-_Item = tuple[int, int, Any] | Lagged | Ended | Refused
+_Item = tuple[int, int, Any] | Lagged | Ended | Refused | _Failed
 
 #: What the handshake monitor listens to (nothing else: connects and retries are not its business).
 _HANDSHAKE_EVENTS = (
@@ -75,14 +85,14 @@ class _Inbox:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.items: collections.deque[_Item] = collections.deque()
-        #: how the stream ended (END, silence, refusal), once queued
-        self.terminal: Ended | Refused | None = None
+        #: how the stream ended (END, silence, refusal, the I/O thread's failure), once queued
+        self.terminal: Ended | Refused | _Failed | None = None
         self._sleeping = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
 
-    def push(self, item: Lagged | Ended | Refused) -> None:
+    def push(self, item: Lagged | Ended | Refused | _Failed) -> None:
         with self.lock:
             last = self.items[-1] if self.items else None
             if isinstance(item, Lagged) and isinstance(last, Lagged):
@@ -305,12 +315,25 @@ class _Pump:
 
     def _run(self) -> None:
         try:
-            self._loop()
-        finally:
             try:
-                self._send(self._proto.bye())
+                self._loop()
             finally:
-                self._close_sockets()
+                try:
+                    self._send(self._proto.bye())
+                finally:
+                    self._close_sockets()
+        except BaseException as exc:  # nothing more can come: say so, or a get would wait forever
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The thread failed: end the stream for the reader (``TransportError``), after what is
+        queued already, and wake a sleeping ``get``; before the WELCOME, ``open_reader`` raises it."""
+        reason = f"the remote reader's I/O thread failed: {exc!r}"
+        if not self.welcome.is_set():
+            self.welcome_error = reason
+            self.welcome.set()
+        elif self._inbox.terminal is None:  # (a stream that had ended keeps its end)
+            self._inbox.push(_Failed(reason, exc))
 
     def _close_sockets(self) -> None:
         if self._watch is not None:
@@ -538,6 +561,8 @@ class TcpSource:
             raise ReaderLagged(item.missed)
         if isinstance(item, Refused):
             raise TransportError(f"the writer refused this reader: {item.reason}")
+        if isinstance(item, _Failed):
+            raise TransportError(item.reason) from item.cause
         if item.how == "closed":
             raise EndOfStream
         raise WriterGone(self._handle.writer_pid)

@@ -10,7 +10,7 @@ from typing import Any
 import anyio.lowlevel
 
 from . import _tuning
-from ._exceptions import EndOfStream, ReaderLagged, WriterGone
+from ._exceptions import EndOfStream, ReaderLagged, TransportError, WriterGone
 from ._handle import Handle
 from ._open import DEFAULT_DIRECTORY, Transport, _open_channel, _open_raw_reader, _WriterSpec
 
@@ -33,7 +33,9 @@ async def relay(
 
     Returns when the upstream writer closes (local readers then get ``EndOfStream``). If the
     upstream writer dies, local readers get ``WriterGone``; messages lost upstream (policy
-    "lag") reach local readers as ``ReaderLagged`` with the same count.
+    "lag") reach local readers as ``ReaderLagged`` with the same count. If the upstream stream
+    breaks (``TransportError``: refused, or its I/O failed), local readers get ``WriterGone``
+    too (never an ``EndOfStream`` they would take for a clean end) and the error propagates.
     """
     up = Handle.parse(upstream)
     async with _open_raw_reader(up, name=name, transport=transport) as source:
@@ -64,6 +66,9 @@ async def relay(
                 except WriterGone:
                     await down.abandon()
                     return
+                except TransportError:
+                    await down.abandon()
+                    raise
                 if await down.put_encoded((body,), len(body), oob, down.entries_for(len(body))):
                     published += 1  # at once: yield to the loop now and then, as Writer.put does
                     if published % _tuning.YIELD_EVERY == 0:

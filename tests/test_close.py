@@ -388,3 +388,35 @@ def test_a_failed_io_thread_wakes_a_blocking_get(channel: ab.Handle, pump_fault:
     # Before the WELCOME (its first turn fails): open_reader says why, without waiting for its timeout.
     with pytest.raises(ab.TransportError, match=r"I/O thread failed.*PumpFault"):
         blocking.open_reader(channel, transport="tcp", connect_timeout=PROMPT_S)
+
+
+@pytest.mark.anyio
+async def test_a_relay_whose_upstream_io_fails_stops_like_a_dead_writer(
+    channel: ab.Handle, pump_fault: threading.Event
+) -> None:
+    """Its readers get ``WriterGone``, not an ``EndOfStream`` they would take for a clean end;
+    the relay raises the ``TransportError``."""
+    ready: list[ab.Handle] = []
+    started = anyio.Event()
+    raised: list[BaseException] = []
+
+    def on_ready(handle: ab.Handle) -> None:
+        ready.append(handle)
+        started.set()
+
+    async def relay() -> None:
+        try:
+            await ab.relay(channel, transport="tcp", on_ready=on_ready)
+        except ab.TransportError as exc:
+            raised.append(exc)
+
+    with anyio.fail_after(PROMPT_S + PARK_S):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(relay)
+            await started.wait()
+            async with await ab.open_reader(ready[0]) as down:
+                await anyio.sleep(PARK_S)
+                pump_fault.set()  # the relay's I/O thread fails at its next turn (every 0.25 s)
+                with pytest.raises(ab.WriterGone):
+                    await down.get()
+    assert raised and "I/O thread failed" in str(raised[0])

@@ -14,7 +14,9 @@ And the remote reader's I/O thread failing after the welcome: the stream ends wi
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,8 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
+import psutil
 import pytest
-from _peers import LOOPBACK, ON_ASYNCIO
+from _peers import LOOPBACK, ON_ASYNCIO, tcp_writer, until
 from _tcp_workers import ASYNCIO, TRIO, UVLOOP
 
 import aiobroadcast as ab
@@ -440,3 +443,26 @@ async def test_a_relay_whose_upstream_io_fails_stops_like_a_dead_writer(
                 with pytest.raises(ab.WriterGone):
                     await down.get()
     assert raised and "I/O thread failed" in str(raised[0])
+
+
+# --- the writer's TCP server watcher --------------------------------------------------------------------
+@pytest.mark.anyio
+@ON_ASYNCIO
+async def test_a_server_watcher_that_fails_says_so_and_lets_go_of_the_ring(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The thread that restarts a dead TCP server cannot even spawn one (no such executable, for
+    real): the writer says ``tcp_server == "failed"`` and logs it, and drops the dead server's ring
+    place, so a "block" writer is not held by a server that never comes back."""
+    caplog.set_level(logging.WARNING, logger="aiobroadcast")
+    async with tcp_writer() as writer:
+        assert writer._ch.server is not None
+        (pid,) = writer._ch.server.pids  # (the module's writer has a server of its own)
+        server = psutil.Process(pid)
+        monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+        server.kill()
+        await until(lambda: writer.statistics().tcp_server == "failed", PROMPT_S)
+        assert any(r.levelno >= logging.ERROR and "TCP server" in r.getMessage() for r in caplog.records)
+        with anyio.fail_after(PROMPT_S):
+            for i in range(2 * writer.handle.capacity):
+                await writer.put(i)

@@ -124,7 +124,8 @@ class Writer(Generic[T_contra]):
         The segment is removed now; readers already attached keep their mapping. In a fork child
         of the writer's process it does nothing: the channel is the parent's. Closing again does
         nothing; an ``aclose`` while another task's is under way returns once that one is over."""
-        if self._ch.pub.closed and self._ch.closed_event is None:
+        closing = self._ch.closed_event
+        if self._ch.pub.closed and (closing is None or closing.is_set()):
             return
         self._ch.check_thread()
         await self._ch.aclose()

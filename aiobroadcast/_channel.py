@@ -68,6 +68,8 @@ class WriterChannel:
         self.waiting_tasks = 0
         self.slept_ns = _tuning.DENSE_NS  # no polling before the first sleep
         self.server: ServerProcess | None = None
+        #: Set once the first ``aclose`` is over (made by it): a second one waits for it.
+        self.closed_event: anyio.Event | None = None
         # The readers' sockets too: a reader that died unnoticed (never reaped) leaves its own.
         # Inherited by fork children (atexit hooks and finalizers are), so they carry our pid.
         self.owner = os.getpid()
@@ -320,12 +322,20 @@ class WriterChannel:
 
     async def aclose(self) -> None:
         """Close: readers drain, then ``EndOfStream``; remote readers drain what the TCP
-        server holds (within its drain timeout)."""
+        server holds (within its drain timeout). A second ``aclose`` (another task's) returns once
+        the first one is over."""
+        if self.closed_event is not None:
+            await self.closed_event.wait()
+            return
         if self.pub.closed:
             return
-        self.mark_closed()
-        await self.stop_server()
-        self.release()
+        closed = self.closed_event = anyio.Event()
+        try:
+            self.mark_closed()
+            await self.stop_server()
+            self.release()
+        finally:
+            closed.set()
 
     async def abandon(self) -> None:
         """Stop as if this process had died: readers drain, then get ``WriterGone``."""
@@ -351,6 +361,7 @@ class WriterChannel:
         woken: the parent goes on with its channel (docs/design.md, "Fork")."""
         self.pub.closed = True
         self.pub.refusal = _fork.refusal("writer", self.owner)
+        self.closed_event = None  # a close under way in the parent is not this process's to wait for
         server, self.server = self.server, None
         if server is not None:
             server.forget_in_child()

@@ -113,7 +113,8 @@ class InsufficientSharedMemory(BroadcastError):
 
 class TransportError(BroadcastError):
     """Raised by ``open_reader`` when a remote writer cannot be reached or refuses the reader
-    (wrong keys, not listening), and by ``get`` when the writer's server refuses it later."""
+    (wrong keys, not listening), and by ``get`` when the writer's server refuses it later or the
+    remote reader's I/O thread fails (the stream ends)."""
 
 
 E = TypeVar("E", bound=BroadcastError)

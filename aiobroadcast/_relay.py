@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ._exceptions import EndOfStream, ReaderLagged, WriterGone
+from ._exceptions import EndOfStream, ReaderLagged, TransportError, WriterGone
 from ._handle import Handle
 from ._open import DEFAULT_DIRECTORY, Transport, _open_channel, _open_raw_reader, _WriterSpec
 
@@ -30,7 +30,9 @@ async def relay(
 
     Returns when the upstream writer closes (local readers then get ``EndOfStream``). If the
     upstream writer dies, local readers get ``WriterGone``; messages lost upstream (policy
-    "lag") reach local readers as ``ReaderLagged`` with the same count.
+    "lag") reach local readers as ``ReaderLagged`` with the same count. If the upstream stream
+    breaks (``TransportError``: refused, or its I/O failed), local readers get ``WriterGone``
+    too (never an ``EndOfStream`` they would take for a clean end) and the error propagates.
     """
     up = Handle.parse(upstream)
     async with _open_raw_reader(up, name=name, transport=transport) as source:
@@ -60,6 +62,9 @@ async def relay(
                 except WriterGone:
                     await down.abandon()
                     return
+                except TransportError:
+                    await down.abandon()
+                    raise
                 # No await after the publish: source.get() already yields to the loop once in
                 # YIELD_EVERY messages, before it takes one.
                 await down.put_encoded((body,), len(body), oob, down.entries_for(len(body)))

@@ -122,8 +122,10 @@ class Writer(Generic[T_contra]):
     async def aclose(self) -> None:
         """Close the channel: readers receive what was published, then ``EndOfStream``.
         The segment is removed now; readers already attached keep their mapping. In a fork child
-        of the writer's process it does nothing: the channel is the parent's."""
-        if self._ch.pub.closed:
+        of the writer's process it does nothing: the channel is the parent's. Closing again does
+        nothing; an ``aclose`` while another task's is under way returns once that one is over."""
+        closing = self._ch.closed_event
+        if self._ch.pub.closed and (closing is None or closing.is_set()):
             return
         self._ch.check_thread()
         await self._ch.aclose()

@@ -350,6 +350,9 @@ class BlockingReader(_Closable, Generic[T_co]):
         self._slept_ns = _tuning.DENSE_NS  # no polling before the first sleep
         self._lock = _Owned()  # one taker at a time
         self._sleep_lock = _Owned()  # one sleeper at a time
+        # One close at a time, and no wake-up of the source while it is being closed: a second
+        # close (another thread's, a ``with`` around a close) waits for the first, then returns.
+        self._close_lock = threading.Lock()
         self._closing = False
         self._closed = False
 
@@ -405,19 +408,21 @@ class BlockingReader(_Closable, Generic[T_co]):
         ``ClosedResourceError``."""
         if get_ident() in (self._lock.owner, self._sleep_lock.owner):
             raise WouldBlock("close() called from inside this reader's own get() on this thread")
-        self._closing = True
-        self._src.interrupt()  # the sleeping thread wakes up, and the others after it
-        self._sleep_lock.acquire(None)
-        try:
-            self._lock.acquire(None)
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closing = True
+            self._src.interrupt()  # the sleeping thread wakes up, and the others after it
+            self._sleep_lock.acquire(None)
             try:
-                if not self._closed:
+                self._lock.acquire(None)
+                try:
                     self._closed = True
                     self._src.close()
+                finally:
+                    self._lock.release()
             finally:
-                self._lock.release()
-        finally:
-            self._sleep_lock.release()
+                self._sleep_lock.release()
 
     def __iter__(self) -> Iterator[T_co]:
         return self
@@ -459,8 +464,10 @@ class BlockingReader(_Closable, Generic[T_co]):
 
     def _interrupt(self) -> None:
         """Wake the thread sleeping in ``get`` (from another thread): it looks again, and asks
-        its ``stop``."""
-        self._src.interrupt()
+        its ``stop``. Nothing once closed."""
+        with self._close_lock:
+            if not self._closed:
+                self._src.interrupt()
 
     def _wait(
         self,

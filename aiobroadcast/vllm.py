@@ -196,7 +196,8 @@ class MessageQueueWriter(MessageQueue):
             max_readers=max(1, n_local_reader, self.n_remote_reader),
             tcp=tcp,
         )
-        self._finalizer = weakref.finalize(self, _close_here, os.getpid(), self._writer.close)
+        self._owner = os.getpid()
+        self._finalizer = weakref.finalize(self, _close_here, self._owner, self._writer.close)
         self.handle = Handle(list(local_reader_ranks), self._writer.handle.to_json(), n_reader, n_local_reader)
         self.shutting_down = False
         self._ready = n_reader == 0
@@ -218,8 +219,10 @@ class MessageQueueWriter(MessageQueue):
         self._wait_ready(None)
 
     def close(self) -> None:
-        """End the queue: readers get what was enqueued, then ``EndOfStream``."""
+        """End the queue: readers get what was enqueued, then ``EndOfStream``. Closing again
+        does nothing; a close while another thread's is under way returns once that one is over."""
         self._finalizer()
+        _close_here(self._owner, self._writer.close)  # the finalizer runs once: wait for another thread's
 
     def statistics(self) -> Any:
         """The channel's ``WriterStatistics``: readers by rank name, their lag, who a blocked
@@ -286,7 +289,8 @@ class MessageQueueReader(MessageQueue):
                 )
             reader = blocking.open_reader(handle.channel, name=name, transport="tcp")
         self._reader: blocking.BlockingReader[Any] = reader
-        self._finalizer = weakref.finalize(self, _close_here, os.getpid(), reader.close)
+        self._owner = os.getpid()
+        self._finalizer = weakref.finalize(self, _close_here, self._owner, reader.close)
 
     def dequeue(
         self, timeout: float | None = None, cancel: threading.Event | None = None, indefinite: bool = False
@@ -311,8 +315,10 @@ class MessageQueueReader(MessageQueue):
         self._reader._interrupt()
 
     def close(self) -> None:
-        """Detach this reader (the writer stops waiting for it at once)."""
+        """Detach this reader (the writer stops waiting for it at once). Closing again does
+        nothing; a close while another thread's is under way returns once that one is over."""
         self._finalizer()
+        _close_here(self._owner, self._reader.close)  # the finalizer runs once: wait for another thread's
 
     def statistics(self) -> Any:
         """The reader's ``ReaderStatistics``."""

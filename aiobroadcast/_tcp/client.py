@@ -8,11 +8,13 @@ queue bounded by the credit window.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import socket
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 
 import anyio
@@ -46,9 +48,19 @@ WAKE_ITEMS = 32
 _EVENTS = int(zmq.EVENTS)
 _POLLIN = int(zmq.POLLIN)
 
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """The I/O thread failed (a bug, or a resource it needs broke): nothing more can come. The
+    reader raises ``TransportError(reason)`` from ``cause``."""
+
+    reason: str
+    cause: BaseException
+
+
 #: what the reader's queue holds: messages ``(seq, flags, body)``, and the events it raises
 #: where they fall in the stream (a refusal after the WELCOME is a ``Refused``)
-_Item = tuple[int, int, Any] | Lagged | Ended | Refused
+_Item = tuple[int, int, Any] | Lagged | Ended | Refused | _Failed
 
 #: What the handshake monitor listens to (nothing else: connects and retries are not its business).
 _HANDSHAKE_EVENTS = (
@@ -73,14 +85,14 @@ class _Inbox:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.items: collections.deque[_Item] = collections.deque()
-        #: how the stream ended (END, silence, refusal), once queued
-        self.terminal: Ended | Refused | None = None
+        #: how the stream ended (END, silence, refusal, the I/O thread's failure), once queued
+        self.terminal: Ended | Refused | _Failed | None = None
         self._sleeping = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
 
-    def push(self, item: Lagged | Ended | Refused) -> None:
+    def push(self, item: Lagged | Ended | Refused | _Failed) -> None:
         with self.lock:
             last = self.items[-1] if self.items else None
             if isinstance(item, Lagged) and isinstance(last, Lagged):
@@ -118,6 +130,8 @@ class _Inbox:
             self._wake_w.send(b"\0")
         except BlockingIOError:
             pass  # full: the sleeper is being woken already
+        except OSError:
+            pass  # closed (a wake-up from another thread that lost the race to a close): nobody sleeps
 
     def begin_sleep(self) -> bool:
         """Announce a sleep; True if there is no need (something is queued)."""
@@ -145,6 +159,13 @@ class _Inbox:
         return got
 
     def close(self) -> None:
+        """Close the wake-up socket. A task of this thread's event loop parked on it (a ``get``
+        of the reader being closed) raises ``anyio.ClosedResourceError`` at once: the loop lets go
+        of the descriptor before it is closed (else the task sleeps on, and the loop polls a
+        closed descriptor, or whatever file reuses its number)."""
+        if self._wake_r.fileno() >= 0:
+            with contextlib.suppress(RuntimeError):  # no event loop here, so no task can be parked
+                anyio.notify_closing(self._wake_r)
         self._wake_r.close()
         self._wake_w.close()
 
@@ -299,12 +320,25 @@ class _Pump:
 
     def _run(self) -> None:
         try:
-            self._loop()
-        finally:
             try:
-                self._send(self._proto.bye())
+                self._loop()
             finally:
-                self._close_sockets()
+                try:
+                    self._send(self._proto.bye())
+                finally:
+                    self._close_sockets()
+        except BaseException as exc:  # nothing more can come: say so, or a get would wait forever
+            self._fail(exc)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The thread failed: end the stream for the reader (``TransportError``), after what is
+        queued already, and wake a sleeping ``get``; before the WELCOME, ``open_reader`` raises it."""
+        reason = f"the remote reader's I/O thread failed: {exc!r}"
+        if not self.welcome.is_set():
+            self.welcome_error = reason
+            self.welcome.set()
+        elif self._inbox.terminal is None:  # (a stream that had ended keeps its end)
+            self._inbox.push(_Failed(reason, exc))
 
     def _close_sockets(self) -> None:
         if self._watch is not None:
@@ -538,6 +572,8 @@ class TcpSource:
             raise ReaderLagged(item.missed)
         if isinstance(item, Refused):
             raise TransportError(f"the writer refused this reader: {item.reason}")
+        if isinstance(item, _Failed):
+            raise TransportError(item.reason) from item.cause
         if item.how == "closed":
             raise EndOfStream
         raise WriterGone(self._handle.writer_pid)
@@ -572,6 +608,8 @@ class TcpSource:
             with anyio.move_on_after(self.sleep_limit_s):
                 await anyio.wait_readable(self._inbox.fd)
             self.drain_inbox()
+        except anyio.ClosedResourceError:
+            return  # closed by aclose() meanwhile: Reader raises ClosedResourceError
         finally:
             self.end_sleep(False)
 
@@ -595,8 +633,10 @@ class TcpSource:
         return self._inbox.drain()
 
     def interrupt(self) -> None:
-        """Wake the sleeper (from another thread): it looks at the queue again."""
-        self._inbox.wake()
+        """Wake the sleeper (from another thread): it looks at the queue again. Nothing once
+        closed."""
+        if not self._closed:
+            self._inbox.wake()
 
     def statistics(self, tasks_waiting: int) -> ReaderStatistics:
         return ReaderStatistics(

@@ -267,6 +267,26 @@ class ServerProcess:
 
     # --- the watcher thread ------------------------------------------------------------------
     def _watch(self, proc: subprocess.Popen[bytes]) -> None:
+        """Watch the server; restart it when it dies. If this thread itself fails (a new server
+        cannot even be spawned: no memory, no executable), it says so as a failed restart does:
+        state "failed" (so the writer drops the dead server's ring place instead of keeping it
+        for a server that never comes, which would hold a "block" writer forever) and an error
+        logged, instead of dying silently with the state left at "restarting"."""
+        try:
+            self._watch_server(proc)
+        except BaseException as exc:
+            with self._lock:
+                if self._stopped.is_set():
+                    return
+                self.state = "failed"
+            log.error(
+                "aiobroadcast: watching the TCP server on %s failed (%r). Remote readers are NOT served any "
+                "more; shared-memory readers are. Close the writer and open a new one to serve them again",
+                self._cfg["endpoint"],
+                exc,
+            )
+
+    def _watch_server(self, proc: subprocess.Popen[bytes]) -> None:
         started = time.monotonic()
         quick_deaths = 0
         while True:

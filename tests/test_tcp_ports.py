@@ -80,7 +80,7 @@ class Loiterers:
         for k in range(zmq_peers):
             sock = self.ctx.socket(zmq.DEALER if k % 2 == 0 else zmq.SUB)
             sock.linger = 0
-            if sock.socket_type == zmq.SUB:
+            if sock.type == zmq.SUB:
                 sock.subscribe(b"")
             sock.connect(f"tcp://127.0.0.1:{port}")
             self.peers.append(sock)

@@ -48,6 +48,20 @@ class WriterGone(BroadcastError):
         )
 
 
+class CollectorGone(BroadcastError):
+    """Raised by a fan-in sender's ``put``/``put_nowait``/``put_many`` when its collector has
+    closed or died: nothing it sends can be delivered any more. The sender's counterpart of
+    ``WriterGone``. A ``put`` that raises it may have left its item in the ring, never read."""
+
+    def __init__(self, pid: int, name: str) -> None:
+        self.pid = pid
+        self.name = name
+        super().__init__(
+            f"the collector (pid {pid}) of sender {name!r} has closed or died: nothing sent now can be delivered; "
+            "close this sender"
+        )
+
+
 class ReaderLagged(BroadcastError):
     """Raised once by ``Reader.get`` under policy ``"lag"`` when the writer overwrote
     messages this reader had not read yet. ``missed`` says how many; the next ``get``

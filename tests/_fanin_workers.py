@@ -1,0 +1,56 @@
+"""Child-process entry points for the fan-in tests (blocking API: no event loop in the child)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from _workers import Conn, _expect, reporting
+
+import aiobroadcast as ab
+from aiobroadcast import blocking
+
+
+def sender_proc(conn: Conn, handle: str, name: str, count: int, then: str) -> None:
+    """Attach as ``name``, put ``(name, i)`` for i in 0 .. count-1, then: ``"close"`` (close and
+    report), ``"hang"`` (report and wait to be killed), ``"forever"`` (put until an error, and
+    report it)."""
+    reporting(conn, lambda: _send(conn, handle, name, count, then))
+
+
+def _send(conn: Conn, handle: str, name: str, count: int, then: str) -> None:
+    with blocking.open_sender(handle, name=name) as sender:
+        conn.send(("attached", os.getpid()))
+        for i in range(count):
+            sender.put((name, i))
+        if then == "hang":
+            conn.send(("sent", count))
+            time.sleep(3600)
+        if then == "forever":
+            conn.send(("sent", count))
+            i = count
+            try:
+                while True:
+                    sender.put((name, i))
+                    i += 1
+            except ab.BroadcastError as exc:
+                conn.send(("raised", (type(exc).__name__, str(exc), time.monotonic())))
+    conn.send(("closed", count))
+
+
+def collector_proc(conn: Conn, capacity: int) -> None:
+    """Open a blocking collector, send its handle, wait for "go", then take ``n`` items as told
+    and report them; then wait to be killed."""
+    reporting(conn, lambda: _collect(conn, capacity))
+
+
+def _collect(conn: Conn, capacity: int) -> None:
+    with blocking.open_collector(capacity=capacity, slot_bytes=256) as collector:
+        conn.send(("handle", collector.handle.to_json()))
+        _expect(conn, "go")
+        got: list[Any] = []
+        while len(got) < 1:
+            got.append(collector.get(timeout=30))
+        conn.send(("took", [repr(d) for d in got]))
+        time.sleep(3600)

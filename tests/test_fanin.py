@@ -1,0 +1,262 @@
+"""Fan-in (docs/fan-in.md): many senders, one collector, over shared memory; async and blocking
+roles, real processes, real kills."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from typing import Any
+
+import anyio
+import pytest
+from _blocking_workers import recv
+from _fanin_workers import collector_proc, sender_proc
+from _workers import spawn
+from pydantic import BaseModel, ValidationError
+
+import aiobroadcast as ab
+from aiobroadcast import blocking
+
+#: Generous bound for "it happens" (never a performance claim): a loaded 2-core machine.
+WITHIN_S = 15.0
+
+
+@pytest.fixture
+def anyio_backend() -> Any:
+    """Most tests here run on asyncio alone; the round trip runs on every backend."""
+    return ("asyncio", {"use_uvloop": False})
+
+
+def _sorted(deliveries: list[Any]) -> tuple[dict[str, list[Any]], list[Any]]:
+    items: dict[str, list[Any]] = {}
+    events = []
+    for d in deliveries:
+        if isinstance(d, ab.Item):
+            items.setdefault(d.source, []).append(d.value)
+        else:
+            events.append(d)
+    return items, events
+
+
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [("asyncio", {"use_uvloop": False}), ("asyncio", {"use_uvloop": True}), ("trio", {})],
+    ids=["asyncio", "uvloop", "trio"],
+)
+@pytest.mark.anyio
+async def test_items_carry_their_source_in_order_and_each_close_is_reported_once() -> None:
+    async with ab.open_collector(expect=["a", "b"], capacity=8, slot_bytes=256) as collector:
+
+        async def send(name: str, n: int) -> None:
+            async with ab.open_sender(collector.handle, name=name) as sender:
+                for i in range(n):
+                    await sender.put(i)
+                await sender.put_many([n, n + 1])
+
+        got = []
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(send, "a", 300)
+            tg.start_soon(send, "b", 200)
+            with anyio.fail_after(WITHIN_S):
+                got = [d async for d in collector]  # ends: both expected senders closed
+        items, events = _sorted(got)
+        assert items == {"a": list(range(302)), "b": list(range(202))}
+        assert sorted(events, key=repr) == [ab.SourceClosed("a"), ab.SourceClosed("b")]
+        # Each close comes after that sender's last item.
+        for name in ("a", "b"):
+            last = max(i for i, d in enumerate(got) if isinstance(d, ab.Item) and d.source == name)
+            assert got.index(ab.SourceClosed(name)) > last
+        stats = collector.statistics()
+        assert (stats.received, stats.closed, stats.gone, stats.senders) == (504, 2, 0, ())
+        with pytest.raises(ab.EndOfStream):
+            collector.get_nowait()
+
+
+@pytest.mark.anyio
+async def test_a_flooding_sender_cannot_starve_a_slow_one() -> None:
+    """Turns: the flooder's full ring is served at most a batch at a time before the next sender."""
+    async with ab.open_collector(capacity=256, slot_bytes=128) as collector:
+        async with (
+            ab.open_sender(collector.handle, name="flood") as flood,
+            ab.open_sender(collector.handle, name="slow") as slow,
+        ):
+            for round_ in range(5):
+                n = 0
+                while True:  # fill the flooder's ring
+                    try:
+                        flood.put_nowait(n)
+                    except ab.WouldBlock:
+                        break
+                    n += 1
+                assert n >= 200
+                await slow.put(f"slow-{round_}")
+                taken = []
+                with anyio.fail_after(WITHIN_S):
+                    while True:
+                        d = await collector.get()
+                        taken.append(d)
+                        if isinstance(d, ab.Item) and d.source == "slow":
+                            break
+                # Served within one turn of the flooder (32 items), not after its 200+.
+                assert len(taken) <= 33 + 1, len(taken)
+                while True:  # drain the flooder before the next round
+                    try:
+                        collector.get_nowait()
+                    except ab.WouldBlock:
+                        break
+
+
+@pytest.mark.anyio
+async def test_a_killed_sender_is_reported_once_with_its_name_and_the_others_go_on() -> None:
+    async with ab.open_collector(expect=["k", "ok"], capacity=16, slot_bytes=256) as collector:
+        h = collector.handle.to_json()
+        with spawn(sender_proc, h, "k", 50, "hang") as doomed, spawn(sender_proc, h, "ok", 2000, "close") as fine:
+            got: list[Any] = []
+            killed_at = 0.0
+
+            async def kill_when_sent() -> None:
+                nonlocal killed_at
+                await doomed.recv("attached")
+                await doomed.recv("sent")
+                doomed.sigkill()
+                killed_at = time.monotonic()
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(kill_when_sent)
+                with anyio.fail_after(WITHIN_S):
+                    got.extend([(d, time.monotonic()) async for d in collector])
+            await fine.recv("attached")
+            await fine.recv("closed")
+        items, events = _sorted([d for d, _ in got])
+        assert items == {"k": [("k", i) for i in range(50)], "ok": [("ok", i) for i in range(2000)]}
+        assert sorted(events, key=repr) == [ab.SourceClosed("ok"), ab.SourceGone("k", doomed.pid)]
+        gone_at = next(t for d, t in got if isinstance(d, ab.SourceGone))
+        assert gone_at - killed_at < 5.0  # about a second: the collector's liveness period is 0.5 s
+
+
+@pytest.mark.anyio
+async def test_put_raises_collector_gone_once_the_collector_closes() -> None:
+    collector = await ab.open_collector(capacity=4, slot_bytes=256)
+    async with ab.open_sender(collector.handle, name="s") as sender:
+        await sender.put(1)
+        assert isinstance(await collector.get(), ab.Item)
+        await collector.aclose()
+        with pytest.raises(ab.CollectorGone, match="closed or died"):
+            await sender.put(2)
+        with pytest.raises(ab.CollectorGone):
+            sender.put_nowait(3)
+
+
+def test_a_put_blocked_on_a_killed_collector_raises_instead_of_hanging() -> None:
+    with spawn(collector_proc, 4) as child:
+        h = recv(child, "handle")
+        try:
+            with blocking.open_sender(h, name="s") as sender:
+                child.send("go")
+                sender.put("first")
+                recv(child, "took")
+                for i in range(4):  # fill the ring: the collector takes no more
+                    sender.put(i)
+                failure: list[BaseException] = []
+
+                def put_until_error() -> None:
+                    try:
+                        while True:
+                            sender.put("more", timeout=WITHIN_S)
+                    except BaseException as exc:
+                        failure.append(exc)
+
+                t = threading.Thread(target=put_until_error, daemon=True)
+                t.start()
+                time.sleep(0.1)
+                assert t.is_alive()  # blocked on the full ring
+                os.kill(child.pid, 9)
+                killed = time.monotonic()
+                t.join(WITHIN_S)
+                assert not t.is_alive()
+                assert isinstance(failure[0], ab.CollectorGone), failure
+                assert time.monotonic() - killed < 5.0
+        finally:
+            child.cleanup()
+            shutil.rmtree(ab.CollectorHandle.parse(h).path, ignore_errors=True)
+
+
+@pytest.mark.anyio
+async def test_wrong_handle_kinds_and_duplicate_names_are_clear_errors() -> None:
+    async with ab.open_writer(capacity=4, slot_bytes=256) as writer, ab.open_collector() as collector:
+        with pytest.raises(ab.InvalidHandle, match="broadcast channel's handle"):
+            await ab.open_sender(writer.handle, name="s")  # type: ignore[call-overload]
+        with pytest.raises(ab.InvalidHandle, match="broadcast channel's handle"):
+            await ab.open_sender(writer.handle.to_json(), name="s")
+        with pytest.raises(ab.InvalidHandle, match="open_sender"):
+            await ab.open_reader(collector.handle)  # type: ignore[call-overload]
+        with pytest.raises(ab.InvalidHandle, match="open_sender"):
+            await ab.open_reader(collector.handle.to_json())
+        with pytest.raises(ab.InvalidHandle, match="open_sender"):
+            blocking.open_reader(collector.handle.to_json())
+        with pytest.raises(ab.InvalidArgument, match="sender name"):
+            await ab.open_sender(collector.handle, name="../x")
+        async with ab.open_sender(collector.handle, name="twin"):
+            with pytest.raises(ab.InvalidArgument, match="already attached"):
+                await ab.open_sender(collector.handle, name="twin")
+            with pytest.raises(ab.InvalidArgument, match="already attached"):
+                blocking.open_sender(collector.handle, name="twin")
+        # Once the first one is reported closed, the name is free again.
+        with anyio.fail_after(WITHIN_S):
+            assert await collector.get() == ab.SourceClosed("twin")
+        async with ab.open_sender(collector.handle, name="twin") as again:
+            await again.put("hello")
+            assert await collector.get() == ab.Item("twin", "hello")
+
+
+@pytest.mark.anyio
+async def test_roles_have_no_foreign_methods_at_run_time() -> None:
+    async with ab.open_collector() as collector, ab.open_sender(collector.handle, name="s") as sender:
+        for attr in ("get", "get_nowait"):
+            with pytest.raises(AttributeError, match="only the collector receives"):
+                getattr(sender, attr)
+            assert not hasattr(sender, attr)
+        for attr in ("put", "put_nowait", "put_many"):
+            with pytest.raises(AttributeError, match="open_sender"):
+                getattr(collector, attr)
+    with blocking.open_collector() as bc, blocking.open_sender(bc.handle, name="s") as bs:
+        with pytest.raises(AttributeError, match="only the collector receives"):
+            bs.get  # type: ignore[attr-defined]  # noqa: B018
+        with pytest.raises(AttributeError, match="open_sender"):
+            bc.put  # type: ignore[attr-defined]  # noqa: B018
+    with pytest.raises(TypeError, match="open_collector"):
+        ab.Collector(object(), None)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="open_sender"):
+        ab.Sender(object(), None, "s", None)  # type: ignore[arg-type]
+
+
+class Tick(BaseModel):
+    price: float
+
+
+def test_blocking_roles_threads_and_a_schema() -> None:
+    with blocking.open_collector(expect=[f"t{i}" for i in range(3)], schema=Tick, capacity=8) as collector:
+
+        def send(i: int) -> None:
+            with blocking.open_sender(collector.handle, name=f"t{i}") as sender:
+                for k in range(100):
+                    sender.put(Tick(price=i * 1000 + k))
+                with pytest.raises(ValidationError):  # a schema violation, as open_writer(schema=) has it
+                    sender.put("not a tick")
+                sender.put_many([Tick(price=-1.0)])
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        got = list(collector)  # ends once all three closed
+        for t in threads:
+            t.join()
+        items, events = _sorted(got)
+        assert {k: [t.price for t in v] for k, v in items.items()} == {
+            f"t{i}": [float(i * 1000 + k) for k in range(100)] + [-1.0] for i in range(3)
+        }
+        assert sorted(events, key=repr) == [ab.SourceClosed(f"t{i}") for i in range(3)]
+        with pytest.raises(ab.EndOfStream):
+            collector.get(timeout=0.01)

@@ -709,7 +709,7 @@ class Sender(Generic[T_contra]):
     def _check(self) -> None:
         pub = self._pub
         if pub.closed:
-            pub.check_open()
+            raise ClosedResourceError(_sender_refusal(self._w._ch.owner) if pub.refusal else "this sender is closed")
         if not self._words[self._active]:
             raise CollectorGone(self._collector.collector_pid, self._name)
 
@@ -1017,6 +1017,14 @@ def _holder_alive(link: str) -> int | None:
         return int(card["pid"]) if _segment.is_locked(fd, _segment.WRITER_LOCK_BYTE) else None
     finally:
         os.close(fd)
+
+
+def _sender_refusal(owner: int) -> str:
+    """What a fork child's use of an inherited sender raises."""
+    return (
+        f"this sender belongs to process {owner}; a fork child inherits no role: "
+        "open your own with open_sender(sender.handle, name=...) under a name of its own"
+    )
 
 
 def _orphaned(words: memoryview, active: int, collector: CollectorHandle) -> bool:

@@ -21,6 +21,7 @@ from ._fanin import (
     _CollectorSpec,
     _Gather,
     _orphaned,
+    _sender_refusal,
     _SenderStart,
 )
 from ._handle import Policy
@@ -221,7 +222,8 @@ class BlockingSender(Generic[T_contra]):
 
     def _check(self) -> None:
         if self._w._closing or self._pub.closed:
-            raise ClosedResourceError(self._pub.refusal or "this sender is closed")
+            pub = self._pub
+            raise ClosedResourceError(_sender_refusal(self._w._w.owner) if pub.refusal else "this sender is closed")
         if not self._words[self._active]:
             raise CollectorGone(self._collector.collector_pid, self._name)
 

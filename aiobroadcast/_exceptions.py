@@ -107,6 +107,9 @@ class DeserializationError(BroadcastError):
     process (for example its class cannot be imported here). The message is consumed: the
     next ``get`` returns the next message, and the writer is not held up."""
 
+    #: From a fan-in collector's ``get``: the name of the sender whose item it was (else None).
+    source: str | None = None
+
     def __init__(self, msg_index: int, cause: BaseException) -> None:
         self.msg_index = msg_index
         super().__init__(f"message #{msg_index} could not be decoded: {cause!r}")

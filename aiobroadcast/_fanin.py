@@ -14,6 +14,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import threading
 import time
 import warnings
@@ -246,6 +247,7 @@ class _Gather:
         self._turn = 0
         #: The sender whose turn it is, while it has items taken ahead (``take``'s fast path).
         self._cur: _Feed | None = None
+        self._taking = False
         self._events: deque[Any] = deque()
         self.received = 0
         self.closed_count = 0
@@ -284,13 +286,19 @@ class _Gather:
                 self._turn += 1
                 self.received += 1
                 return Item(f.name, ahead.popleft())
-        obj = self._take()
-        if obj is _NOTHING:
-            if self.inbox.knocked or monotonic() - self._last_check >= _tuning.LIVENESS_S:
-                self.check_now()
-                obj = self._take()
-            if obj is _NOTHING and self._expect is not None and self._expect <= self._ended:
-                raise EndOfStream
+        if self._taking:
+            return _NOTHING  # called from inside decoding (a __setstate__ that takes): never twice
+        self._taking = True
+        try:
+            obj = self._take()
+            if obj is _NOTHING:
+                if self.inbox.knocked or monotonic() - self._last_check >= _tuning.LIVENESS_S:
+                    self.check_now()
+                    obj = self._take()
+                if obj is _NOTHING and self._expect is not None and self._expect <= self._ended:
+                    raise EndOfStream
+        finally:
+            self._taking = False
         return obj
 
     def _take(self) -> Any:
@@ -327,7 +335,7 @@ class _Gather:
                     except DeserializationError as exc:
                         self._rr = i
                         self._turn += 1
-                        exc.source = f.name  # type: ignore[attr-defined]
+                        exc.source = f.name
                         raise
                     else:
                         self._rr = i
@@ -839,12 +847,48 @@ class _CollectorSpec:
         )
 
     def create(self) -> _Gather:
+        sweep_stale_collectors(self.handle.directory)
         try:
             return _Gather(self.handle, self.schema, self.expect)
         except OSError as exc:
             raise BroadcastError(
                 f"cannot create the collector's directory in {self.handle.directory!r}: {exc}"
             ) from exc
+
+
+_RENDEZVOUS_RE = re.compile(_DIR_RE)
+
+
+def sweep_stale_collectors(directory: str) -> list[str]:
+    """Remove the rendezvous directories of collectors that died (SIGKILL cannot clean up): those
+    whose ``collector`` lock nobody holds, older than ``STALE_MIN_AGE_S``. Only this user's
+    directories, never through a symbolic link. Returns what was removed."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not _RENDEZVOUS_RE.match(name):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            if time.time() - st.st_mtime < _tuning.STALE_MIN_AGE_S:
+                continue
+            fd = os.open(os.path.join(path, "collector"), os.O_RDWR | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if not _segment.try_lock(fd, 0):
+                continue  # its collector lives
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
 
 
 def _schema_path(schema: type[BaseModel]) -> str:

@@ -18,7 +18,7 @@ from _workers import spawn
 from pydantic import BaseModel, ValidationError
 
 import aiobroadcast as ab
-from aiobroadcast import blocking
+from aiobroadcast import _tuning, blocking
 
 #: Generous bound for "it happens" (never a performance claim): a loaded 2-core machine.
 WITHIN_S = 15.0
@@ -154,7 +154,7 @@ async def test_put_raises_collector_gone_once_the_collector_closes() -> None:
             sender.put_nowait(3)
 
 
-def test_a_put_blocked_on_a_killed_collector_raises_instead_of_hanging() -> None:
+def test_a_put_blocked_on_a_killed_collector_raises_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
     with spawn(collector_proc, 4) as child:
         h = recv(child, "handle")
         try:
@@ -182,6 +182,12 @@ def test_a_put_blocked_on_a_killed_collector_raises_instead_of_hanging() -> None
                 assert not t.is_alive()
                 assert isinstance(failure[0], ab.CollectorGone), failure
                 assert time.monotonic() - killed < 5.0
+            # The killed collector's rendezvous is left behind; the next collector opened sweeps it.
+            rendezvous = ab.CollectorHandle.parse(h).path
+            assert os.path.isdir(rendezvous)
+            monkeypatch.setattr(_tuning, "STALE_MIN_AGE_S", 0.0)
+            with blocking.open_collector():
+                assert not os.path.exists(rendezvous)
         finally:
             child.cleanup()
             shutil.rmtree(ab.CollectorHandle.parse(h).path, ignore_errors=True)
@@ -318,6 +324,15 @@ def _ctrl_c_once() -> str:
     return "decoded"
 
 
+def _refuse() -> None:
+    raise ValueError("cannot be built here")
+
+
+class Undecodable:
+    def __reduce__(self) -> Any:
+        return (_refuse, ())
+
+
 class CtrlCPickling:
     def __reduce__(self) -> Any:
         raise KeyboardInterrupt
@@ -345,6 +360,12 @@ async def test_bad_items_raise_in_the_sender_and_nothing_accepted_is_lost() -> N
             await collector.get()
         got = [await collector.get() for _ in range(5)]
         assert got == [ab.Item("s", v) for v in (1, "inner", "outer", "decoded", 2)]
+        await sender.put(Undecodable())
+        await sender.put(3)
+        with pytest.raises(ab.DeserializationError) as caught:  # consumed; says whose it was
+            await collector.get()
+        assert caught.value.source == "s"
+        assert await collector.get() == ab.Item("s", 3)
         with pytest.raises(ab.WouldBlock):
             collector.get_nowait()
 
@@ -459,3 +480,32 @@ def test_a_ring_larger_than_dev_shm_is_refused_at_open_sender_and_leaves_nothing
             assert collector.get(timeout=WITHIN_S) == ab.Item("big", 1)
     with pytest.raises(ab.CollectorGone):
         blocking.open_sender(collector.handle, name="late")
+
+
+class TakesWhileDecoded:
+    """Unpickling it calls the collector's get_nowait (a __setstate__ that reads)."""
+
+    collector: Any = None
+    seen: list[str] = []  # noqa: RUF012
+
+    def __reduce__(self) -> Any:
+        return (_take_inside, ())
+
+
+def _take_inside() -> str:
+    try:
+        TakesWhileDecoded.collector.get_nowait()
+        TakesWhileDecoded.seen.append("took")
+    except ab.WouldBlock:
+        TakesWhileDecoded.seen.append("WouldBlock")
+    return "decoded"
+
+
+@pytest.mark.anyio
+async def test_a_get_from_inside_decoding_raises_would_block_and_takes_nothing_twice() -> None:
+    async with ab.open_collector() as collector, ab.open_sender(collector.handle, name="s") as sender:
+        TakesWhileDecoded.collector = collector
+        await sender.put(TakesWhileDecoded())
+        await sender.put("next")
+        assert [await collector.get() for _ in range(2)] == [ab.Item("s", "decoded"), ab.Item("s", "next")]
+        assert TakesWhileDecoded.seen == ["WouldBlock"]

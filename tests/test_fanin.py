@@ -509,3 +509,32 @@ async def test_a_get_from_inside_decoding_raises_would_block_and_takes_nothing_t
         await sender.put("next")
         assert [await collector.get() for _ in range(2)] == [ab.Item("s", "decoded"), ab.Item("s", "next")]
         assert TakesWhileDecoded.seen == ["WouldBlock"]
+
+
+@pytest.mark.anyio
+async def test_policy_lag_reports_exactly_what_a_sender_overwrote() -> None:
+    async with ab.open_collector(policy="lag", capacity=4, slot_bytes=128) as collector:
+        async with ab.open_sender(collector.handle, name="s") as sender:
+            for rnd in range(2):  # before the collector attached, and after
+                for i in range(10):
+                    await sender.put(rnd * 10 + i)  # never waits under "lag"
+                got = []
+                while True:
+                    try:
+                        got.append(collector.get_nowait())
+                    except ab.WouldBlock:
+                        break
+                assert got == [ab.SourceLagged("s", 6)] + [ab.Item("s", rnd * 10 + i) for i in range(6, 10)]
+        assert await collector.get() == ab.SourceClosed("s")
+
+
+@pytest.mark.anyio
+async def test_an_idle_collector_sleeps() -> None:
+    """Parked with an idle sender, the collector wakes only for its liveness checks (2 a second)."""
+    async with ab.open_collector() as collector, ab.open_sender(collector.handle, name="idle"):
+        with anyio.move_on_after(0.2):
+            await collector.get()  # attaches the sender
+        cpu = time.process_time()
+        with anyio.move_on_after(1.0):
+            await collector.get()
+        assert time.process_time() - cpu < 0.05

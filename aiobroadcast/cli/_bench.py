@@ -25,6 +25,7 @@ from typing import Any
 
 from ._bench_driver import default_loop, ring_for
 from ._bench_figures import MODES
+from ._bench_gather import ring_for_gather
 from ._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 OURS = "aiobroadcast"
@@ -532,11 +533,12 @@ class Sitting:
             f"{os.cpu_count()} CPUs, Python {platform.python_version()}, aiobroadcast over {args.transport}"
             f"{security} on {'the blocking API' if args.blocking else args.loop}"
         )
-        for size in dict.fromkeys(c.size for c in cells):
-            cap, slot = ring_for(size)
+        for size, senders in dict.fromkeys((c.size, c.readers if c.mode in MANY_TO_ONE else 0) for c in cells):
+            cap, slot = ring_for_gather(size, senders) if senders else ring_for(size)
             cap, slot = args.capacity or cap, args.slot_bytes or slot
+            each = f"each of {senders} senders' " if senders else ""
             self.progress.say(
-                f"  ring for {fmt_size(size)} messages: capacity {cap} x slot_bytes {slot} "
+                f"  {each}ring for {fmt_size(size)} messages: capacity {cap} x slot_bytes {slot} "
                 f"({fmt_size(cap * slot) if cap * slot % 1024 == 0 else f'{cap * slot} B'})"
             )
 

@@ -538,3 +538,22 @@ async def test_an_idle_collector_sleeps() -> None:
         with anyio.move_on_after(1.0):
             await collector.get()
         assert time.process_time() - cpu < 0.05
+
+
+def test_a_closed_senders_ring_waits_for_its_collector_through_a_sweep(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sender that closes before its collector attached leaves its ring to the collector; a
+    sweep of stale files meanwhile (any open_writer here, 2 s later) must not remove it."""
+    directory = f"/dev/shm/abtest-{os.getpid()}"
+    os.mkdir(directory)
+    try:
+        with blocking.open_collector(directory=directory) as collector:
+            with blocking.open_sender(collector.handle, name="early") as sender:
+                sender.put(1)
+                sender.put(2)
+            monkeypatch.setattr(_tuning, "STALE_MIN_AGE_S", 0.0)
+            ab.sweep_stale(directory)
+            got = [collector.get(timeout=WITHIN_S) for _ in range(3)]
+            assert got == [ab.Item("early", 1), ab.Item("early", 2), ab.SourceClosed("early")]
+        assert os.listdir(directory) == []
+    finally:
+        shutil.rmtree(directory)

@@ -549,6 +549,9 @@ class Collector(Generic[T_co]):
     senders served in turns; and once per sender ``SourceClosed`` or ``SourceGone`` after its
     last item. ``async for`` ends when the collector is closed, or, opened with ``expect=``,
     once every expected sender has been reported closed or gone.
+
+    Its methods belong to the thread whose event loop opened it (several tasks may share it;
+    each ``get`` takes a distinct delivery). Threads without a loop use ``BlockingCollector``.
     """
 
     def __init__(self, token: object, gather: _Gather) -> None:

@@ -213,12 +213,47 @@ def _check_directory(directory: str) -> str | None:
 
 
 # --- the collector's engine (no event loop) ------------------------------------------------------
+class _RemoteSource:
+    """A remote sender (a writer serving TCP, read over its CurveZMQ/AES-GCM transport) as a feed:
+    ``TcpSource`` with the collector's sleep protocol. Its I/O thread wakes the collector's one
+    inbox instead of the source's own socket."""
+
+    def __init__(self, src: Any, inbox_path: str) -> None:
+        self._src = src
+        self.ahead: deque[Any] = src.ahead  # always empty: bodies are decoded by the get
+        self._outbox = Outbox()
+        outbox = self._outbox
+
+        def wake() -> None:
+            outbox.wake(inbox_path)
+
+        src._inbox.wake = wake
+        self.get_nowait = src.get_nowait
+        self.ready = src.ready
+
+    def announce_sleep(self) -> None:
+        self._src.begin_sleep()  # sets the flag the I/O thread looks at, under its lock
+
+    def retract_sleep(self) -> None:
+        self._src.end_sleep(False)
+
+    def check_writer(self) -> bool:
+        return False  # the transport reports a gone writer itself (END, or silence)
+
+    def statistics(self, tasks_waiting: int) -> Any:
+        return self._src.statistics(tasks_waiting)
+
+    def close(self) -> None:
+        self._src.close()
+        self._outbox.close()
+
+
 class _Feed:
-    """One sender's ring, as the collector reads it."""
+    """One sender's ring (or remote source), as the collector reads it."""
 
     __slots__ = ("ahead", "link", "name", "pid", "ring", "src")
 
-    def __init__(self, name: str, pid: int, ring: Handle, src: ShmSource, link: str) -> None:
+    def __init__(self, name: str, pid: int, ring: Handle | None, src: Any, link: str | None) -> None:
         self.ahead = src.ahead
         self.name = name
         self.pid = pid
@@ -327,7 +362,7 @@ class _Gather:
                         pass
                     except EndOfStream:
                         return self._end(i, SourceClosed(f.name))
-                    except WriterGone:
+                    except (WriterGone, TransportError):  # TransportError: a remote writer refused us
                         return self._end(i, SourceGone(f.name, f.pid))
                     except ReaderLagged as exc:
                         self._rr = i
@@ -375,6 +410,8 @@ class _Gather:
         """Leave a sender's ring and remove its files: a sender leaves its ring's segment to its
         collector (it may attach after the sender closed); its card frees its name."""
         f.src.close()
+        if f.ring is None or f.link is None:
+            return  # a remote sender: nothing of it here
         for path in (f.ring.path, f.ring.path + "-w.sock", f.ring.path + "-r0.sock"):
             _segment._unlink_quiet(path)
         self._unlink_link(f.link, f.ring.name)
@@ -468,6 +505,34 @@ class _Gather:
             self._unlink_link(link, ring.name)
             return
         self.feeds.append(_Feed(name, pid, ring, src, link))
+        self._known.add(name)
+
+    def remote_source(self, handle: Handle | str, name: str) -> tuple[Handle, Any]:
+        """Check a remote sender's handle and name, and start its ``TcpSource`` (not yet welcomed)."""
+        from ._tcp.client import TcpSource
+
+        if self.closed:
+            raise ClosedResourceError(self.refusal or "this collector is closed")
+        require(_name_problem(name))
+        if name in self._known:
+            raise InvalidArgument(f"a sender named {name!r} is already attached to this collector")
+        h = Handle.parse(handle)
+        if h.tcp is None:
+            raise InvalidHandle("this channel serves no TCP endpoint: a remote sender opens open_writer(tcp=...)")
+        if h.codec != self.handle.codec:
+            raise InvalidHandle(f"this channel sends {h.codec}; the collector takes {self.handle.codec}")
+        return h, TcpSource(h, "collector", _decoder(h, self._schema))
+
+    def add_remote(self, name: str, h: Handle, src: Any) -> None:
+        """The remote sender ``name`` was welcomed: read it in turn with the others."""
+        if self.closed or name in self._known:
+            src.close()
+            raise (
+                ClosedResourceError("this collector is closed")
+                if self.closed
+                else InvalidArgument(f"a sender named {name!r} is already attached to this collector")
+            )
+        self.feeds.append(_Feed(name, h.writer_pid, None, _RemoteSource(src, self.handle.inbox_path), None))
         self._known.add(name)
 
     def _unlink_link(self, link: str, ring_name: str) -> None:
@@ -597,6 +662,17 @@ class Collector(Generic[T_co]):
 
     def statistics(self) -> CollectorStatistics:
         return self._g.statistics(self._tasks_waiting)
+
+    async def attach(self, handle: Handle | str, *, name: str, connect_timeout: float = 10.0) -> None:
+        """Read a remote sender: a writer on another host that serves TCP
+        (``open_writer(tcp=..., max_readers=1)``), with the broadcast side's security (CurveZMQ
+        admission, sealed data, nothing decoded before it is authenticated). Its items arrive as
+        ``Item(name, value)`` in turn with the others; its close as ``SourceClosed``, its death as
+        ``SourceGone``. (Its ``put`` does not learn of this collector's death: docs/fan-in.md.)
+        Raises ``InvalidHandle``, ``InvalidArgument`` (a name taken), ``TransportError``."""
+        h, src = self._g.remote_source(handle, name)
+        await src.wait_welcome(connect_timeout)
+        self._g.add_remote(name, h, src)
 
     async def aclose(self) -> None:
         """Close: leave every sender's ring (their ``put`` raises ``CollectorGone``) and remove

@@ -24,7 +24,7 @@ from ._fanin import (
     _sender_refusal,
     _SenderStart,
 )
-from ._handle import Policy
+from ._handle import Handle, Policy
 from ._open import DEFAULT_DIRECTORY
 from ._shm import segment as _segment
 from ._shm.layout import R_ACTIVE
@@ -89,6 +89,16 @@ class BlockingCollector(Generic[T_co]):
         self._lock.acquire(None)
         try:
             return self._g.statistics(self._sleep_lock.waiting + (self._sleep_lock.owner != 0))
+        finally:
+            self._lock.release()
+
+    def attach(self, handle: Handle | str, *, name: str, connect_timeout: float = 10.0) -> None:
+        """Read a remote sender (``Collector.attach``)."""
+        h, src = self._g.remote_source(handle, name)
+        src.wait_welcome_blocking(connect_timeout)
+        self._lock.acquire(None)
+        try:
+            self._g.add_remote(name, h, src)
         finally:
             self._lock.release()
 

@@ -54,3 +54,26 @@ def _collect(conn: Conn, capacity: int) -> None:
             got.append(collector.get(timeout=30))
         conn.send(("took", [repr(d) for d in got]))
         time.sleep(3600)
+
+
+def remote_writer_proc(conn: Conn, count: int, then: str) -> None:
+    """A remote sender: a blocking writer serving TCP on loopback. Sends its handle, waits for
+    its one TCP reader (the collector), puts 0 .. count-1, then ``"close"`` or ``"die"``
+    (SIGKILL itself once its items are taken)."""
+    reporting(conn, lambda: _remote_write(conn, count, then))
+
+
+def _remote_write(conn: Conn, count: int, then: str) -> None:
+    with blocking.open_writer(tcp="tcp://127.0.0.1:0", max_readers=1, capacity=8, slot_bytes=512) as writer:
+        conn.send(("handle", writer.handle.to_json()))
+        deadline = time.monotonic() + 30
+        while not any(r.transport == "tcp" for r in writer.statistics().readers):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the collector did not attach")
+            time.sleep(0.01)
+        for i in range(count):
+            writer.put(i)
+        if then == "die":
+            _expect(conn, "die")
+            os.kill(os.getpid(), 9)
+    conn.send(("closed", count))

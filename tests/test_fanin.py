@@ -3,6 +3,7 @@ roles, real processes, real kills."""
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import sys
@@ -13,12 +14,13 @@ from typing import Any
 import anyio
 import pytest
 from _blocking_workers import recv
-from _fanin_workers import collector_proc, sender_proc
+from _fanin_workers import collector_proc, remote_writer_proc, sender_proc
 from _workers import spawn
 from pydantic import BaseModel, ValidationError
 
 import aiobroadcast as ab
 from aiobroadcast import _tuning, blocking
+from aiobroadcast._shm import segment as _segment
 
 #: Generous bound for "it happens" (never a performance claim): a loaded 2-core machine.
 WITHIN_S = 15.0
@@ -557,3 +559,59 @@ def test_a_closed_senders_ring_waits_for_its_collector_through_a_sweep(monkeypat
         assert os.listdir(directory) == []
     finally:
         shutil.rmtree(directory)
+
+
+@pytest.mark.anyio
+async def test_remote_senders_over_tcp_take_turns_with_local_ones_and_their_end_is_reported() -> None:
+    async with ab.open_collector(expect=["near", "far", "doomed"], capacity=8, slot_bytes=512) as collector:
+        with spawn(remote_writer_proc, 50, "close") as far, spawn(remote_writer_proc, 30, "die") as doomed:
+            await collector.attach(await far.recv("handle"), name="far")
+            doomed_handle = ab.Handle.parse(await doomed.recv("handle"))
+            await collector.attach(doomed_handle, name="doomed")
+            with pytest.raises(ab.InvalidArgument, match="already attached"):  # refused before connecting
+                await collector.attach(await _writer_handle(), name="far")
+            got: list[Any] = []
+            async with ab.open_sender(collector.handle, name="near") as near:
+                for i in range(8):  # its ring's capacity: nobody takes yet
+                    await near.put(i)
+            with anyio.fail_after(WITHIN_S):
+                while sum(isinstance(d, ab.Item) and d.source == "doomed" for d in got) < 30:
+                    got.append(await collector.get())
+                doomed.send("die")
+                got.extend([d async for d in collector])
+        items, events = _sorted(got)
+        assert items == {"near": list(range(8)), "far": list(range(50)), "doomed": list(range(30))}
+        assert sorted(events, key=repr) == [
+            ab.SourceClosed("far"),
+            ab.SourceClosed("near"),
+            ab.SourceGone("doomed", doomed.pid),
+        ]
+        # The killed writer could not remove its files: once its TCP server (a ring reader) has
+        # seen it gone and exited, remove them.
+        fd = os.open(doomed_handle.path, os.O_RDONLY)
+        try:
+            for _ in range(int(WITHIN_S / 0.05)):
+                if not _segment.is_locked(fd, _segment.reader_lock_byte(0)):
+                    break
+                await anyio.sleep(0.05)
+        finally:
+            os.close(fd)
+        for leftover in glob.glob(doomed_handle.path + "*"):
+            os.unlink(leftover)
+
+
+async def _writer_handle() -> str:
+    async with ab.open_writer(tcp="tcp://127.0.0.1:0", max_readers=1) as writer:
+        return writer.handle.to_json()
+
+
+@pytest.mark.anyio
+async def test_a_remote_sender_must_serve_tcp_and_send_what_the_collector_takes() -> None:
+    async with ab.open_collector(codec="json") as collector, ab.open_writer(capacity=4, slot_bytes=256) as local:
+        with pytest.raises(ab.InvalidHandle, match="no TCP endpoint"):
+            await collector.attach(local.handle, name="x")
+        async with ab.open_writer(tcp="tcp://127.0.0.1:0", max_readers=1) as pickling:
+            with pytest.raises(ab.InvalidHandle, match="sends pickle"):  # never unpickled here
+                await collector.attach(pickling.handle, name="x")
+        with pytest.raises(ab.InvalidHandle, match="collector's handle"):
+            await collector.attach(collector.handle.to_json(), name="x")

@@ -615,3 +615,24 @@ async def test_a_remote_sender_must_serve_tcp_and_send_what_the_collector_takes(
                 await collector.attach(pickling.handle, name="x")
         with pytest.raises(ab.InvalidHandle, match="collector's handle"):
             await collector.attach(collector.handle.to_json(), name="x")
+
+
+@pytest.mark.anyio
+async def test_a_parked_collector_is_woken_by_a_remote_senders_item(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The remote reader's I/O thread wakes the collector's one inbox: with the liveness period
+    made a minute long, only that wake-up can end the collector's sleep in time."""
+    monkeypatch.setattr(_tuning, "LIVENESS_S", 60.0)
+    async with (
+        ab.open_writer(tcp="tcp://127.0.0.1:0", max_readers=1, capacity=4, slot_bytes=256) as writer,
+        ab.open_collector(capacity=4, slot_bytes=256) as collector,
+    ):
+        await collector.attach(writer.handle, name="far")
+
+        async def put_later() -> None:
+            await anyio.sleep(0.3)  # the collector is parked by then
+            await writer.put("wake up")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(put_later)
+            with anyio.fail_after(WITHIN_S):
+                assert await collector.get() == ab.Item("far", "wake up")

@@ -7,6 +7,7 @@ without an event loop, and ``aiobroadcast.vllm`` a drop-in for vLLM's ``MessageQ
 
 from ._exceptions import BroadcastError as BroadcastError
 from ._exceptions import ClosedResourceError as ClosedResourceError
+from ._exceptions import CollectorGone as CollectorGone
 from ._exceptions import DeserializationError as DeserializationError
 from ._exceptions import EndOfStream as EndOfStream
 from ._exceptions import InsufficientSharedMemory as InsufficientSharedMemory
@@ -20,6 +21,18 @@ from ._exceptions import TransportError as TransportError
 from ._exceptions import WaitTimeout as WaitTimeout
 from ._exceptions import WouldBlock as WouldBlock
 from ._exceptions import WriterGone as WriterGone
+from ._fanin import Collector as Collector
+from ._fanin import CollectorHandle as CollectorHandle
+from ._fanin import CollectorStatistics as CollectorStatistics
+from ._fanin import Delivery as Delivery
+from ._fanin import Item as Item
+from ._fanin import Sender as Sender
+from ._fanin import SenderInfo as SenderInfo
+from ._fanin import SourceClosed as SourceClosed
+from ._fanin import SourceGone as SourceGone
+from ._fanin import SourceLagged as SourceLagged
+from ._fanin import open_collector as open_collector
+from ._fanin import open_sender as open_sender
 from ._handle import CurveKeys as CurveKeys
 from ._handle import Handle as Handle
 from ._open import open_reader as open_reader
@@ -35,19 +48,30 @@ from ._writer import Writer as Writer
 __all__ = [
     "BroadcastError",
     "ClosedResourceError",
+    "Collector",
+    "CollectorGone",
+    "CollectorHandle",
+    "CollectorStatistics",
     "CurveKeys",
+    "Delivery",
     "DeserializationError",
     "EndOfStream",
     "Handle",
     "InsufficientSharedMemory",
     "InvalidArgument",
     "InvalidHandle",
+    "Item",
     "MessageTooLarge",
     "Reader",
     "ReaderInfo",
     "ReaderLagged",
     "ReaderStatistics",
+    "Sender",
+    "SenderInfo",
     "SerializationError",
+    "SourceClosed",
+    "SourceGone",
+    "SourceLagged",
     "TooManyReaders",
     "TransportError",
     "WaitTimeout",
@@ -55,7 +79,9 @@ __all__ = [
     "Writer",
     "WriterGone",
     "WriterStatistics",
+    "open_collector",
     "open_reader",
+    "open_sender",
     "open_writer",
     "relay",
     "sweep_stale",

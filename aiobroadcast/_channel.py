@@ -70,6 +70,9 @@ class WriterChannel:
         self.server: ServerProcess | None = None
         #: Set once the first ``aclose`` is over (made by it): a second one waits for it.
         self.closed_event: anyio.Event | None = None
+        #: ``spare(pid)``: keep the place of reader ``pid`` although its lock is free (a fan-in
+        #: sender keeps the place it reserved for its collector until the collector takes it).
+        self.spare: Callable[[int], bool] | None = None
         # The readers' sockets too: a reader that died unnoticed (never reaped) leaves its own.
         # Inherited by fork children (atexit hooks and finalizers are), so they carry our pid.
         self.owner = os.getpid()
@@ -251,6 +254,8 @@ class WriterChannel:
                 w[W_WAIT_TARGET] = 0
 
     def _restarting(self, pid: int) -> bool:
+        if self.spare is not None and self.spare(pid):
+            return True
         return self.server is not None and self.server.restarting_from(pid)
 
     # --- for relays ----------------------------------------------------------------------------
@@ -353,6 +358,15 @@ class WriterChannel:
         self._finalizer()
         atexit.unregister(self._finalizer)
         self.seg.close()
+
+    def leave_segment(self) -> None:
+        """Do not remove the segment on close, at exit or when dropped: its one reader removes it
+        once it has drained it (a fan-in sender's ring, which its collector may attach after
+        the sender closed). The writer's wake-up socket is still removed."""
+        self._finalizer.detach()
+        atexit.unregister(self._finalizer)
+        self._finalizer = weakref.finalize(self, _cleanup_files, self.owner, self.inbox.path)
+        atexit.register(self._finalizer)
 
     def _forget_in_child(self) -> None:
         """In a fork child: the channel is the parent's. Refuse every use from now on and close

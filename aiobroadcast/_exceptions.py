@@ -48,6 +48,20 @@ class WriterGone(BroadcastError):
         )
 
 
+class CollectorGone(BroadcastError):
+    """Raised by a fan-in sender's ``put``/``put_nowait``/``put_many`` when its collector has
+    closed or died: nothing it sends can be delivered any more. The sender's counterpart of
+    ``WriterGone``. A ``put`` that raises it may have left its item in the ring, never read."""
+
+    def __init__(self, pid: int, name: str) -> None:
+        self.pid = pid
+        self.name = name
+        super().__init__(
+            f"the collector (pid {pid}) of sender {name!r} has closed or died: nothing sent now can be delivered; "
+            "close this sender"
+        )
+
+
 class ReaderLagged(BroadcastError):
     """Raised once by ``Reader.get`` under policy ``"lag"`` when the writer overwrote
     messages this reader had not read yet. ``missed`` says how many; the next ``get``
@@ -92,6 +106,9 @@ class DeserializationError(BroadcastError):
     """Raised by ``get``/``get_nowait`` when a received message cannot be decoded in this
     process (for example its class cannot be imported here). The message is consumed: the
     next ``get`` returns the next message, and the writer is not held up."""
+
+    #: From a fan-in collector's ``get``: the name of the sender whose item it was (else None).
+    source: str | None = None
 
     def __init__(self, msg_index: int, cause: BaseException) -> None:
         self.msg_index = msg_index

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -122,6 +123,11 @@ class Handle(BaseModel):
     def parse(cls, data: str | bytes | dict[str, Any] | Handle) -> Handle:
         """Build a handle from its JSON text or dict. Raises ``InvalidHandle``. A ``Handle`` is
         checked again (``model_construct`` or ``model_copy`` skip validation)."""
+        if handle_kind(data) == "collector":
+            raise InvalidHandle(
+                "this is a fan-in collector's handle, not a broadcast channel's: senders attach to it with "
+                "open_sender(collector.handle, name=...); open_reader takes a writer's handle (writer.handle)"
+            )
         try:
             if isinstance(data, Handle):
                 return cls.model_validate(data.model_dump())
@@ -180,6 +186,22 @@ class CurveKeys(BaseModel):
         except (OSError, ValidationError) as exc:
             reason = _first_problem(exc) if isinstance(exc, ValidationError) else str(exc)
             raise InvalidHandle(f"not an aiobroadcast key file: {os.fspath(path)!r}: {reason}") from exc
+
+
+def handle_kind(data: object) -> str | None:
+    """The ``kind`` a handle (a model, a dict or JSON text) says it is, if any: a fan-in
+    collector's handle says ``"collector"``; a broadcast channel's says nothing."""
+    if isinstance(data, BaseModel) or not isinstance(data, str | bytes | dict):
+        kind = getattr(data, "kind", None)
+    elif isinstance(data, dict):
+        kind = data.get("kind")
+    else:
+        try:
+            parsed = json.loads(data)
+        except ValueError:
+            return None
+        kind = parsed.get("kind") if isinstance(parsed, dict) else None
+    return kind if isinstance(kind, str) else None
 
 
 def _write_private(target: Path, text: str) -> None:

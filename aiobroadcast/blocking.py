@@ -68,7 +68,16 @@ from ._shm.publisher import Chunks
 from ._shm.wake import poll_blocking, wait_readable
 from ._stats import ReaderStatistics, WriterStatistics
 
-__all__ = ["BlockingReader", "BlockingWriter", "open_reader", "open_writer"]
+__all__ = [
+    "BlockingCollector",
+    "BlockingReader",
+    "BlockingSender",
+    "BlockingWriter",
+    "open_collector",
+    "open_reader",
+    "open_sender",
+    "open_writer",
+]
 
 T_contra = TypeVar("T_contra", contravariant=True)
 T_co = TypeVar("T_co", covariant=True)
@@ -565,3 +574,10 @@ def open_reader(
     else:
         source = _shm_source(h, reader_name, decode, decode is decode_pickle_view)
     return BlockingReader(_private, source, h, reader_name, spec.spin_us)
+
+
+# The fan-in roles (docs/fan-in.md), over the helpers above.
+from ._fanin_blocking import BlockingCollector as BlockingCollector  # noqa: E402
+from ._fanin_blocking import BlockingSender as BlockingSender  # noqa: E402
+from ._fanin_blocking import open_collector as open_collector  # noqa: E402
+from ._fanin_blocking import open_sender as open_sender  # noqa: E402

@@ -330,3 +330,15 @@ def test_cpu_split_refuses_a_missing_command_and_passes_on_a_failure() -> None:
     assert proc.returncode == 2 and "give the command" in proc.stderr
     proc = script(str(ROOT / "benchmarks" / "cpu_split.py"), "--", sys.executable, "-c", "raise SystemExit(3)")
     assert proc.returncode == 3 and "exited with 3" in proc.stderr
+
+
+@pytest.mark.parametrize("api", [(), ("--blocking",)], ids=["async", "blocking"])
+def test_gather_cell_json(api: tuple[str, ...]) -> None:
+    """``--mode gather``: N sender processes into one collector; the fields sitting.sh reads."""
+    (obj,) = objects(bench("--mode", "gather", "--senders", "3", "--size", "64", "--count", "500", "--json", *api))
+    assert (obj["mode"], obj["senders"], obj["readers"], obj["size"], obj["count"]) == ("gather", 3, 3, 64, 500)
+    assert obj["received"] == [1500] and obj["in_order"] is True
+    assert obj["msgs_per_s"] > 0 and "FAILED" not in obj
+    assert obj["api"] == ("blocking" if api else "async")
+    wrong = bench("--mode", "tput", "--senders", "2", "--size", "64", "--count", "10")
+    assert wrong.returncode == 2 and "--senders" in wrong.stderr

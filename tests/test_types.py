@@ -23,7 +23,9 @@ def _expected(path: Path) -> set[tuple[int, str]]:
     return out
 
 
-@pytest.mark.parametrize(("name", "errors"), [("roles.py", 9), ("blocking_roles.py", 9), ("vllm_roles.py", 3)])
+@pytest.mark.parametrize(
+    ("name", "errors"), [("roles.py", 9), ("blocking_roles.py", 9), ("vllm_roles.py", 3), ("fanin_roles.py", 12)]
+)
 def test_role_misuse_fails_to_type_check_exactly_where_marked(name: str, errors: int) -> None:
     path = TYPE_TESTS / name
     proc = subprocess.run(

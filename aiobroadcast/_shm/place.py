@@ -46,13 +46,17 @@ class ReaderPlace:
         self.cur_word = self.recv_word = self.wait_word = 0
         self.episode = 0
 
-    def join(self, take_over: int | None) -> tuple[int, int]:
+    def join(self, take_over: int | None, inbox: bool = True, reserved: bool = False) -> tuple[int, int]:
         """Take a place (``take_over``: the dead reader ``pid``'s, if the writer kept it). Returns
-        the entry to read first and the number of the message expected there."""
+        the entry to read first and the number of the message expected there. ``inbox=False``:
+        bind no wake-up socket (a fan-in collector sleeps on one inbox for all its rings, and the
+        ring's writer was told its path). ``reserved``: ``take_over`` names a place the writer
+        reserved for this reader before publishing anything (a fan-in sender's ring, whose place 0
+        waits for its collector at cursor 0), taken over under either policy."""
         seg = self._seg
         lay = seg.layout
         w = self._words
-        i = -1 if take_over is None else self._take_over(take_over)
+        i = -1 if take_over is None else self._take_over(take_over, reserved)
         resume = i >= 0
         if not resume:
             for i in range(lay.max_readers):
@@ -62,9 +66,13 @@ class ReaderPlace:
                 raise TooManyReaders(lay.max_readers)
         self.index = i
         try:
-            if _segment.is_locked(seg.fd, _segment.WRITER_LOCK_BYTE) is False or w[W_CLOSED]:
+            # A reserved place is ours whatever became of the writer since: what it put is drained.
+            if not (resume and reserved) and (
+                _segment.is_locked(seg.fd, _segment.WRITER_LOCK_BYTE) is False or w[W_CLOSED]
+            ):
                 raise InvalidHandle(f"the writer of {self._channel_name} has closed or exited")
-            self.inbox = Inbox(seg.sock_path(f"r{i}"), self._writer_pidfd())
+            if inbox:
+                self.inbox = Inbox(seg.sock_path(f"r{i}"), self._writer_pidfd())
             self.cur_word = lay.record_word(i, R_CURSOR)
             self.recv_word = lay.record_word(i, R_RECEIVED)
             self.wait_word = lay.waiting_word(i)
@@ -81,6 +89,8 @@ class ReaderPlace:
                 # The place never stopped being active, so the entries from its cursor on are
                 # still in the ring: go on from there.
                 cursor = w[self.cur_word]
+                if reserved and cursor == 0:
+                    return 0, 0  # nothing was ever read: message 0 is the first expected, kept or not
                 return cursor, self._number_at(cursor)
             # docs/design.md, "Joining without missing anything".
             w[self.cur_word] = w[W_HEAD]
@@ -97,7 +107,7 @@ class ReaderPlace:
             self.leave()
             raise
 
-    def _take_over(self, pid: int) -> int:
+    def _take_over(self, pid: int, reserved: bool = False) -> int:
         """The place of the dead reader ``pid``, locked, if it is still attached; else -1.
 
         The writer's TCP server started again takes the dead server's place: under policy
@@ -106,7 +116,7 @@ class ReaderPlace:
         dead reader's place holding its lock, so a place still active once we hold the lock is
         ours with its cursor. Under policy "lag" nothing is kept for a place: join as new."""
         seg = self._seg
-        if not self._block:
+        if not self._block and not reserved:
             return -1
         for i in range(seg.layout.max_readers):
             if not seg.rec_active[i] or self._words[seg.layout.record_word(i, R_PID)] != pid:

@@ -24,9 +24,11 @@ from .layout import (
     NAME_BYTES,
     R_ACTIVE,
     R_CURSOR,
+    R_GENERATION,
     R_HOST_OFFSET,
     R_NAME_LEN,
     R_NAME_OFFSET,
+    R_PID,
     RECORD_BYTES,
     RECORD_WORDS,
     W_CAPACITY,
@@ -363,7 +365,7 @@ def sweep_stale(directory: str) -> list[str]:
         try:
             st = os.fstat(fd)
             young = time.time() - st.st_mtime < _tuning.STALE_MIN_AGE_S
-            if stat.S_ISREG(st.st_mode) and not young and try_lock(fd, 0, 0):
+            if stat.S_ISREG(st.st_mode) and not young and try_lock(fd, 0, 0) and not _kept_for_a_reader(fd):
                 for extra in os.listdir(directory):
                     m = _ORPHAN_RE.match(extra)
                     if m is not None and m.group(1) == name:
@@ -373,6 +375,42 @@ def sweep_stale(directory: str) -> list[str]:
         finally:
             os.close(fd)
     return removed
+
+
+def _kept_for_a_reader(fd: int) -> bool:
+    """Whether a reader place of the segment is reserved for a live process that has not taken it
+    yet: active, never occupied (generation 0), its pid alive. A fan-in sender reserves its
+    collector's place so, and leaves the segment to the collector when it closes (docs/fan-in.md):
+    with no lock held, it would look stale until the collector attaches. (A place a reader ever
+    joined has generation 1 or more.)"""
+    try:
+        head = os.pread(fd, 8 * (W_MAX_READERS + 1), 0)
+        max_readers = int.from_bytes(head[8 * W_MAX_READERS : 8 * W_MAX_READERS + 8], "little")
+        if not 0 < max_readers <= 1 << 16:
+            return False
+        records = Layout(1, 64, max_readers).records_offset  # depends on max_readers only
+        for i in range(max_readers):
+            rec = os.pread(fd, 8 * (R_GENERATION + 1), records + RECORD_BYTES * i)
+            if len(rec) < 8 * (R_GENERATION + 1):
+                return False
+            active, pid, generation = (
+                int.from_bytes(rec[8 * k : 8 * k + 8], "little") for k in (R_ACTIVE, R_PID, R_GENERATION)
+            )
+            if active and not generation and pid and _alive(pid):
+                return True
+    except OSError:
+        return False
+    return False
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 #: Every other file a channel has beside its segment: wake-up sockets (``-w.sock``, ``-r3.sock``),

@@ -57,9 +57,15 @@ class ShmSource:
         *,
         hold: bool = False,
         take_over: int | None = None,
+        inbox: bool = True,
+        reserved: bool = False,
     ) -> None:
         """``take_over``: the pid of a dead reader whose place to take, cursor and all, if the
-        writer has not dropped it yet (policy "block" only; see ``_take_over``)."""
+        writer has not dropped it yet (policy "block" only; see ``_take_over``). ``inbox=False``:
+        no wake-up socket of its own (a fan-in collector's ring: the collector sleeps with
+        ``announce_sleep``/``retract_sleep`` on its one inbox instead of ``sleep``); ``reserved``:
+        ``take_over`` names the place a fan-in sender reserved for its collector (see
+        ``ReaderPlace.join``)."""
         self._seg = seg
         self._handle = handle
         self._name = name
@@ -103,7 +109,7 @@ class ShmSource:
         self._outbox = Outbox()
         self._place = place = ReaderPlace(seg, handle.name, name, self._block, self._outbox)
         try:
-            self._cursor, self._next_msg = place.join(take_over)
+            self._cursor, self._next_msg = place.join(take_over, inbox, reserved)
         except BaseException:
             self._outbox.close()  # else its socket leaks (ResourceWarning) on TooManyReaders etc.
             raise
@@ -448,6 +454,25 @@ class ShmSource:
             self._words[self._wait_word] = 0
             return True
         return False
+
+    def announce_sleep(self) -> None:
+        """Store a new sleep number in this place's waiting word, without the fence and the
+        re-check of ``begin_sleep``: a collector announces on all its rings, fences once, then
+        re-checks them all (docs/fan-in.md)."""
+        self._episode += 1
+        self._words[self._wait_word] = self._episode
+
+    def retract_sleep(self) -> None:
+        """The sleep announced by ``announce_sleep`` is over."""
+        if not self._closed:
+            self._words[self._wait_word] = 0
+
+    def check_writer(self) -> bool:
+        """Whether the writer is gone with nothing left to read: then the next ``get_nowait``
+        raises ``WriterGone`` (after what was published). One system call: call it rarely."""
+        if not self._closed and not self.ready() and not _segment.is_locked(self._seg.fd, _segment.WRITER_LOCK_BYTE):
+            self._writer_gone = True
+        return self._writer_gone
 
     def end_sleep(self, woken: bool) -> None:
         """End a sleep begun with ``begin_sleep``. ``woken``: a datagram arrived. If the ring has

@@ -82,6 +82,9 @@ class Inbox:
         self._watch_fired = False
         #: A sleeper was woken by the datagram still in the socket (see ``_on_datagram``).
         self._owed = False
+        #: A datagram other than a wake-up came (a fan-in sender's knock, ``knock``): the owner
+        #: looks for new senders and clears it.
+        self.knocked = False
         #: The timer that ends sleeps at their limit (under asyncio), and the current limit.
         self._timer: asyncio.TimerHandle | None = None
         self._deadline = 0.0
@@ -193,9 +196,13 @@ class Inbox:
             return
         self._owed = False
         try:
-            self.sock.recv(64)
+            data = self.sock.recv(64)
         except OSError:  # BlockingIOError (taken meanwhile), InterruptedError
-            pass
+            return
+        if data != b"\0":
+            self.knocked = True
+            if waiter is not None and not waiter.done():
+                waiter.set_result(True)  # a sleeper that came after the datagram must look too
 
     def _on_timer(self) -> None:
         """The timer fired (called by the event loop): end the current sleep if its limit has
@@ -245,10 +252,12 @@ class Inbox:
         self._owed = False  # whatever was left in the socket is taken now
         while True:
             try:
-                self.sock.recv(64)
+                data = self.sock.recv(64)
             except (BlockingIOError, InterruptedError):
                 break
             got = True
+            if data != b"\0":
+                self.knocked = True
         watch = self.watch
         if got or self._epoll is None or watch is None:
             return got
@@ -382,6 +391,21 @@ class Outbox:
         for sock, _generation in links.values():
             with contextlib.suppress(OSError):
                 sock.close()
+
+
+def knock(path: str) -> bool:
+    """Send the inbox at ``path`` a knock: a datagram that is not a wake-up (a fan-in sender
+    announcing itself; the inbox sets ``knocked``). False if it could not be sent (no inbox
+    there, or its queue is full): a knock is a hint, sent again by a sender still waiting."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        sock.setblocking(False)
+        sock.sendto(b"k", path)
+    except OSError:
+        return False
+    finally:
+        sock.close()
+    return True
 
 
 async def poll(ready: Callable[[], bool], limit_ns: int) -> bool:

@@ -25,6 +25,7 @@ from typing import Any
 
 from ._bench_driver import default_loop, ring_for
 from ._bench_figures import MODES
+from ._bench_gather import ring_for_gather
 from ._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 OURS = "aiobroadcast"
@@ -40,7 +41,8 @@ class Cell:
 
     @property
     def label(self) -> str:
-        return f"{self.mode} r={self.readers} {fmt_size(self.size)}"
+        who = "s" if self.mode in MANY_TO_ONE else "r"
+        return f"{self.mode} {who}={self.readers} {fmt_size(self.size)}"
 
 
 #: The cells of the protocol, in the order they run.
@@ -59,7 +61,13 @@ PROTOCOL_CELLS = (
 )
 
 
+#: Modes of the other direction, many to one (``Cell.readers`` counts senders there).
+MANY_TO_ONE = ("gather",)
+
+
 def default_count(mode: str, size: int) -> int:
+    if mode == "gather":
+        return 50000 if size <= 1024 else 5000
     if mode == "lat":
         return 1000
     if mode == "idle":
@@ -93,8 +101,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def add_options(p: argparse.ArgumentParser) -> None:
     """The options of ``bench`` (``benchmarks/side_by_side.py`` takes them too)."""
-    p.add_argument("--mode", choices=MODES, help="only cells of this mode")
+    p.add_argument(
+        "--mode",
+        choices=(*MODES, *MANY_TO_ONE),
+        help="only cells of this mode; gather: --senders processes send to one collector (open_sender, "
+        "open_collector), as fast as they go",
+    )
     p.add_argument("--readers", type=int, help="only cells with this many reader processes")
+    p.add_argument("--senders", type=int, help="with --mode gather: sender processes (default 4)")
     p.add_argument("--size", type=int, help="only cells with this payload size (bytes)")
     p.add_argument("--count", type=int, help="messages per run (default: the protocol's count for the cell)")
     p.add_argument("--repeat", type=int, default=3, help="runs per cell and system; medians are reported (default: 3)")
@@ -159,6 +173,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def select_cells(args: argparse.Namespace) -> list[Cell]:
+    if args.mode in MANY_TO_ONE:
+        senders = args.senders or args.readers or 4
+        size = 64 if args.size is None else args.size
+        return [Cell(args.mode, senders, size, args.count or default_count(args.mode, size))]
     if args.mode is not None and args.readers is not None and args.size is not None:
         cells = [Cell(args.mode, args.readers, args.size, default_count(args.mode, args.size))]
     else:
@@ -198,6 +216,17 @@ def our_runner(args: argparse.Namespace) -> Runner:
 def our_command(cell: Cell, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     """The driver command of one aiobroadcast run, and its environment."""
     env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
+    if cell.mode == "gather":
+        cmd = [sys.executable, "-m", "aiobroadcast.cli._bench_gather", str(cell.readers), str(cell.size)]
+        cmd += [str(cell.count), "--loop", args.loop]
+        if args.capacity:
+            cmd += ["--capacity", str(args.capacity)]
+        if args.slot_bytes:
+            cmd += ["--slot-bytes", str(args.slot_bytes)]
+        if args.blocking:
+            cmd.append("--blocking")
+        return cmd, env
     env["IDLE_S"] = repr(args.idle_s)
     cmd = [
         sys.executable,
@@ -316,7 +345,9 @@ def aggregate(cell: Cell, system: str, runs: list[dict[str, Any]]) -> dict[str, 
     out["runs"] = len(runs)
     out["received"] = first["received"]
     out["in_order"] = all(r["in_order"] for r in runs)
-    if cell.mode == "tput":
+    if cell.mode in MANY_TO_ONE:
+        out["senders"] = cell.readers
+    if cell.mode in ("tput", "gather"):
         out["msgs_per_s"] = round(_med([r["msgs_per_s"] for r in runs]))
         out["MB_per_s"] = round(_med([r["MB_per_s"] for r in runs]), 1)
         out["samples_msgs_per_s"] = [r["msgs_per_s"] for r in runs]
@@ -340,7 +371,7 @@ def aggregate(cell: Cell, system: str, runs: list[dict[str, Any]]) -> dict[str, 
 
 def figures_of(agg: dict[str, Any]) -> list[tuple[str, float]]:
     """The headline figures of one aggregate: (name, value) rows of the table."""
-    if agg["mode"] == "tput":
+    if agg["mode"] in ("tput", "gather"):
         return [("msgs/s", agg["msgs_per_s"]), ("MB/s", agg["MB_per_s"])]
     if agg["mode"] == "lat":
         return [("p50 us", agg["p50_us"]), ("p99 us", agg["p99_us"])]
@@ -423,7 +454,7 @@ class _Progress:
 
 
 def _headline(cell: Cell, res: dict[str, Any]) -> str:
-    if cell.mode == "tput":
+    if cell.mode in ("tput", "gather"):
         return f"{res['msgs_per_s']:,} msgs/s {res['MB_per_s']} MB/s"
     if cell.mode == "lat":
         return f"p50 {res['p50_us']} us p99 {res['p99_us']} us"
@@ -434,6 +465,10 @@ def check(args: argparse.Namespace) -> str | None:
     """What is wrong with the options, if anything; fills in the defaults that come from the environment."""
     if args.repeat < 1:
         return "--repeat must be at least 1"
+    if args.senders is not None and (args.senders < 1 or args.mode not in MANY_TO_ONE):
+        return "--senders must be at least 1, and is for --mode gather only"
+    if args.mode in MANY_TO_ONE and (args.transport != "shm" or args.zero_copy or args.spin_us is not None):
+        return "--mode gather runs over shared memory, without --zero-copy or --spin-us"
     if (
         (args.readers is not None and args.readers < 1)
         or (args.size is not None and args.size < 0)
@@ -498,11 +533,12 @@ class Sitting:
             f"{os.cpu_count()} CPUs, Python {platform.python_version()}, aiobroadcast over {args.transport}"
             f"{security} on {'the blocking API' if args.blocking else args.loop}"
         )
-        for size in dict.fromkeys(c.size for c in cells):
-            cap, slot = ring_for(size)
+        for size, senders in dict.fromkeys((c.size, c.readers if c.mode in MANY_TO_ONE else 0) for c in cells):
+            cap, slot = ring_for_gather(size, senders) if senders else ring_for(size)
             cap, slot = args.capacity or cap, args.slot_bytes or slot
+            each = f"each of {senders} senders' " if senders else ""
             self.progress.say(
-                f"  ring for {fmt_size(size)} messages: capacity {cap} x slot_bytes {slot} "
+                f"  {each}ring for {fmt_size(size)} messages: capacity {cap} x slot_bytes {slot} "
                 f"({fmt_size(cap * slot) if cap * slot % 1024 == 0 else f'{cap * slot} B'})"
             )
 

@@ -1,0 +1,382 @@
+"""Fan-in for code without an event loop: ``BlockingCollector`` and ``BlockingSender``, over the
+same engine (``_fanin._Gather``) and rings as the async roles (docs/fan-in.md). Exported from
+``aiobroadcast.blocking``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from threading import get_ident
+from time import perf_counter_ns
+from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, final, overload
+
+from pydantic import BaseModel
+
+from . import _tuning
+from ._exceptions import BroadcastError, ClosedResourceError, CollectorGone, EndOfStream, WouldBlock
+from ._fanin import (
+    _NOTHING,
+    CollectorHandle,
+    CollectorStatistics,
+    Delivery,
+    _CollectorSpec,
+    _Gather,
+    _orphaned,
+    _sender_refusal,
+    _SenderStart,
+)
+from ._handle import Handle, Policy
+from ._open import DEFAULT_DIRECTORY
+from ._shm import segment as _segment
+from ._shm.layout import R_ACTIVE
+from ._shm.wake import poll_blocking, wait_readable
+
+T_co = TypeVar("T_co", covariant=True)
+T_contra = TypeVar("T_contra", contravariant=True)
+M = TypeVar("M", bound=BaseModel)
+
+_private = object()
+
+
+def _blocking() -> Any:
+    from . import blocking
+
+    return blocking
+
+
+@final
+class BlockingCollector(Generic[T_co]):
+    """The receiving end of a fan-in, for code without an event loop. Built by
+    ``aiobroadcast.blocking.open_collector``; has no ``put``. ``get`` returns what
+    ``Collector.get`` returns. Thread-safe: threads each take distinct deliveries."""
+
+    def __init__(self, token: object, gather: _Gather) -> None:
+        if token is not _private:
+            raise TypeError("BlockingCollector cannot be built directly; use aiobroadcast.blocking.open_collector()")
+        b = _blocking()
+        self._g = gather
+        self._lock = b._Owned()  # one taker at a time
+        self._sleep_lock = b._Owned()  # one sleeper at a time
+        self._slept_ns = _tuning.DENSE_NS
+        self._closing = False
+
+    @property
+    def handle(self) -> CollectorHandle:
+        return self._g.handle
+
+    def get_nowait(self) -> Delivery[T_co]:
+        """The next delivery, or ``WouldBlock``. Raises like ``Collector.get_nowait``."""
+        obj = self._take()
+        if obj is _NOTHING:
+            raise WouldBlock
+        return obj  # type: ignore[no-any-return]
+
+    def get(self, timeout: float | None = None) -> Delivery[T_co]:
+        """Wait for the next delivery (blocking this thread in ``poll()`` on the collector's one
+        socket). ``timeout``: ``WaitTimeout`` after that many seconds, having taken nothing."""
+        b = _blocking()
+        deadline = None if timeout is None else b._deadline(timeout)
+        if self._lock.owner == get_ident():
+            raise WouldBlock("get() called from inside this collector's own get() on this thread")
+        while True:
+            obj = self._take()
+            if obj is not _NOTHING:
+                return obj  # type: ignore[no-any-return]
+            if self._closing:
+                raise ClosedResourceError("this collector was closed while get() waited")
+            self._wait(deadline)
+
+    def statistics(self) -> CollectorStatistics:
+        self._lock.acquire(None)
+        try:
+            return self._g.statistics(self._sleep_lock.waiting + (self._sleep_lock.owner != 0))
+        finally:
+            self._lock.release()
+
+    def attach(self, handle: Handle | str, *, name: str, connect_timeout: float = 10.0) -> None:
+        """Read a remote sender (``Collector.attach``)."""
+        h, src = self._g.remote_source(handle, name)
+        src.wait_welcome_blocking(connect_timeout)
+        self._lock.acquire(None)
+        try:
+            self._g.add_remote(name, h, src)
+        finally:
+            self._lock.release()
+
+    def close(self) -> None:
+        """Close: leave every sender's ring (their ``put`` raises ``CollectorGone``), remove the
+        rendezvous; parked ``get`` calls raise ``ClosedResourceError``."""
+        if get_ident() in (self._lock.owner, self._sleep_lock.owner):
+            raise WouldBlock("close() called from inside this collector's own get() on this thread")
+        g = self._g
+        if g.closed:
+            return
+        self._closing = True
+        g._outbox.wake(g.inbox.path)  # the sleeping thread looks up and sees _closing
+        self._sleep_lock.acquire(None)
+        try:
+            self._lock.acquire(None)
+            try:
+                g.close()
+            finally:
+                self._lock.release()
+        finally:
+            self._sleep_lock.release()
+
+    def __enter__(self) -> BlockingCollector[T_co]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[Delivery[T_co]]:
+        return self
+
+    def __next__(self) -> Delivery[T_co]:
+        try:
+            return self.get()
+        except EndOfStream:
+            raise StopIteration from None
+        except ClosedResourceError:
+            if self._g.refusal is None:
+                raise StopIteration from None
+            raise
+
+    def __repr__(self) -> str:
+        g = self._g
+        state = "closed" if g.closed else f"senders={len(g.feeds)} received={g.received}"
+        return f"<aiobroadcast.blocking.BlockingCollector {g.handle.name} {state}>"
+
+    def __del__(self) -> None:
+        g = getattr(self, "_g", None)
+        if g is not None and not g.closed:
+            import warnings
+
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
+
+    def __reduce__(self) -> NoReturn:
+        raise BroadcastError("a BlockingCollector cannot be pickled: send collector.handle and open_sender there")
+
+    if not TYPE_CHECKING:
+
+        @property
+        def put(self) -> NoReturn:
+            raise AttributeError(
+                "a BlockingCollector has no put(): senders put, each in its own role: "
+                "aiobroadcast.blocking.open_sender(collector.handle, name=...).put(item)"
+            )
+
+        put_nowait = put_many = put
+
+    def _take(self) -> Any:
+        lock = self._lock
+        lock.acquire(None)
+        try:
+            return self._g.take()
+        finally:
+            lock.release()
+
+    def _wait(self, deadline: float | None) -> None:
+        b = _blocking()
+        g = self._g
+        self._sleep_lock.acquire(deadline)
+        try:
+            if self._closing or g.closed:
+                return
+            left = b._left(deadline)
+            spin = _tuning.POLL_NS if self._slept_ns < _tuning.DENSE_NS else 0
+            if left is not None:
+                spin = min(spin, int(left * 1e9))
+            if spin and poll_blocking(lambda: self._closing or g.ready(), spin):
+                self._slept_ns = 0
+                return
+            limit = g.sleep_limit_s
+            left = b._left(deadline)
+            if left is not None:
+                limit = min(limit, left)
+            start = perf_counter_ns()
+            if g.begin_sleep():
+                return
+            try:
+                wait_readable((g.inbox.fileno(),), limit)
+                g.inbox.drain()
+            finally:
+                g.end_sleep()
+            self._slept_ns = perf_counter_ns() - start
+        finally:
+            self._sleep_lock.release()
+
+
+@final
+class BlockingSender(Generic[T_contra]):
+    """One sending end of a fan-in, for code without an event loop. Built by
+    ``aiobroadcast.blocking.open_sender``; has no ``get``. Thread-safe as ``BlockingWriter``."""
+
+    def __init__(self, token: object, writer: Any, name: str, collector: CollectorHandle) -> None:
+        if token is not _private:
+            raise TypeError("BlockingSender cannot be built directly; use aiobroadcast.blocking.open_sender()")
+        self._w = writer
+        ch = writer._w
+        self._pub = ch.pub
+        self._words = ch.seg.words
+        self._active = ch.seg.layout.record_word(0, R_ACTIVE)
+        self._name = name
+        self._collector = collector
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def handle(self) -> CollectorHandle:
+        return self._collector
+
+    def _check(self) -> None:
+        if self._w._closing or self._pub.closed:
+            pub = self._pub
+            raise ClosedResourceError(_sender_refusal(self._w._w.owner) if pub.refusal else "this sender is closed")
+        if not self._words[self._active]:
+            raise CollectorGone(self._collector.collector_pid, self._name)
+
+    def put_nowait(self, obj: T_contra) -> None:
+        """Send ``obj`` now, or ``WouldBlock``. Raises like ``BlockingWriter.put_nowait``, and
+        ``CollectorGone``."""
+        self._check()
+        self._w.put_nowait(obj)
+        self._check()
+
+    def put(self, obj: T_contra, timeout: float | None = None) -> None:
+        """Send ``obj``, blocking while the ring is full. Raises like ``BlockingWriter.put``, and
+        ``CollectorGone`` once the collector has closed or died."""
+        self._check()
+        self._w.put(obj, timeout)
+        self._check()
+
+    def put_many(self, objs: Iterable[T_contra], timeout: float | None = None) -> None:
+        """Send several items as one operation (``BlockingWriter.put_many``)."""
+        self._check()
+        self._w.put_many(objs, timeout)
+        self._check()
+
+    def close(self) -> None:
+        """Close: the collector takes what was sent, then reports ``SourceClosed(name)``."""
+        if self._w._closing or self._pub.closed:
+            self._w.close()
+            return
+        orphan = _orphaned(self._words, self._active, self._collector)
+        self._w.close()
+        if orphan:
+            _segment._unlink_quiet(self._w.handle.path)
+
+    def __enter__(self) -> BlockingSender[T_contra]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<aiobroadcast.blocking.BlockingSender {self._name!r} to {self._collector.name}>"
+
+    def __reduce__(self) -> NoReturn:
+        raise BroadcastError("a BlockingSender cannot be pickled: send the collector's handle and open_sender there")
+
+    if not TYPE_CHECKING:
+
+        @property
+        def get(self) -> NoReturn:
+            raise AttributeError(
+                "a BlockingSender has no get(): only the collector receives "
+                "(aiobroadcast.blocking.open_collector(), then collector.get())"
+            )
+
+        get_nowait = get
+
+
+@overload
+def open_collector(
+    *,
+    expect: Iterable[str] | None = ...,
+    schema: None = ...,
+    codec: Literal["pickle", "json"] = ...,
+    capacity: int = ...,
+    slot_bytes: int = ...,
+    policy: Policy = ...,
+    max_message_bytes: int | None = ...,
+    directory: str = ...,
+) -> BlockingCollector[Any]: ...
+@overload
+def open_collector(
+    *,
+    expect: Iterable[str] | None = ...,
+    schema: type[M],
+    codec: Literal["pickle", "json"] = ...,
+    capacity: int = ...,
+    slot_bytes: int = ...,
+    policy: Policy = ...,
+    max_message_bytes: int | None = ...,
+    directory: str = ...,
+) -> BlockingCollector[M]: ...
+def open_collector(
+    *,
+    expect: Iterable[str] | None = None,
+    schema: type[BaseModel] | None = None,
+    codec: Literal["pickle", "json"] = "pickle",
+    capacity: int = 64,
+    slot_bytes: int = 1 << 16,
+    policy: Policy = "block",
+    max_message_bytes: int | None = None,
+    directory: str = DEFAULT_DIRECTORY,
+) -> BlockingCollector[Any]:
+    """Create a collector and return its blocking role; the arguments and errors are those of
+    ``aiobroadcast.open_collector``. Use ``with`` or call ``close()``."""
+    spec = _CollectorSpec(
+        expect=expect,
+        schema=schema,
+        codec=codec,
+        capacity=capacity,
+        slot_bytes=slot_bytes,
+        policy=policy,
+        max_message_bytes=max_message_bytes,
+        directory=directory,
+    )
+    return BlockingCollector(_private, spec.create())
+
+
+@overload
+def open_sender(
+    handle: CollectorHandle | str,
+    *,
+    name: str,
+    schema: None = ...,
+    capacity: int | None = ...,
+    slot_bytes: int | None = ...,
+    connect_timeout: float = ...,
+) -> BlockingSender[Any]: ...
+@overload
+def open_sender(
+    handle: CollectorHandle | str,
+    *,
+    name: str,
+    schema: type[M],
+    capacity: int | None = ...,
+    slot_bytes: int | None = ...,
+    connect_timeout: float = ...,
+) -> BlockingSender[M]: ...
+def open_sender(
+    handle: CollectorHandle | str,
+    *,
+    name: str,
+    schema: type[BaseModel] | None = None,
+    capacity: int | None = None,
+    slot_bytes: int | None = None,
+    connect_timeout: float = 10.0,
+) -> BlockingSender[Any]:
+    """Attach a blocking sender to a collector (made by either API); the arguments and errors
+    are those of ``aiobroadcast.open_sender``. Use ``with`` or call ``close()``."""
+    b = _blocking()
+    start = _SenderStart(handle, name, schema, capacity, slot_bytes, connect_timeout)
+    return BlockingSender(_private, b.BlockingWriter(b._private, start.channel), name, start.handle)
+
+
+# Public through aiobroadcast.blocking, and named so (repr, pickling by name, the docs).
+for _public in (BlockingCollector, BlockingSender, open_collector, open_sender):
+    _public.__module__ = "aiobroadcast.blocking"

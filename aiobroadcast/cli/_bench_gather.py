@@ -1,0 +1,269 @@
+"""aiobroadcast's gather driver: N sender processes, one collector (this process).
+
+    python -m aiobroadcast.cli._bench_gather SENDERS SIZE COUNT [--capacity N] [--slot-bytes N]
+        [--loop uvloop|asyncio|trio] [--blocking]
+
+The protocol's mode ``gather`` (the peers' PROTOCOL.md): each sender sends COUNT messages
+``(time.perf_counter_ns(), sender, seq, payload)`` as fast as it can through ``open_sender``
+(``put``); the collector (``open_collector``, ``get``) checks that it got exactly N*COUNT and
+every sender's ``seq`` in order. ``msgs_per_s`` = N*COUNT / (the earliest first send, every
+sender attached -> the collector has the last message); ``MB_per_s`` of payload. Prints one JSON
+object on its last line; ``FAILED`` says what went wrong, if anything. ``--blocking``: both sides
+use ``aiobroadcast.blocking`` (no event loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+import time
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+
+from ._bench_driver import BLOCKING, _run_loop, default_loop, ring_for
+from ._bench_figures import STEP_TIMEOUT_S, reap
+from ._common import EXIT_FAILED, EXIT_OK
+
+
+def _sender_process(handle: str, rank: int, size: int, count: int, loop: str, ready: Any, go: Any, done: Any) -> None:
+    try:
+        main = _send_blocking if loop == BLOCKING else _send_async
+        _run_loop(loop, main, handle, rank, size, count, ready, go)
+    except BaseException as exc:
+        done.put(f"sender {rank}: {type(exc).__name__}: {exc}")
+        raise
+    done.put(None)
+
+
+async def _send_async(handle: str, rank: int, size: int, count: int, ready: Any, go: Any) -> None:
+    from .. import open_sender
+
+    async with open_sender(handle, name=f"s{rank}") as sender:
+        ready.set()
+        while not go.wait(0.001):  # before the clock: blocking the loop costs nothing
+            await anyio.lowlevel.checkpoint()
+        payload = b"x" * size
+        put = sender.put
+        now = time.perf_counter_ns
+        name = f"s{rank}"
+        for seq in range(count):
+            await put((now(), name, seq, payload))
+
+
+def _send_blocking(handle: str, rank: int, size: int, count: int, ready: Any, go: Any) -> None:
+    from ..blocking import open_sender
+
+    with open_sender(handle, name=f"s{rank}") as sender:
+        ready.set()
+        go.wait(STEP_TIMEOUT_S)
+        payload = b"x" * size
+        put = sender.put
+        now = time.perf_counter_ns
+        name = f"s{rank}"
+        for seq in range(count):
+            put((now(), name, seq, payload))
+
+
+#: Shared memory all the senders' rings of a run take together, for messages above 4 KiB.
+GATHER_RING_BYTES = 4 << 20
+
+
+def ring_for_gather(size: int, senders: int) -> tuple[int, int]:
+    """The senders' ring: the broadcast benchmark's slot (``ring_for``), and for messages above
+    4 KiB as many slots as keep every sender's ring together within ``GATHER_RING_BYTES`` (8 to
+    64). The collector copies out of every ring in turn: four rings of 64 x 68 KiB (17 MiB) do
+    not stay in this machine's 8 MiB L3, and a 64 KiB copy out of them took 13 us against 2.5 us
+    within one ring (in-process, 4 senders: 12-14 us a put and 9 us a get at 64 slots, 8.5 and
+    6 us at 16)."""
+    capacity, slot_bytes = ring_for(size)
+    if size > 4096:
+        capacity = max(8, min(capacity, GATHER_RING_BYTES // (senders * slot_bytes)))
+    return capacity, slot_bytes
+
+
+class _Senders:
+    def __init__(self, handle: str, senders: int, size: int, count: int, loop: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.done = ctx.Queue()
+        self.go = ctx.Event()
+        readies = [ctx.Event() for _ in range(senders)]
+        self.procs = [
+            ctx.Process(
+                target=_sender_process,
+                args=(handle, r, size, count, loop, readies[r], self.go, self.done),
+                daemon=True,
+            )
+            for r in range(senders)
+        ]
+        for p in self.procs:
+            p.start()
+        deadline = time.monotonic() + STEP_TIMEOUT_S
+        while not all(e.is_set() for e in readies):
+            if time.monotonic() > deadline or any(p.exitcode is not None for p in self.procs):
+                self.join()
+                raise RuntimeError("sender processes did not attach")
+            time.sleep(0.005)
+
+    def errors(self) -> list[str]:
+        out = []
+        for _ in self.procs:
+            try:
+                err = self.done.get(timeout=STEP_TIMEOUT_S)
+            except Exception:
+                return ["a sender reported nothing"]
+            if err is not None:
+                out.append(err)
+        return out
+
+    def join(self) -> None:
+        reap(self.procs)
+
+
+class _Check:
+    """The collector's bookkeeping: per-sender order, the earliest first send."""
+
+    def __init__(self, senders: int) -> None:
+        self.next = {f"s{r}": 0 for r in range(senders)}
+        self.first_ts: int | None = None
+        self.problem: str | None = None
+
+    def item(self, value: Any) -> None:
+        ts, name, seq, _payload = value
+        if seq != self.next.get(name, -1) and self.problem is None:
+            self.problem = f"{name}: seq {seq} where {self.next.get(name)} was expected"
+        self.next[name] = seq + 1
+        if seq == 0 and (self.first_ts is None or ts < self.first_ts):
+            self.first_ts = ts
+
+    def event(self, d: Any, count: int) -> None:
+        """A sender's close is expected once it sent everything; anything else is a failure."""
+        from .. import SourceClosed
+
+        if self.problem is None and not (isinstance(d, SourceClosed) and self.next.get(d.source) == count):
+            self.problem = f"{d!r} before all of its items"
+
+
+async def _collect_async(senders: int, size: int, count: int, capacity: int, slot_bytes: int, loop: str) -> Any:
+    from .. import Item, open_collector
+
+    async with open_collector(capacity=capacity, slot_bytes=slot_bytes) as collector:
+        run = _Senders(collector.handle.to_json(), senders, size, count, loop)
+        try:
+            _attach_all(collector, senders)
+            check = _Check(senders)
+            item = check.item
+            get = collector.get
+            total = senders * count
+            run.go.set()
+            got = 0
+            while got < total:
+                d = await get()
+                if type(d) is Item:
+                    item(d.value)
+                    got += 1
+                else:
+                    check.event(d, count)
+            t_end = time.perf_counter_ns()
+            errors = run.errors()
+        finally:
+            run.join()
+    return got, t_end, check, errors
+
+
+def _collect_blocking(senders: int, size: int, count: int, capacity: int, slot_bytes: int, loop: str) -> Any:
+    from .. import Item
+    from ..blocking import open_collector
+
+    with open_collector(capacity=capacity, slot_bytes=slot_bytes) as collector:
+        run = _Senders(collector.handle.to_json(), senders, size, count, loop)
+        try:
+            _attach_all(collector, senders)
+            check = _Check(senders)
+            item = check.item
+            get = collector.get
+            total = senders * count
+            run.go.set()
+            got = 0
+            while got < total:
+                d = get()
+                if type(d) is Item:
+                    item(d.value)
+                    got += 1
+                else:
+                    check.event(d, count)
+            t_end = time.perf_counter_ns()
+            errors = run.errors()
+        finally:
+            run.join()
+    return got, t_end, check, errors
+
+
+def _attach_all(collector: Any, senders: int) -> None:
+    """Before the clock: the collector attaches every sender's ring (taking nothing: none sent)."""
+    from .. import WouldBlock
+
+    deadline = time.monotonic() + STEP_TIMEOUT_S
+    while len(collector.statistics().senders) < senders:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the collector did not find every sender")
+        try:
+            collector.get_nowait()
+        except WouldBlock:
+            time.sleep(0.002)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m aiobroadcast.cli._bench_gather", description=(__doc__ or "").split("\n")[0]
+    )
+    p.add_argument("senders", type=int)
+    p.add_argument("size", type=int)
+    p.add_argument("count", type=int)
+    p.add_argument("--capacity", type=int)
+    p.add_argument("--slot-bytes", type=int)
+    p.add_argument("--loop", choices=("uvloop", "asyncio", "trio"), default=default_loop())
+    p.add_argument("--blocking", action="store_true", help="senders and collector use aiobroadcast.blocking")
+    args = p.parse_args(argv)
+    loop = BLOCKING if args.blocking else args.loop
+    capacity, slot_bytes = ring_for_gather(args.size, args.senders)
+    capacity = args.capacity or capacity
+    slot_bytes = args.slot_bytes or slot_bytes
+    out: dict[str, Any] = {
+        "system": "aiobroadcast",
+        "mode": "gather",
+        "readers": args.senders,
+        "senders": args.senders,
+        "size": args.size,
+        "count": args.count,
+        "transport": "shm",
+        "loop": loop,
+        "capacity": capacity,
+        "slot_bytes": slot_bytes,
+        "api": "blocking" if args.blocking else "async",
+    }
+    collect = _collect_blocking if args.blocking else _collect_async
+    got, t_end, check, errors = _run_loop(
+        loop, collect, args.senders, args.size, args.count, capacity, slot_bytes, loop
+    )
+    total = args.senders * args.count
+    out["received"] = [got]
+    out["in_order"] = check.problem is None
+    if check.first_ts is not None:
+        el = (t_end - check.first_ts) / 1e9
+        out["msgs_per_s"] = round(total / el)
+        out["MB_per_s"] = round(total * args.size / el / 1e6, 1)
+    problems = [*errors, *([check.problem] if check.problem else [])]
+    if got != total:
+        problems.append(f"received {got} of {total}")
+    if problems:
+        out["FAILED"] = "; ".join(problems)
+    print(json.dumps(out), flush=True)
+    return EXIT_FAILED if problems else EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

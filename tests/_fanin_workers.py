@@ -1,0 +1,79 @@
+"""Child-process entry points for the fan-in tests (blocking API: no event loop in the child)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from _workers import Conn, _expect, reporting
+
+import aiobroadcast as ab
+from aiobroadcast import blocking
+
+
+def sender_proc(conn: Conn, handle: str, name: str, count: int, then: str) -> None:
+    """Attach as ``name``, put ``(name, i)`` for i in 0 .. count-1, then: ``"close"`` (close and
+    report), ``"hang"`` (report and wait to be killed), ``"forever"`` (put until an error, and
+    report it)."""
+    reporting(conn, lambda: _send(conn, handle, name, count, then))
+
+
+def _send(conn: Conn, handle: str, name: str, count: int, then: str) -> None:
+    with blocking.open_sender(handle, name=name) as sender:
+        conn.send(("attached", os.getpid()))
+        for i in range(count):
+            sender.put((name, i))
+        if then == "hang":
+            conn.send(("sent", count))
+            time.sleep(3600)
+        if then == "forever":
+            conn.send(("sent", count))
+            i = count
+            try:
+                while True:
+                    sender.put((name, i))
+                    i += 1
+            except ab.BroadcastError as exc:
+                conn.send(("raised", (type(exc).__name__, str(exc), time.monotonic())))
+    conn.send(("closed", count))
+
+
+def collector_proc(conn: Conn, capacity: int) -> None:
+    """Open a blocking collector, send its handle, wait for "go", then take ``n`` items as told
+    and report them; then wait to be killed."""
+    reporting(conn, lambda: _collect(conn, capacity))
+
+
+def _collect(conn: Conn, capacity: int) -> None:
+    with blocking.open_collector(capacity=capacity, slot_bytes=256) as collector:
+        conn.send(("handle", collector.handle.to_json()))
+        _expect(conn, "go")
+        got: list[Any] = []
+        while len(got) < 1:
+            got.append(collector.get(timeout=30))
+        conn.send(("took", [repr(d) for d in got]))
+        time.sleep(3600)
+
+
+def remote_writer_proc(conn: Conn, count: int, then: str) -> None:
+    """A remote sender: a blocking writer serving TCP on loopback. Sends its handle, waits for
+    its one TCP reader (the collector), puts 0 .. count-1, then ``"close"`` or ``"die"``
+    (SIGKILL itself once its items are taken)."""
+    reporting(conn, lambda: _remote_write(conn, count, then))
+
+
+def _remote_write(conn: Conn, count: int, then: str) -> None:
+    with blocking.open_writer(tcp="tcp://127.0.0.1:0", max_readers=1, capacity=8, slot_bytes=512) as writer:
+        conn.send(("handle", writer.handle.to_json()))
+        deadline = time.monotonic() + 30
+        while not any(r.transport == "tcp" for r in writer.statistics().readers):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the collector did not attach")
+            time.sleep(0.01)
+        for i in range(count):
+            writer.put(i)
+        if then == "die":
+            _expect(conn, "die")
+            os.kill(os.getpid(), 9)
+    conn.send(("closed", count))

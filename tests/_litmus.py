@@ -16,8 +16,9 @@ the same calls the ring makes:
   writer's "publish, then look at the waiting words"). Forbidden: both loads see 0.
 
 ``order="broken"`` runs the same program with its two accesses in the wrong program order (the
-flag stored before the body; the load before the store): the forbidden outcome then happens for
-real, which shows the checks can see it.
+flag stored before the body; the load before the store) and a ``sched_yield`` between them, so the
+window shows from Python even when a busy machine runs both processes on one CPU: the forbidden
+outcome then happens for real, which shows the checks can see it.
 """
 
 from __future__ import annotations
@@ -89,8 +90,7 @@ def mp_writer(path: str, rounds: int, order: str) -> None:
         body = i.to_bytes(8, "little") * BODY_WORDS
         if order == "broken":
             w[FLAG] = i
-            for _ in range(20):  # a window wide enough to be seen from Python
-                pass
+            os.sched_yield()  # a window wide enough to be seen, even with both on one CPU
             buf[at : at + 8 * BODY_WORDS] = body
         else:
             buf[at : at + 8 * BODY_WORDS] = body  # plain bytes, as a message is copied
@@ -164,8 +164,11 @@ def sb_side(path: str, me: int, rounds: int, order: str, deadline: float) -> Non
     done = 0
     for i in range(rounds // 2):
         _barrier(w, me, i + 1)
+        for _ in range((i * 5 + me * 3) % 7):  # a skew that varies by round: the sides leave the
+            pass  # barrier at different moments, so some rounds overlap whatever the load
         if order == "broken":
             seen = w[other + i]
+            os.sched_yield()  # a window wide enough to be seen, even with both on one CPU
             w[mine + i] = 1
         else:
             w[mine + i] = 1  # store-release

@@ -35,9 +35,19 @@ def test_message_passing_never_shows_a_body_older_than_its_commit(path: str) -> 
     assert out.interleaved > 0, f"the reader never read while the writer wrote: {out}"
 
 
+def _seen_when_wrong(program: str, path: str, rounds: int, order: str) -> None:
+    """The wrong order shows the forbidden outcome, in one of a few runs (on a busy machine the
+    two processes may not overlap in one)."""
+    outs = []
+    for _ in range(4):
+        outs.append(_litmus.run(program, path, rounds=rounds, order=order))
+        if outs[-1].forbidden > 0:
+            return
+    raise AssertionError(f"the forbidden outcome never showed: {outs}")
+
+
 def test_the_message_passing_check_sees_a_commit_stored_before_its_body(path: str) -> None:
-    out = _litmus.run("mp", path, rounds=200_000, order="broken")
-    assert out.forbidden > 0, out
+    _seen_when_wrong("mp", path, 20_000, "broken")
 
 
 def test_store_buffering_with_the_fence_never_misses_both_stores(path: str) -> None:
@@ -47,8 +57,7 @@ def test_store_buffering_with_the_fence_never_misses_both_stores(path: str) -> N
 
 
 def test_the_store_buffering_check_sees_both_loads_miss_when_they_come_first(path: str) -> None:
-    out = _litmus.run("sb", path, rounds=20_000, order="broken")
-    assert out.forbidden > 0, out
+    _seen_when_wrong("sb", path, 20_000, "broken")
 
 
 def test_a_word_is_stored_and_loaded_whole(path: str) -> None:
@@ -59,8 +68,7 @@ def test_a_word_is_stored_and_loaded_whole(path: str) -> None:
 
 def test_struct_pack_into_tears_a_word(path: str) -> None:
     """Why the shared words do not go through ``struct``: it stores a ``<Q`` byte by byte."""
-    out = _litmus.run("tear", path, rounds=1_000_000, order="struct")
-    assert out.forbidden > 0, out
+    _seen_when_wrong("tear", path, 1_000_000, "struct")
 
 
 # --- Words itself -----------------------------------------------------------------------------

@@ -6,7 +6,8 @@ the same calls the ring makes:
 
 - ``mp`` (message passing, steps 1-2): a writer copies a body into shared memory with plain
   bytes (as ``Publisher.publish`` copies a message), then store-releases a flag (the seq word);
-  a reader load-acquires the flag, then copies the body. Forbidden: a body older than the flag.
+  a reader load-acquires the flag, then copies the body. Forbidden: a body older than the flag
+  (``thermometer`` below says how that is told apart from a body torn between two newer ones).
 - ``tear`` (single-copy atomicity): a writer stores two values that differ in every byte into one
   word, alternately; a reader loads it. Forbidden: any other value (a word read half old, half
   new). ``order="struct"`` stores with ``struct.pack_into("<Q")``, which CPython copies byte by
@@ -33,12 +34,23 @@ from dataclasses import dataclass
 from aiobroadcast._shm.atomic import Words, fence
 
 CTX = multiprocessing.get_context("spawn")
-BODY_WORDS = 8  # one 64-byte body: a cache line
+# mp: a body of BODY_BYTES whose bytes all grow with the round (a "thermometer": byte k holds
+# round - 255*k, clamped to 0..255, and the bytes add up to the round). A plain copy need not load
+# a word whole (an SVE memcpy loads and stores byte elements), so a body read while it is being
+# rewritten may mix bytes of two rounds; of two rounds at least the flag's, every byte is at least
+# the flag's, and so is the sum. Only a body of an older round adds up to less.
+BODY_BYTES = 256
+MP_ROUNDS_MAX = 255 * BODY_BYTES
 # Word offsets in the file: per-process "ready" words (their own cache lines), then the program's.
 READY = (0, 8)
 FLAG = 16
 BODY = 24
-START = 32  # sb: x words from START, y words after them, results after both
+START = BODY + BODY_BYTES // 8  # results; sb: x words from START, y words after them, results after both
+
+
+def thermometer(i: int) -> bytes:
+    full, rest = divmod(i, 255)
+    return (b"\xff" * full + bytes([rest])).ljust(BODY_BYTES, b"\0")[:BODY_BYTES]
 
 
 @dataclass
@@ -83,17 +95,18 @@ def _size(program: str, rounds: int) -> int:
 
 # --- message passing ---------------------------------------------------------------------------
 def mp_writer(path: str, rounds: int, order: str) -> None:
+    assert rounds <= MP_ROUNDS_MAX
     m, w, buf = _map(path, _size("mp", rounds))
     at = BODY * 8
     _barrier(w, 0, 1)
     for i in range(1, rounds + 1):
-        body = i.to_bytes(8, "little") * BODY_WORDS
+        body = thermometer(i)
         if order == "broken":
             w[FLAG] = i
             os.sched_yield()  # a window wide enough to be seen, even with both on one CPU
-            buf[at : at + 8 * BODY_WORDS] = body
+            buf[at : at + BODY_BYTES] = body
         else:
-            buf[at : at + 8 * BODY_WORDS] = body  # plain bytes, as a message is copied
+            buf[at : at + BODY_BYTES] = body  # plain bytes, as a message is copied
             w[FLAG] = i  # store-release: the commit
     _unmap(m, w, buf)
 
@@ -106,11 +119,11 @@ def mp_reader(path: str, rounds: int, deadline: float) -> None:
     _barrier(w, 1, 1)
     while True:
         flag = w[FLAG]  # load-acquire
-        body = bytes(buf[at : at + 8 * BODY_WORDS])  # plain bytes, as a message is read
+        body = bytes(buf[at : at + BODY_BYTES])  # plain bytes, as a message is read
         checked += 1
         if 0 < flag < rounds:
             between += 1
-        if min(memoryview(body).cast("Q")) < flag:
+        if sum(body) < flag:
             forbidden += 1
         if flag >= rounds or time.monotonic() > deadline:
             break

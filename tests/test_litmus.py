@@ -30,7 +30,7 @@ def path() -> Iterator[str]:
 
 
 def test_message_passing_never_shows_a_body_older_than_its_commit(path: str) -> None:
-    out = _litmus.run("mp", path, rounds=200_000)
+    out = _litmus.run("mp", path, rounds=_litmus.MP_ROUNDS_MAX)
     assert out.forbidden == 0, out
     assert out.interleaved > 0, f"the reader never read while the writer wrote: {out}"
 

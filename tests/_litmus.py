@@ -111,12 +111,13 @@ def mp_writer(path: str, rounds: int, order: str) -> None:
     _unmap(m, w, buf)
 
 
-def mp_reader(path: str, rounds: int, deadline: float) -> None:
-    """Reads until it sees the last flag (or the deadline); writes its counts after the program."""
+def mp_reader(path: str, rounds: int, seconds: float) -> None:
+    """Reads until it sees the last flag (or for ``seconds``); writes its counts after the program."""
     m, w, buf = _map(path, _size("mp", rounds))
     at = BODY * 8
     checked = forbidden = between = 0
     _barrier(w, 1, 1)
+    deadline = time.monotonic() + seconds  # from the start: spawning may take seconds (emulated)
     while True:
         flag = w[FLAG]  # load-acquire
         body = bytes(buf[at : at + BODY_BYTES])  # plain bytes, as a message is read
@@ -152,12 +153,13 @@ def tear_writer(path: str, rounds: int, order: str) -> None:
     _unmap(m, w, buf)
 
 
-def tear_reader(path: str, rounds: int, deadline: float) -> None:
+def tear_reader(path: str, rounds: int, seconds: float) -> None:
     m, w, buf = _map(path, _size("tear", rounds))
     at = FLAG
     a, b = TEAR_VALUES
     checked = torn = 0
     _barrier(w, 1, 1)
+    deadline = time.monotonic() + seconds
     while w[READY[0]] < 2 and time.monotonic() < deadline:
         v = w[at]  # one 8-byte load
         checked += 1
@@ -168,15 +170,18 @@ def tear_reader(path: str, rounds: int, deadline: float) -> None:
 
 
 # --- store buffering ---------------------------------------------------------------------------
-def sb_side(path: str, me: int, rounds: int, order: str, deadline: float) -> None:
+def sb_side(path: str, me: int, rounds: int, order: str, seconds: float) -> None:
     """Round i: store 1 in my word i, fence, load the other side's word i into my result i."""
     m, w, buf = _map(path, _size("sb", rounds))
     mine = START + me * rounds
     other = START + (1 - me) * rounds
     result = START + 2 * rounds + me * (rounds // 2)
     done = 0
+    deadline = 0.0
     for i in range(rounds // 2):
         _barrier(w, me, i + 1)
+        if i == 0:
+            deadline = time.monotonic() + seconds  # from the start: spawning may take seconds (emulated)
         for _ in range((i * 5 + me * 3) % 7):  # a skew that varies by round: the sides leave the
             pass  # barrier at different moments, so some rounds overlap whatever the load
         if order == "broken":
@@ -202,23 +207,22 @@ def run(program: str, path: str, rounds: int, order: str = "right", seconds: flo
     with open(path, "wb") as fh:
         fh.truncate(size)
     try:
-        deadline = time.monotonic() + seconds
         if program == "tear":
             procs = [
                 CTX.Process(target=tear_writer, args=(path, rounds, order)),
-                CTX.Process(target=tear_reader, args=(path, rounds, deadline + 2.0)),
+                CTX.Process(target=tear_reader, args=(path, rounds, seconds)),
             ]
         elif program == "mp":
             procs = [
                 CTX.Process(target=mp_writer, args=(path, rounds, order)),
-                CTX.Process(target=mp_reader, args=(path, rounds, deadline + 2.0)),
+                CTX.Process(target=mp_reader, args=(path, rounds, seconds)),
             ]
         else:
-            procs = [CTX.Process(target=sb_side, args=(path, me, rounds, order, deadline + 2.0)) for me in (0, 1)]
+            procs = [CTX.Process(target=sb_side, args=(path, me, rounds, order, seconds)) for me in (0, 1)]
         for p in procs:
             p.start()
         for p in procs:
-            p.join(seconds + 30)
+            p.join(seconds + 60)
             if p.exitcode != 0:
                 for q in procs:
                     q.kill()

@@ -336,8 +336,10 @@ def test_dockerfile_installs_the_cli_as_the_entry_point() -> None:
     known = {"FROM", "ENV", "WORKDIR", "COPY", "RUN", "USER", "ENTRYPOINT", "CMD", "LABEL", "ARG", "EXPOSE"}
     assert {w for w, _ in steps} <= known
     assert steps[0][0] == "FROM"
-    m = re.fullmatch(r"python:3\.(\d+)(-slim)?", steps[0][1])
-    assert m and int(m.group(1)) >= 11  # requires-python >= 3.11
+    for word, rest in steps:  # every stage (the first builds the wheel) on the same base
+        if word == "FROM":
+            m = re.fullmatch(r"python:3\.(\d+)(-slim)?( AS \w+)?", rest)
+            assert m and int(m.group(1)) >= 11  # requires-python >= 3.11
     pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert pyproject["project"]["scripts"]["aiobroadcast"] == "aiobroadcast.__main__:main"
     # The build context is the repository root: compose builders read its .dockerignore (docker-compose
@@ -351,13 +353,13 @@ def test_dockerfile_installs_the_cli_as_the_entry_point() -> None:
     assert not (DOCKER / "Dockerfile.dockerignore").exists()  # BuildKit would prefer it to .dockerignore
     copied = set()
     for word, rest in steps:
-        if word == "COPY":
+        if word == "COPY" and not rest.startswith("--from="):  # not from another stage
             *sources, _dest = rest.split()
             for src in sources:
                 assert (ROOT / src).exists(), src
                 assert not _ignored(src, ignore), f"{src} is excluded by .dockerignore"
                 copied.add(src)
-    assert {"pyproject.toml", "README.md", "aiobroadcast"} <= copied  # what `pip install` needs
+    assert {"pyproject.toml", "setup.py", "README.md", "aiobroadcast"} <= copied  # what `pip install` needs
     assert not _ignored("aiobroadcast/cli/_main.py", ignore)
     for path in (
         ".venv/bin/python",
@@ -365,10 +367,14 @@ def test_dockerfile_installs_the_cli_as_the_entry_point() -> None:
         "tests/test_docker.py",
         "aiobroadcast/__pycache__/_open.pyc",
         "aiobroadcast/cli/__pycache__/_main.pyc",
+        "aiobroadcast/_shm/_atomics.cpython-311-x86_64-linux-gnu.so",  # an editable install's build
     ):
         assert _ignored(path, ignore), path
     runs = " ".join(rest for word, rest in steps if word == "RUN")
-    assert "pip install --no-deps /src" in runs
+    # The project is built into a wheel in the first stage (with the compiler its extension needs),
+    # and the image installs that wheel.
+    assert "pip wheel --no-deps -w /wheels /src" in runs and "pip install --no-deps /wheels/*.whl" in runs
+    assert ("COPY", "--from=build /wheels /wheels") in steps
     users = [rest for word, rest in steps if word == "USER"]
     assert users and users[-1] not in ("root", "0")
     handle_dir = topology().handle_dir

@@ -21,6 +21,7 @@ from typing import Any, cast
 import pytest
 
 import aiobroadcast as ab
+from aiobroadcast._shm.atomic import Words
 from aiobroadcast._shm.layout import BUSY, F_FIRST, F_LAST, SLOT_REST, W_HEAD, W_NEXT_MSG
 from aiobroadcast._shm.segment import Segment
 from aiobroadcast._shm.subscriber import ShmSource
@@ -104,7 +105,7 @@ class Interleave:
     """The reader's view of the ring's words: after its load number ``k`` (from 0), the writer
     takes ``steps(k)`` steps."""
 
-    def __init__(self, words: memoryview, writer: SteppedWriter, steps: Callable[[int], int]) -> None:
+    def __init__(self, words: Words, writer: SteppedWriter, steps: Callable[[int], int]) -> None:
         self._words = words
         self._writer = writer
         self._steps = steps

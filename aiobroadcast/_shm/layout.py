@@ -10,11 +10,11 @@ import os
 import platform
 import socket
 import struct
-import threading
 from dataclasses import dataclass
 from functools import cached_property
 
 from .._exceptions import BroadcastError
+from .atomic import fence as fence  # the ring's modules take it from here
 
 MAGIC = int.from_bytes(b"ABCAST\x00\x01", "little")
 LAYOUT_VERSION = 2  # 2: the pickle body format of _codec.py (large bytes indexed, or out of band)
@@ -78,12 +78,18 @@ def unpack_host(raw: bytes) -> str:
     return raw.rstrip(b"\0").decode("utf-8", "replace")
 
 
+#: The machines whose memory model docs/design.md ("Memory ordering") argues the ring for:
+#: ARMv8 (aarch64), and x86-64 (TSO), which gives everything ARMv8 does and more.
+MACHINES = ("x86_64", "amd64", "aarch64")
+
+
 def check_platform() -> None:
-    """The ring's memory-ordering argument holds on x86-64 (TSO) only (docs/design.md)."""
+    """The ring's memory-ordering argument is made for x86-64 and aarch64 (docs/design.md)."""
     machine = platform.machine().lower()
-    if machine not in ("x86_64", "amd64"):
+    if machine not in MACHINES:
         raise BroadcastError(
-            f"aiobroadcast's shared-memory ring relies on x86-64 memory ordering; this machine is {machine!r}"
+            "aiobroadcast's shared-memory ring is argued for x86-64 and aarch64 memory ordering only; "
+            f"this machine is {machine!r}"
         )
 
 
@@ -150,15 +156,3 @@ def crossed(old_cursor: int, new_cursor: int, target: int) -> bool:
     """Whether a reader moving from ``old_cursor`` to ``new_cursor`` is the one that reached the
     writer's ``target`` (0 means the writer is not waiting)."""
     return target != 0 and old_cursor < target <= new_cursor
-
-
-# --- the fence -------------------------------------------------------------------------------
-_fence_lock = threading.Lock()
-_acquire = _fence_lock.acquire
-_release = _fence_lock.release
-
-
-def fence() -> None:
-    """A full memory barrier: the lock's acquire is a ``lock``-prefixed read-modify-write."""
-    _acquire()
-    _release()

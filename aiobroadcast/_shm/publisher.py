@@ -17,6 +17,7 @@ from .. import _tuning
 from .._codec import Buffer
 from .._exceptions import ClosedResourceError
 from . import segment as _segment
+from .atomic import fence_release
 from .layout import BUSY, F_FIRST, F_GAP, F_LAST, F_OOB, F_WHOLE, SLOT_REST, W_CLOSED, W_HEAD, W_NEXT_MSG, fence
 from .records import ReaderRecords
 from .segment import Segment
@@ -53,7 +54,6 @@ class Publisher:
         self._acquire = self.mutex.acquire
         self._release = self.mutex.release
         self._waiting = seg.waiting
-        self._nobody_waiting = bytes(8 * seg.layout.max_readers)  # the waiting words when no reader sleeps
         self._woke_ns = 0  # when wake-ups were last sent
 
     @property
@@ -99,6 +99,7 @@ class Publisher:
                 off = self._data_offset + (seq % self._cap) * self._slot_bytes
                 if not self.block:
                     w[off >> 3] = BUSY  # a lagging reader that reads this slot now re-checks
+                    fence_release()  # BUSY before the slot's new bytes (docs/design.md, step 6)
                 if len(parts) == 1:
                     buf[off + 32 : off + 32 + total] = parts[0]
                 else:  # pickle frames around a large payload, or out-of-band parts: byte buffers
@@ -130,7 +131,7 @@ class Publisher:
         # The wake-ups, as ``wake_readers`` (inlined: the fence and the look at the waiting words
         # are all a dense stream pays).
         fence()
-        if self._waiting.tobytes() != self._nobody_waiting:
+        if self._waiting.any():
             self._wake_sleepers()
 
     def try_publish_many(self, batch: Sequence[Encoded], entries: int) -> bool:
@@ -160,6 +161,7 @@ class Publisher:
                     off = self._data_offset + (seq % self._cap) * self._slot_bytes
                     if not self.block:
                         w[off >> 3] = BUSY
+                        fence_release()
                     at = off + 32
                     for part in parts:
                         end = at + len(part)
@@ -217,6 +219,7 @@ class Publisher:
             off = self._slot_offset(seq)
             if not self.block:
                 w[off >> 3] = BUSY
+                fence_release()
             n = chunks.copy_into(buf, off + 32, payload)
             flags = base_flags
             if first and k == 0:
@@ -266,7 +269,7 @@ class Publisher:
     def wake_readers(self) -> None:
         """Wake the readers that announced they sleep (and only once per sleep)."""
         fence()
-        if self._waiting.tobytes() != self._nobody_waiting:
+        if self._waiting.any():
             self._wake_sleepers()
 
     def _wake_sleepers(self) -> None:

@@ -16,6 +16,7 @@ import time
 
 from .. import _fork, _tuning
 from .._exceptions import BroadcastError, InsufficientSharedMemory, InvalidHandle, os_error
+from .atomic import Words
 from .layout import (
     EMPTY,
     HOST_BYTES,
@@ -125,13 +126,14 @@ class Segment:
         self.layout = layout
         self._mmap = _map(path, fd, layout.size)
         self.buf = memoryview(self._mmap)
-        self.words = self.buf.cast("Q")
-        recs = self.words[layout.records_offset // 8 : layout.data_offset // 8]
-        self.rec_active = recs[R_ACTIVE::RECORD_WORDS][: layout.max_readers]
-        self.rec_cursor = recs[R_CURSOR::RECORD_WORDS][: layout.max_readers]
-        w0 = WAITING_OFFSET // 8
-        self.waiting = self.words[w0 : w0 + layout.max_readers]
-        self._views = [recs, self.rec_active, self.rec_cursor, self.waiting, self.words, self.buf]
+        # The words processes share, read with load-acquire and written with store-release
+        # (atomic.py; docs/design.md, "Memory ordering").
+        self.words = Words(self.buf)
+        r0, n = layout.records_offset // 8, layout.max_readers
+        self.rec_active = Words(self.buf, r0 + R_ACTIVE, RECORD_WORDS, n)
+        self.rec_cursor = Words(self.buf, r0 + R_CURSOR, RECORD_WORDS, n)
+        self.waiting = Words(self.buf, WAITING_OFFSET // 8, 1, n)
+        self._views: list[Words | memoryview] = [self.rec_active, self.rec_cursor, self.waiting, self.words, self.buf]
         _fork.track(self)
 
     @property
@@ -280,7 +282,7 @@ class SegmentView:
             os.close(self.fd)
             raise os_error(InvalidHandle, f"cannot map the channel's segment {path}", exc) from exc
         self.buf = memoryview(self._mmap)
-        self.words = self.buf.cast("Q")
+        self.words = Words(self.buf)
         problems = _header_problems(self.words, token, layout)
         if problems:
             self.close()
@@ -293,7 +295,7 @@ class SegmentView:
         os.close(self.fd)
 
 
-def _token_of(w: memoryview) -> str:
+def _token_of(w: Words) -> str:
     return (w[W_TOKEN].to_bytes(8, "little") + w[W_TOKEN + 1].to_bytes(8, "little")).hex()
 
 
@@ -321,7 +323,7 @@ def _open_channel_file(path: str, layout: Layout, mode: int) -> int:
     return fd
 
 
-def _header_problems(w: memoryview, token: str, layout: Layout) -> list[str]:
+def _header_problems(w: Words, token: str, layout: Layout) -> list[str]:
     """How the segment's header disagrees with the handle (nothing: it is the handle's channel)."""
     problems = []
     if w[W_MAGIC] != MAGIC or w[W_VERSION] != LAYOUT_VERSION:

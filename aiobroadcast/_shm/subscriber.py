@@ -19,6 +19,7 @@ from .._exceptions import (
 from .._handle import Handle
 from .._stats import ReaderStatistics
 from . import segment as _segment
+from .atomic import fence_acquire
 from .layout import (
     BUSY,
     EMPTY,
@@ -148,8 +149,10 @@ class ShmSource:
             msg, flen, flags, total = SLOT_REST.unpack_from(buf, off + 8)
             if flags & F_WHOLE == F_WHOLE and self._partial is None:
                 if flags & F_GAP:  # a relay lost messages upstream
-                    if not self._block and w[off >> 3] != c:  # the header may be torn
-                        continue
+                    if not self._block:  # the header may be torn: re-check after reading it
+                        fence_acquire()
+                        if w[off >> 3] != c:
+                            continue
                     self._advance(c, 0)
                     self._next_msg = msg + total  # the lost messages have their numbers
                     self._lagged_total += total
@@ -158,6 +161,7 @@ class ShmSource:
                     body: memoryview | bytes = buf[off + 32 : off + 32 + flen]
                 else:
                     body = bytes(buf[off + 32 : off + 32 + flen])
+                    fence_acquire()  # the copy's loads before the re-check (docs/design.md, step 6)
                     if w[off >> 3] != c:  # overwritten while we copied
                         continue
                 # The one-slot message, written out: what ``_deliver`` and ``_take`` do.
@@ -185,8 +189,10 @@ class ShmSource:
             # A fragment of a larger message. Under policy "lag" the header may be torn (the
             # writer zeroes it before filling it in): check that the entry is still ours before
             # acting on it, and again after copying its payload.
-            if not self._block and w[off >> 3] != c:
-                continue
+            if not self._block:
+                fence_acquire()
+                if w[off >> 3] != c:
+                    continue
             if flags & F_FIRST:
                 self._partial = bytearray(total)
                 self._partial_msg = msg
@@ -200,8 +206,10 @@ class ShmSource:
             assert partial is not None
             fill = self._partial_fill
             partial[fill : fill + flen] = buf[off + 32 : off + 32 + flen]
-            if not self._block and w[off >> 3] != c:
-                continue
+            if not self._block:
+                fence_acquire()
+                if w[off >> 3] != c:
+                    continue
             self._partial_fill = fill + flen
             self._advance(c, 0)
             if flags & F_LAST:
@@ -526,6 +534,7 @@ def oldest_intact(w: Any, buf: memoryview, slot_offset: Callable[[int], int], e:
         off = slot_offset(e)
         if w[off >> 3] == e:
             msg, _flen, flags, _total = SLOT_REST.unpack_from(buf, off + 8)
+            fence_acquire()
             if w[off >> 3] == e:  # the header was read whole: the entry was not being rewritten
                 return e, msg if flags & F_FIRST else msg + 1
         else:

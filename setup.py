@@ -1,0 +1,17 @@
+"""The one compiled part: the ring's atomic loads, stores and fences (aiobroadcast/_shm/_atomics.c).
+
+Everything else is in pyproject.toml. Building needs a C compiler (GCC or Clang) and Python's
+headers: ``apt-get install gcc python3-dev`` on Debian and Ubuntu.
+"""
+
+from setuptools import Extension, setup
+
+setup(
+    ext_modules=[
+        Extension(
+            "aiobroadcast._shm._atomics",
+            sources=["aiobroadcast/_shm/_atomics.c"],
+            extra_compile_args=["-O2", "-std=c11"],
+        )
+    ]
+)

@@ -50,6 +50,7 @@ from ._exceptions import (
 from ._handle import _UNIX_PATH_MAX, Codec, Handle, Policy, _first_problem, check_directory, handle_kind, require
 from ._open import DEFAULT_DIRECTORY, _decoder, _Opening, _WriterSpec
 from ._shm import segment as _segment
+from ._shm.atomic import Words
 from ._shm.layout import R_ACTIVE, R_CURSOR, R_PID, fence
 from ._shm.subscriber import ShmSource
 from ._shm.wake import Inbox, Outbox, knock, poll
@@ -1170,7 +1171,7 @@ def _sender_refusal(owner: int) -> str:
     )
 
 
-def _orphaned(words: memoryview, active: int, collector: CollectorHandle) -> bool:
+def _orphaned(words: Words, active: int, collector: CollectorHandle) -> bool:
     """Whether no collector will ever drain this sender's ring (it left, or it died): then the
     sender removes the segment itself when it closes."""
     return not words[active] or not _collector_alive(collector)

@@ -236,8 +236,10 @@ async def test_cancelled_get_takes_nothing(anyio_backend: Backend, monkeypatch: 
 
 async def test_ready_messages_are_never_lost_to_an_expired_deadline(anyio_backend: Backend) -> None:
     """Each get under an already expired deadline (move_on_after(0)) either returns a ready message
-    or takes nothing: 200 published messages, 200 such gets, every message returned in order (a
-    get used to lose its message when its periodic yield to the loop was cancelled)."""
+    or takes nothing: 200 published messages, gets under such deadlines until all are in, every
+    message returned once, in order (a get used to lose its message when its periodic yield to
+    the loop was cancelled). The yield is a checkpoint before the take, so now and then such a get
+    is cancelled, having taken nothing; most return at once."""
     count = 200
     with spawn(writer_proc, anyio_backend, WriterSpec(capacity=256, count=count)) as writer:
         handle = await writer.recv("handle")
@@ -245,10 +247,13 @@ async def test_ready_messages_are_never_lost_to_an_expired_deadline(anyio_backen
             writer.send("go")
             assert await writer.recv("sent") == count
             got = []
-            for _ in range(count):
-                with anyio.move_on_after(0):
+            cancelled = 0
+            while len(got) < count and cancelled <= count:
+                with anyio.move_on_after(0) as scope:
                     got.append(await reader.get())
+                cancelled += scope.cancelled_caught
             assert got == list(range(count))
+            assert cancelled <= count // 32  # at most the periodic yields (one in YIELD_EVERY)
         assert await writer.recv("closed") == {"sent": count, "dropped": 0}
 
 
@@ -289,7 +294,8 @@ async def test_cancelled_put_publishes_nothing(anyio_backend: Backend) -> None:
 
 async def test_a_put_is_either_published_or_cancelled(anyio_backend: Backend) -> None:
     """A put that returns has published; a cancelled put has not, never both. With deadlines that
-    have already expired (the fast path still publishes, and yields now and then) on a roomy ring,
+    have already expired (the fast path still publishes; its yield now and then, before the
+    publish, is where such a put is cancelled) on a roomy ring,
     and random short deadlines on a full one, the reader process receives exactly the puts that
     returned, in order."""
     rnd = random.Random(11)
@@ -315,7 +321,9 @@ async def test_a_put_is_either_published_or_cancelled(anyio_backend: Backend) ->
                 result = await reader.recv("events")
                 assert result["events"] == [*[("msg", i) for i in returned], ("end",)]
                 if capacity > count:
-                    assert returned == list(range(count))  # room for all: no put had to wait
+                    # Room for all: no put had to wait, so only the periodic yield (a checkpoint
+                    # before the publish) can be cancelled under an expired deadline.
+                    assert count - len(returned) <= count // 32
                 else:
                     assert 0 < len(returned) < count  # some waited and were cancelled
 

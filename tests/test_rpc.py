@@ -3,6 +3,7 @@ shared memory."""
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
 
@@ -18,6 +19,13 @@ from aiobroadcast import blocking
 WITHIN_S = 15.0
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @pytest.fixture
 def anyio_backend() -> Any:
     return ("asyncio", {"use_uvloop": False})
@@ -28,8 +36,8 @@ async def test_a_call_gets_every_reply_a_handlers_error_as_text_and_a_closed_wor
     async with ab.open_caller(workers=["a", "b", "c"], capacity=8, slot_bytes=1024) as caller:
         h = caller.handle.to_json()
         with (
-            spawn(worker_proc, h, "a", "blocking"),
-            spawn(worker_proc, h, "b", "async"),
+            spawn(worker_proc, h, "a", "blocking") as a,
+            spawn(worker_proc, h, "b", "async") as b,
             spawn(worker_proc, h, "c", "leaver") as c,
         ):
             got = await caller.call("x", timeout=WITHIN_S)
@@ -58,6 +66,11 @@ async def test_a_call_gets_every_reply_a_handlers_error_as_text_and_a_closed_wor
             again = await caller.call(1, timeout=WITHIN_S)
             assert again["c"].reason == "closed"  # type: ignore[union-attr]
             assert again["b"] == ab.Reply("b", ("b", 1))
+            # Waiting workers sleep: (nearly) no CPU while no call comes.
+            before = [cpu_s(a.pid), cpu_s(b.pid)]
+            await anyio.sleep(1.0)
+            used = [cpu_s(a.pid) - before[0], cpu_s(b.pid) - before[1]]
+            assert max(used) < 0.05, used
             s = caller.statistics()
             assert (s.calls, s.ready, s.ended) == (5, ("a", "b"), (("c", "closed"),))
             assert (s.late_replies, s.unknown_replies) == (0, 0)

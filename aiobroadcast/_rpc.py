@@ -171,6 +171,9 @@ class _Book:
         self.late = 0
         self.unknown = 0
         self.busy = False
+        #: The workers the current call's request went to, and why the others were left out.
+        self.expect: frozenset[str] = frozenset()
+        self.absent: dict[str, NoReply] = {}
 
     def absorb(self, d: object, current: int, got: dict[str, Reply[Any] | Failed]) -> None:
         if isinstance(d, Item):
@@ -179,9 +182,9 @@ class _Book:
                 self.unknown += 1
                 return
             cid, ok, payload = msg
-            if cid == _HELLO:
-                if src not in self.ended:
-                    self.ready.add(src)
+            if cid == _HELLO:  # a worker attached: the first time, or again after it ended
+                self.ended.pop(src, None)
+                self.ready.add(src)
             elif cid == current and src not in got:
                 if ok:
                     got[src] = Reply(src, payload)
@@ -202,13 +205,21 @@ class _Book:
     def unready(self) -> bool:
         return any(w not in self.ready and w not in self.ended for w in self.workers)
 
+    def sent(self) -> None:
+        """The request is out: wait for the workers attached now only (one that attaches again
+        meanwhile, after a restart, did not get it)."""
+        self.expect = frozenset(w for w in self.workers if w not in self.ended)
+        self.absent = dict(self.ended)
+
     def waiting(self, got: dict[str, Reply[Any] | Failed]) -> bool:
-        return any(w not in got and w not in self.ended for w in self.workers)
+        return any(w not in got and w not in self.ended for w in self.expect)
 
     def begin(self) -> int:
         if self.busy:
             raise BroadcastError("one call at a time: this caller is already in a call (from another thread?)")
         self.busy = True
+        self.expect = frozenset()
+        self.absent = {}
         cid = self.next_id
         self.next_id += 1
         return cid
@@ -221,6 +232,8 @@ class _Book:
                 out[w] = g
             elif w in self.ended:
                 out[w] = self.ended[w]
+            elif w in self.absent:
+                out[w] = self.absent[w]
             else:
                 out[w] = NoReply(w, "deadline", f"worker {w!r} did not answer within {timeout} s")
         return out
@@ -257,6 +270,7 @@ class Caller(Generic[Q, R]):
         self._book = _Book(workers)
         self._handle = PoolHandle(requests=writer.handle, replies=collector.handle, workers=workers)
         self._closed = False
+        self._turn = anyio.Lock()  # concurrent calls take turns
 
     @property
     def handle(self) -> PoolHandle:
@@ -272,25 +286,38 @@ class Caller(Generic[Q, R]):
         """Broadcast ``request`` to every worker and wait, at most ``timeout`` seconds in all, for
         each worker's answer (first, for workers not attached yet, to attach). Raises what
         ``Writer.put`` raises for the request (``SerializationError``, ``MessageTooLarge``:
-        nothing is sent) and ``ClosedResourceError`` after ``aclose``."""
+        nothing is sent) and ``ClosedResourceError`` after ``aclose``. Concurrent calls take turns
+        (the wait counts in the timeout). A worker that ended is not waited for."""
         _check_timeout(timeout)
+        deadline = anyio.current_time() + timeout
+        with anyio.CancelScope(deadline=deadline) as scope:
+            await self._turn.acquire()
+        if scope.cancelled_caught:  # another call held the turn past this one's deadline
+            return self._book.result({}, timeout)
+        try:
+            return await self._call(request, deadline, timeout)
+        finally:
+            self._turn.release()
+
+    async def _call(self, request: Q, deadline: float, limit: float) -> dict[str, Outcome[R]]:
         if self._closed:
             raise ClosedResourceError("this caller is closed")
         book = self._book
         got: dict[str, Reply[Any] | Failed] = {}
         cid = book.begin()
         try:
-            with anyio.move_on_after(timeout):
+            with anyio.CancelScope(deadline=deadline):
                 while book.unready():
                     if not await self._absorb(cid, got):
                         break
                 await self._w.put((cid, request))
+                book.sent()
                 while book.waiting(got):
                     if not await self._absorb(cid, got):
                         break
         finally:
             book.busy = False
-        return book.result(got, timeout)
+        return book.result(got, limit)
 
     async def _absorb(self, cid: int, got: dict[str, Reply[Any] | Failed]) -> bool:
         try:
@@ -574,7 +601,7 @@ class BlockingCaller(Generic[Q, R]):
         return self._book.workers
 
     def call(self, request: Q, *, timeout: float) -> dict[str, Outcome[R]]:
-        """As ``Caller.call``; calls from several threads take turns."""
+        """As ``Caller.call``; calls from several threads take turns (the wait counts in the timeout)."""
         from time import monotonic
 
         from ._exceptions import WaitTimeout
@@ -595,6 +622,7 @@ class BlockingCaller(Generic[Q, R]):
                     self._w.put((cid, request), max(0.0, deadline - monotonic()))
                 except WaitTimeout:
                     return book.result(got, timeout)
+                book.sent()
                 while book.waiting(got):
                     if not self._absorb(cid, got, deadline):
                         break

@@ -43,6 +43,16 @@ async def test_a_call_gets_every_reply_a_handlers_error_as_text_and_a_closed_wor
             got = await caller.call("x", timeout=WITHIN_S)
             assert got == {w: ab.Reply(w, (w, "x")) for w in "abc"}
             assert [r.unwrap() for r in got.values()] == [("a", "x"), ("b", "x"), ("c", "x")]
+            # Concurrent calls take turns, each gets its own answers.
+            both: dict[str, Any] = {}
+
+            async def one(v: str) -> None:
+                both[v] = await caller.call(v, timeout=WITHIN_S)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, "x1")
+                tg.start_soon(one, "x2")
+            assert both == {v: {w: ab.Reply(w, (w, v)) for w in "abc"} for v in ("x1", "x2")}
             failed = await caller.call("boom", timeout=WITHIN_S)
             assert failed["a"] == ab.Failed("a", "ValueError", "a cannot do 42")
             assert failed["b"] == ab.Failed("b", "ValueError", "b cannot do 42")
@@ -72,7 +82,7 @@ async def test_a_call_gets_every_reply_a_handlers_error_as_text_and_a_closed_wor
             used = [cpu_s(a.pid) - before[0], cpu_s(b.pid) - before[1]]
             assert max(used) < 0.05, used
             s = caller.statistics()
-            assert (s.calls, s.ready, s.ended) == (5, ("a", "b"), (("c", "closed"),))
+            assert (s.calls, s.ready, s.ended) == (7, ("a", "b"), (("c", "closed"),))
             assert (s.late_replies, s.unknown_replies) == (0, 0)
 
 

@@ -14,11 +14,13 @@ from ._exceptions import InsufficientSharedMemory as InsufficientSharedMemory
 from ._exceptions import InvalidArgument as InvalidArgument
 from ._exceptions import InvalidHandle as InvalidHandle
 from ._exceptions import MessageTooLarge as MessageTooLarge
+from ._exceptions import NoReplyError as NoReplyError
 from ._exceptions import ReaderLagged as ReaderLagged
 from ._exceptions import SerializationError as SerializationError
 from ._exceptions import TooManyReaders as TooManyReaders
 from ._exceptions import TransportError as TransportError
 from ._exceptions import WaitTimeout as WaitTimeout
+from ._exceptions import WorkerError as WorkerError
 from ._exceptions import WouldBlock as WouldBlock
 from ._exceptions import WriterGone as WriterGone
 from ._fanin import Collector as Collector
@@ -39,6 +41,17 @@ from ._open import open_reader as open_reader
 from ._open import open_writer as open_writer
 from ._reader import Reader as Reader
 from ._relay import relay as relay
+from ._rpc import Caller as Caller
+from ._rpc import CallerStatistics as CallerStatistics
+from ._rpc import Failed as Failed
+from ._rpc import NoReply as NoReply
+from ._rpc import Outcome as Outcome
+from ._rpc import PoolHandle as PoolHandle
+from ._rpc import Reply as Reply
+from ._rpc import Request as Request
+from ._rpc import Worker as Worker
+from ._rpc import open_caller as open_caller
+from ._rpc import open_worker as open_worker
 from ._shm.segment import sweep_stale as sweep_stale
 from ._stats import ReaderInfo as ReaderInfo
 from ._stats import ReaderStatistics as ReaderStatistics
@@ -47,6 +60,8 @@ from ._writer import Writer as Writer
 
 __all__ = [
     "BroadcastError",
+    "Caller",
+    "CallerStatistics",
     "ClosedResourceError",
     "Collector",
     "CollectorGone",
@@ -56,16 +71,23 @@ __all__ = [
     "Delivery",
     "DeserializationError",
     "EndOfStream",
+    "Failed",
     "Handle",
     "InsufficientSharedMemory",
     "InvalidArgument",
     "InvalidHandle",
     "Item",
     "MessageTooLarge",
+    "NoReply",
+    "NoReplyError",
+    "Outcome",
+    "PoolHandle",
     "Reader",
     "ReaderInfo",
     "ReaderLagged",
     "ReaderStatistics",
+    "Reply",
+    "Request",
     "Sender",
     "SenderInfo",
     "SerializationError",
@@ -75,13 +97,17 @@ __all__ = [
     "TooManyReaders",
     "TransportError",
     "WaitTimeout",
+    "Worker",
+    "WorkerError",
     "WouldBlock",
     "Writer",
     "WriterGone",
     "WriterStatistics",
+    "open_caller",
     "open_collector",
     "open_reader",
     "open_sender",
+    "open_worker",
     "open_writer",
     "relay",
     "sweep_stale",

@@ -62,6 +62,29 @@ class CollectorGone(BroadcastError):
         )
 
 
+class WorkerError(BroadcastError):
+    """A pool worker's handler raised while answering a call (``Failed.unwrap()``). Carries the
+    worker's name and the exception's type name and message, as text: the foreign exception is
+    never unpickled or re-raised in the caller."""
+
+    def __init__(self, worker: str, type_name: str, message: str) -> None:
+        self.worker = worker
+        self.type_name = type_name
+        self.message = message
+        super().__init__(f"worker {worker!r} raised {type_name}: {message}")
+
+
+class NoReplyError(BroadcastError):
+    """A pool worker gave no reply to a call (``NoReply.unwrap()``): ``reason`` is ``"dead"``
+    (its process died), ``"closed"`` (it left the pool) or ``"deadline"`` (the call's timeout
+    passed first)."""
+
+    def __init__(self, worker: str, reason: str, detail: str) -> None:
+        self.worker = worker
+        self.reason = reason
+        super().__init__(detail)
+
+
 class ReaderLagged(BroadcastError):
     """Raised once by ``Reader.get`` under policy ``"lag"`` when the writer overwrote
     messages this reader had not read yet. ``missed`` says how many; the next ``get``

@@ -69,13 +69,18 @@ from ._shm.wake import poll_blocking, wait_readable
 from ._stats import ReaderStatistics, WriterStatistics
 
 __all__ = [
+    "BlockingCaller",
     "BlockingCollector",
     "BlockingReader",
+    "BlockingRequest",
     "BlockingSender",
+    "BlockingWorker",
     "BlockingWriter",
+    "open_caller",
     "open_collector",
     "open_reader",
     "open_sender",
+    "open_worker",
     "open_writer",
 ]
 
@@ -581,3 +586,10 @@ from ._fanin_blocking import BlockingCollector as BlockingCollector  # noqa: E40
 from ._fanin_blocking import BlockingSender as BlockingSender  # noqa: E402
 from ._fanin_blocking import open_collector as open_collector  # noqa: E402
 from ._fanin_blocking import open_sender as open_sender  # noqa: E402
+
+# Request/reply over a pool of workers (docs/fan-in.md, "Calls").
+from ._rpc import BlockingCaller as BlockingCaller  # noqa: E402
+from ._rpc import BlockingRequest as BlockingRequest  # noqa: E402
+from ._rpc import BlockingWorker as BlockingWorker  # noqa: E402
+from ._rpc import open_blocking_caller as open_caller  # noqa: E402
+from ._rpc import open_blocking_worker as open_worker  # noqa: E402

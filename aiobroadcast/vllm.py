@@ -5,11 +5,12 @@ Change the import and keep the code::
     from aiobroadcast.vllm import MessageQueue
 
 The constructor (the writer), ``create_from_handle`` (a reader), ``create_from_process_group``,
-``export_handle``, ``wait_until_ready``, ``enqueue``, ``dequeue``, ``broadcast_object``,
-``shutdown`` and ``shutting_down`` behave as vLLM's, over ``aiobroadcast.blocking``: readers on
-the writer's node read its shared-memory ring and sleep on a socket instead of spinning; readers
-on other nodes come over TCP with CurveZMQ (authenticated and encrypted; nothing is unpickled
-before it is authenticated), not over a plain PUB socket.
+``create_from_process_group_single_reader`` (every rank a writer, one reader), ``export_handle``,
+``wait_until_ready``, ``enqueue``, ``dequeue``, ``broadcast_object``, ``shutdown`` and
+``shutting_down`` behave as vLLM's, over ``aiobroadcast.blocking``: readers on the writer's
+node read its shared-memory ring and sleep on a socket instead of spinning; readers on other
+nodes come over TCP with CurveZMQ (authenticated and encrypted; nothing is unpickled before it
+is authenticated), not over a plain PUB socket.
 
 What differs, on purpose:
 
@@ -149,6 +150,37 @@ class MessageQueue:
         if blocking:
             mq.wait_until_ready()
         return mq
+
+    @staticmethod
+    def create_from_process_group_single_reader(
+        pg: Any, max_chunk_bytes: int, max_chunks: int, reader_rank: int = 0, blocking: bool = False
+    ) -> tuple[MessageQueueWriter, list[Handle]]:
+        """Collective, as vLLM's: every rank of ``pg`` gets a queue it writes (one reader: rank
+        ``reader_rank``, over shared memory if on its node, else over TCP), and rank
+        ``reader_rank`` also gets every rank's handle, in rank order (the others get ``[]``); it
+        reads rank ``r``'s queue with ``MessageQueue.create_from_handle(handles[r], 0)``.
+        ``blocking``: also ``wait_until_ready()`` (on a rank other than the reader: the reader
+        must attach meanwhile). For a fan-in without a process group, see
+        ``aiobroadcast.blocking.open_collector``."""
+        group = _Group(pg)
+        same_node = _same_node(group, reader_rank)
+        mine: Handle | str
+        try:
+            mq = MessageQueueWriter(1, 1 if same_node[group.rank] else 0, None, max_chunk_bytes, max_chunks)
+        except BaseException as exc:
+            group.gather(f"rank {group.rank}: {type(exc).__name__}: {exc}", reader_rank)  # the reader fails too
+            raise
+        mine = mq.export_handle()
+        handles = group.gather(mine, reader_rank)
+        if group.rank != reader_rank:
+            handles = []
+        bad = [h for h in handles if not isinstance(h, Handle)]
+        if bad:
+            mq.close()
+            raise BroadcastError(f"a rank could not make its message queue: {bad[0]}")
+        if blocking:
+            mq.wait_until_ready()
+        return mq, handles
 
     def wait_until_ready(self) -> None:
         """Collective, as vLLM's: the writer returns once every reader is attached; a reader is
@@ -370,6 +402,8 @@ class _Group:
 
     def __init__(self, pg: Any) -> None:
         self.broadcast: Callable[[Any, int], Any]
+        #: Every rank's ``obj`` at rank ``dst``, in rank order (what the other ranks get: unspecified).
+        self.gather: Callable[[Any, int], list[Any]]
         if type(pg).__module__.split(".")[0] == "torch":
             import torch.distributed as dist
 
@@ -383,11 +417,23 @@ class _Group:
                 return box[0]
 
             self.broadcast = broadcast
+
+            def gather(obj: Any, dst: int) -> list[Any]:
+                out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
+                dist.gather_object(obj, out, dst=ranks[dst], group=pg)
+                return out or []
+
+            self.gather = gather
         else:
             group: _GroupLike = pg
             self.rank = group.rank
             self.world_size = group.world_size
             self.broadcast = group.broadcast_obj
+
+            def gather_by_broadcast(obj: Any, dst: int) -> list[Any]:
+                return [self.broadcast(obj if r == self.rank else None, r) for r in range(self.world_size)]
+
+            self.gather = gather_by_broadcast
 
 
 def _same_node(group: _Group, writer_rank: int) -> list[bool]:

@@ -342,3 +342,14 @@ def test_gather_cell_json(api: tuple[str, ...]) -> None:
     assert obj["api"] == ("blocking" if api else "async")
     wrong = bench("--mode", "tput", "--senders", "2", "--size", "64", "--count", "10")
     assert wrong.returncode == 2 and "--senders" in wrong.stderr
+
+
+def test_call_cell_json() -> None:
+    """``--mode call``: one caller, N worker processes, a call every ms; the fields sitting.sh reads."""
+    (obj,) = objects(bench("--mode", "call", "--readers", "2", "--size", "64", "--count", "200", "--json"))
+    assert (obj["mode"], obj["readers"], obj["size"], obj["count"], obj["api"]) == ("call", 2, 64, 200, "async")
+    assert obj["received"] == [200] and obj["in_order"] is True and "FAILED" not in obj
+    assert 0 < obj["p50_us"] <= obj["p99_us"]
+    assert len(obj["reader_cpu_s"]) == 2
+    wrong = bench("--mode", "call", "--transport", "tcp", "--size", "64", "--count", "10")
+    assert wrong.returncode == 2 and "--mode call runs over shared memory" in wrong.stderr

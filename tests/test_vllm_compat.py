@@ -176,6 +176,54 @@ def test_shm_broadcast() -> None:
     distributed_run(worker_fn, 4)
 
 
+# --- create_from_process_group_single_reader (vLLM 0.33's signature and return shape) ------------
+@worker_fn_wrapper
+def single_reader_fn() -> None:
+    """Every rank writes its own queue; rank 1 gets every rank's handle and reads them all, in
+    rank order, over a torch group and a StatelessProcessGroup. The writers wait for the reader
+    (``blocking=True``); the reader does not (it must attach first)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0:
+        port = get_open_port()
+        dist.broadcast_object_list([port], src=0)
+    else:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        port = box[0]
+    stateless_pg = StatelessProcessGroup.create("127.0.0.1", port, rank, world)
+    reader_rank = 1
+    for pg in [dist.group.WORLD, stateless_pg]:
+        mq, handles = MessageQueue.create_from_process_group_single_reader(
+            pg, 1 << 16, 4, reader_rank=reader_rank, blocking=rank != reader_rank
+        )
+        assert isinstance(mq, MessageQueueWriter)
+        if rank != reader_rank:
+            assert handles == []
+            for i in range(100):
+                mq.enqueue((rank, i))
+        else:
+            assert len(handles) == world and all(h.n_reader == h.n_local_reader == 1 for h in handles)
+            readers = [MessageQueue.create_from_handle(h, 0) for h in handles]
+            for i in range(100):
+                mq.enqueue((rank, i))
+                assert [q.dequeue(timeout=30) for q in readers] == [(r, i) for r in range(world)]
+            with pytest.raises(AttributeError, match="no dequeue"):
+                mq.dequeue()  # type: ignore[attr-defined]
+            for q in readers:
+                q.close()
+        mq.close()
+        if pg == dist.group.WORLD:
+            dist.barrier()
+        else:
+            pg.barrier()
+    print(f"single reader passed: rank {rank}")
+
+
+@needs_torch
+def test_create_from_process_group_single_reader_gives_the_reader_every_ranks_queue() -> None:
+    distributed_run(single_reader_fn, 3)
+
+
 @worker_fn_wrapper
 def worker_fn_test_shutdown_busy() -> None:
     rank = dist.get_rank()

@@ -63,9 +63,13 @@ PROTOCOL_CELLS = (
 
 #: Modes of the other direction, many to one (``Cell.readers`` counts senders there).
 MANY_TO_ONE = ("gather",)
+#: Request/reply: one caller, ``Cell.readers`` worker processes (open_caller/open_worker).
+CALL = "call"
 
 
 def default_count(mode: str, size: int) -> int:
+    if mode == CALL:
+        return 2000
     if mode == "gather":
         return 50000 if size <= 1024 else 5000
     if mode == "lat":
@@ -103,9 +107,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
     """The options of ``bench`` (``benchmarks/side_by_side.py`` takes them too)."""
     p.add_argument(
         "--mode",
-        choices=(*MODES, *MANY_TO_ONE),
+        choices=(*MODES, *MANY_TO_ONE, CALL),
         help="only cells of this mode; gather: --senders processes send to one collector (open_sender, "
-        "open_collector), as fast as they go",
+        "open_collector), as fast as they go; call: one caller calls --readers workers (open_caller, "
+        "open_worker), a call every ms",
     )
     p.add_argument("--readers", type=int, help="only cells with this many reader processes")
     p.add_argument("--senders", type=int, help="with --mode gather: sender processes (default 4)")
@@ -173,6 +178,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
 
 
 def select_cells(args: argparse.Namespace) -> list[Cell]:
+    if args.mode == CALL:
+        size = 64 if args.size is None else args.size
+        return [Cell(CALL, args.readers or 4, size, args.count or default_count(CALL, size))]
     if args.mode in MANY_TO_ONE:
         senders = args.senders or args.readers or 4
         size = 64 if args.size is None else args.size
@@ -217,8 +225,9 @@ def our_command(cell: Cell, args: argparse.Namespace) -> tuple[list[str], dict[s
     """The driver command of one aiobroadcast run, and its environment."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
-    if cell.mode == "gather":
-        cmd = [sys.executable, "-m", "aiobroadcast.cli._bench_gather", str(cell.readers), str(cell.size)]
+    if cell.mode in ("gather", CALL):
+        driver = "aiobroadcast.cli._bench_gather" if cell.mode == "gather" else "aiobroadcast.cli._bench_call"
+        cmd = [sys.executable, "-m", driver, str(cell.readers), str(cell.size)]
         cmd += [str(cell.count), "--loop", args.loop]
         if args.capacity:
             cmd += ["--capacity", str(args.capacity)]
@@ -324,6 +333,7 @@ PER_RUN = frozenset(
         "p50_us",
         "p99_us",
         "idle_s",
+        "reader_cpu_s",
         "reader_cpu_s_while_idle",
         "wake_latency_us",
     }
@@ -351,7 +361,9 @@ def aggregate(cell: Cell, system: str, runs: list[dict[str, Any]]) -> dict[str, 
         out["msgs_per_s"] = round(_med([r["msgs_per_s"] for r in runs]))
         out["MB_per_s"] = round(_med([r["MB_per_s"] for r in runs]), 1)
         out["samples_msgs_per_s"] = [r["msgs_per_s"] for r in runs]
-    elif cell.mode == "lat":
+    elif cell.mode in ("lat", CALL):
+        if cell.mode == CALL:
+            out["reader_cpu_s"] = [round(_med(col), 3) for col in zip(*[r["reader_cpu_s"] for r in runs], strict=True)]
         out["p50_us"] = round(_med([r["p50_us"] for r in runs]), 1)
         out["p99_us"] = round(_med([r["p99_us"] for r in runs]), 1)
         out["samples_p50_us"] = [r["p50_us"] for r in runs]
@@ -373,7 +385,7 @@ def figures_of(agg: dict[str, Any]) -> list[tuple[str, float]]:
     """The headline figures of one aggregate: (name, value) rows of the table."""
     if agg["mode"] in ("tput", "gather"):
         return [("msgs/s", agg["msgs_per_s"]), ("MB/s", agg["MB_per_s"])]
-    if agg["mode"] == "lat":
+    if agg["mode"] in ("lat", CALL):
         return [("p50 us", agg["p50_us"]), ("p99 us", agg["p99_us"])]
     return [
         ("idle CPU s (worst reader's median)", agg["reader_cpu_s_while_idle_max"]),
@@ -456,7 +468,7 @@ class _Progress:
 def _headline(cell: Cell, res: dict[str, Any]) -> str:
     if cell.mode in ("tput", "gather"):
         return f"{res['msgs_per_s']:,} msgs/s {res['MB_per_s']} MB/s"
-    if cell.mode == "lat":
+    if cell.mode in ("lat", CALL):
         return f"p50 {res['p50_us']} us p99 {res['p99_us']} us"
     return f"idle CPU {res['reader_cpu_s_while_idle']} s, wake {res['wake_latency_us']} us"
 
@@ -467,8 +479,8 @@ def check(args: argparse.Namespace) -> str | None:
         return "--repeat must be at least 1"
     if args.senders is not None and (args.senders < 1 or args.mode not in MANY_TO_ONE):
         return "--senders must be at least 1, and is for --mode gather only"
-    if args.mode in MANY_TO_ONE and (args.transport != "shm" or args.zero_copy or args.spin_us is not None):
-        return "--mode gather runs over shared memory, without --zero-copy or --spin-us"
+    if args.mode in (*MANY_TO_ONE, CALL) and (args.transport != "shm" or args.zero_copy or args.spin_us is not None):
+        return f"--mode {args.mode} runs over shared memory, without --zero-copy or --spin-us"
     if (
         (args.readers is not None and args.readers < 1)
         or (args.size is not None and args.size < 0)

@@ -1,0 +1,837 @@
+"""Request/reply over a pool of named workers (docs/fan-in.md, "Calls"): a broadcast channel
+carries each request to every worker, a fan-in collector brings their replies back.
+
+On the wire a request is ``(call_id, obj)``; a reply ``(call_id, True, value)`` or, when the
+handler raised, ``(call_id, False, (type_name, message))``; a worker's first item,
+``(0, True, pid)``, says its reader is attached (a request broadcast after it reaches it).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterable
+from dataclasses import dataclass
+from inspect import isawaitable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, NoReturn, TypeVar, final
+
+import anyio
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from ._exceptions import (
+    BroadcastError,
+    ClosedResourceError,
+    CollectorGone,
+    EndOfStream,
+    InvalidArgument,
+    InvalidHandle,
+    NoReplyError,
+    WorkerError,
+)
+from ._fanin import (
+    Collector,
+    CollectorHandle,
+    Item,
+    Sender,
+    SourceClosed,
+    SourceGone,
+    _looks_like_channel,
+    _name_problem,
+    open_collector,
+    open_sender,
+)
+from ._handle import Handle, _first_problem, handle_kind
+from ._open import DEFAULT_DIRECTORY, _Opening, open_reader, open_writer
+from ._reader import Reader
+from ._writer import Writer
+
+Q = TypeVar("Q")  #: what a call sends
+R = TypeVar("R")  #: what a worker answers
+R_co = TypeVar("R_co", covariant=True)
+
+_private = object()
+_HELLO = 0
+
+
+# --- what a call returns, per worker ---------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Reply(Generic[R_co]):
+    """The worker ``worker`` answered ``value``."""
+
+    worker: str
+    value: R_co
+
+    def unwrap(self) -> R_co:
+        return self.value
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """The worker's handler raised ``type_name: message`` (text only: nothing foreign is
+    unpickled or raised here). ``unwrap()`` raises ``WorkerError``."""
+
+    worker: str
+    type_name: str
+    message: str
+
+    def unwrap(self) -> NoReturn:
+        raise WorkerError(self.worker, self.type_name, self.message)
+
+
+@dataclass(frozen=True, slots=True)
+class NoReply:
+    """No answer from ``worker``: ``reason`` is ``"dead"`` (its process died), ``"closed"`` (it
+    left the pool) or ``"deadline"`` (the call's timeout passed first). ``unwrap()`` raises
+    ``NoReplyError``."""
+
+    worker: str
+    reason: Literal["dead", "closed", "deadline"]
+    detail: str
+
+    def unwrap(self) -> NoReturn:
+        raise NoReplyError(self.worker, self.reason, self.detail)
+
+
+#: One worker's outcome of a call.
+Outcome = Reply[R_co] | Failed | NoReply
+
+
+class CallerStatistics(NamedTuple):
+    calls: int  #: calls made
+    ready: tuple[str, ...]  #: workers attached and not ended
+    ended: tuple[tuple[str, str], ...]  #: (worker, "dead" | "closed")
+    late_replies: int  #: replies to an earlier call that arrived after it returned: dropped
+    unknown_replies: int  #: items with an id no call issued, or not a reply at all: dropped
+
+
+# --- the handle -------------------------------------------------------------------------------------
+class PoolHandle(BaseModel):
+    """Names a pool: its request channel, its reply collector and its workers' names. Frozen,
+    picklable, JSON round-trips. Pass it to ``open_worker``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    kind: Literal["pool"] = "pool"
+    requests: Handle
+    replies: CollectorHandle
+    workers: tuple[str, ...]
+
+    def to_json(self) -> str:
+        return self.model_dump_json()
+
+    @classmethod
+    def parse(cls, data: str | bytes | dict[str, Any] | PoolHandle | Handle | CollectorHandle) -> PoolHandle:
+        if isinstance(data, PoolHandle):
+            return data
+        if isinstance(data, Handle | CollectorHandle) or (
+            handle_kind(data) != "pool" and (handle_kind(data) == "collector" or _looks_like_channel(data))
+        ):
+            raise InvalidHandle(
+                "this is a broadcast channel's or a collector's handle, not a pool's: open_worker takes "
+                "caller.handle (made by open_caller)"
+            )
+        try:
+            if isinstance(data, dict):
+                return cls.model_validate(data)
+            return cls.model_validate_json(data)
+        except ValidationError as exc:
+            raise InvalidHandle(f"not an aiobroadcast pool handle: {_first_problem(exc)}") from exc
+
+
+def _check_workers(workers: Iterable[str]) -> tuple[str, ...]:
+    if isinstance(workers, str):
+        raise InvalidArgument("workers must be a collection of worker names, not one string")
+    names = tuple(workers)
+    if not names:
+        raise InvalidArgument("workers must name at least one worker")
+    for n in names:
+        problem = _name_problem(n)
+        if problem is not None:
+            raise InvalidArgument(problem)
+    if len(set(names)) != len(names):
+        raise InvalidArgument(f"worker names must be unique: {names}")
+    return names
+
+
+def _check_timeout(timeout: float) -> None:
+    if not timeout >= 0:
+        raise InvalidArgument(f"timeout must be a number of seconds >= 0, not {timeout!r}")
+
+
+# --- the bookkeeping both callers share -----------------------------------------------------------------
+class _Book:
+    """Who is ready, who ended, which call is current; sorts every delivery (no I/O)."""
+
+    def __init__(self, workers: tuple[str, ...]) -> None:
+        self.workers = workers
+        self.ready: set[str] = set()
+        self.ended: dict[str, NoReply] = {}
+        self.next_id = 1
+        self.late = 0
+        self.unknown = 0
+        self.busy = False
+        #: The workers the current call's request went to, and why the others were left out.
+        self.expect: frozenset[str] = frozenset()
+        self.absent: dict[str, NoReply] = {}
+
+    def absorb(self, d: object, current: int, got: dict[str, Reply[Any] | Failed]) -> None:
+        if isinstance(d, Item):
+            src, msg = d.source, d.value
+            if src not in self.workers or type(msg) is not tuple or len(msg) != 3 or type(msg[0]) is not int:
+                self.unknown += 1
+                return
+            cid, ok, payload = msg
+            if cid == _HELLO:  # a worker attached: the first time, or again after it ended
+                self.ended.pop(src, None)
+                self.ready.add(src)
+            elif cid == current and src not in got:
+                if ok:
+                    got[src] = Reply(src, payload)
+                else:
+                    type_name, message = payload
+                    got[src] = Failed(src, str(type_name), str(message))
+            elif 0 < cid < self.next_id:
+                self.late += 1
+            else:
+                self.unknown += 1
+        elif isinstance(d, SourceClosed):
+            self.ready.discard(d.source)
+            self.ended[d.source] = NoReply(d.source, "closed", f"worker {d.source!r} closed")
+        elif isinstance(d, SourceGone):
+            self.ready.discard(d.source)
+            self.ended[d.source] = NoReply(d.source, "dead", f"worker {d.source!r} (pid {d.pid}) died")
+
+    def unready(self) -> bool:
+        return any(w not in self.ready and w not in self.ended for w in self.workers)
+
+    def sent(self) -> None:
+        """The request is out: wait for the workers attached now only (one that attaches again
+        meanwhile, after a restart, did not get it)."""
+        self.expect = frozenset(w for w in self.workers if w not in self.ended)
+        self.absent = dict(self.ended)
+
+    def waiting(self, got: dict[str, Reply[Any] | Failed]) -> bool:
+        return any(w not in got and w not in self.ended for w in self.expect)
+
+    def begin(self) -> int:
+        if self.busy:
+            raise BroadcastError("one call at a time: this caller is already in a call (from another thread?)")
+        self.busy = True
+        self.expect = frozenset()
+        self.absent = {}
+        cid = self.next_id
+        self.next_id += 1
+        return cid
+
+    def result(self, got: dict[str, Reply[Any] | Failed], timeout: float) -> dict[str, Outcome[Any]]:
+        out: dict[str, Outcome[Any]] = {}
+        for w in self.workers:
+            g = got.get(w)
+            if g is not None:
+                out[w] = g
+            elif w in self.ended:
+                out[w] = self.ended[w]
+            elif w in self.absent:
+                out[w] = self.absent[w]
+            else:
+                out[w] = NoReply(w, "deadline", f"worker {w!r} did not answer within {timeout} s")
+        return out
+
+    def statistics(self) -> CallerStatistics:
+        return CallerStatistics(
+            self.next_id - 1,
+            tuple(w for w in self.workers if w in self.ready),
+            tuple((w, e.reason) for w, e in self.ended.items()),
+            self.late,
+            self.unknown,
+        )
+
+
+def _error_reply(cid: int, exc: BaseException) -> tuple[int, bool, tuple[str, str]]:
+    return (cid, False, (type(exc).__name__, str(exc)))
+
+
+# --- the caller (async) ------------------------------------------------------------------------------
+@final
+class Caller(Generic[Q, R]):
+    """Calls every worker of a pool and gathers their answers. Built by ``open_caller``.
+
+    ``await caller.call(request, timeout=5)`` returns ``{worker: Reply | Failed | NoReply}`` in
+    the order the workers were named. Replies are matched by call id: one that comes after its
+    call returned is dropped (``statistics().late_replies``), never returned by a later call.
+    """
+
+    def __init__(self, token: object, writer: Writer[Any], collector: Collector[Any], workers: tuple[str, ...]) -> None:
+        if token is not _private:
+            raise TypeError("Caller cannot be built directly; use aiobroadcast.open_caller()")
+        self._w = writer
+        self._c = collector
+        self._book = _Book(workers)
+        self._handle = PoolHandle(requests=writer.handle, replies=collector.handle, workers=workers)
+        self._closed = False
+        self._turn = anyio.Lock()  # concurrent calls take turns
+
+    @property
+    def handle(self) -> PoolHandle:
+        """What a worker needs: pass it (or its JSON) to ``open_worker`` with one of the names."""
+        return self._handle
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        return self._book.workers
+
+    # The deadline is part of the answer (a NoReply per late worker), not a cancellation.
+    async def call(self, request: Q, *, timeout: float) -> dict[str, Outcome[R]]:  # noqa: ASYNC109
+        """Broadcast ``request`` to every worker and wait, at most ``timeout`` seconds in all, for
+        each worker's answer (first, for workers not attached yet, to attach). Raises what
+        ``Writer.put`` raises for the request (``SerializationError``, ``MessageTooLarge``:
+        nothing is sent) and ``ClosedResourceError`` after ``aclose``. Concurrent calls take turns
+        (the wait counts in the timeout). A worker that ended is not waited for."""
+        _check_timeout(timeout)
+        deadline = anyio.current_time() + timeout
+        with anyio.CancelScope(deadline=deadline) as scope:
+            await self._turn.acquire()
+        if scope.cancelled_caught:  # another call held the turn past this one's deadline
+            return self._book.result({}, timeout)
+        try:
+            return await self._call(request, deadline, timeout)
+        finally:
+            self._turn.release()
+
+    async def _call(self, request: Q, deadline: float, limit: float) -> dict[str, Outcome[R]]:
+        if self._closed:
+            raise ClosedResourceError("this caller is closed")
+        book = self._book
+        got: dict[str, Reply[Any] | Failed] = {}
+        cid = book.begin()
+        try:
+            with anyio.CancelScope(deadline=deadline):
+                while book.unready():
+                    if not await self._absorb(cid, got):
+                        break
+                await self._w.put((cid, request))
+                book.sent()
+                while book.waiting(got):
+                    if not await self._absorb(cid, got):
+                        break
+        finally:
+            book.busy = False
+        return book.result(got, limit)
+
+    async def _absorb(self, cid: int, got: dict[str, Reply[Any] | Failed]) -> bool:
+        try:
+            d = await self._c.get()
+        except EndOfStream:
+            return False  # every worker ended
+        self._book.absorb(d, cid, got)
+        return True
+
+    def statistics(self) -> CallerStatistics:
+        return self._book.statistics()
+
+    async def aclose(self) -> None:
+        """Close: workers' iteration ends after the requests already sent; their replies are not
+        awaited."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._w.aclose()
+        finally:
+            await self._c.aclose()
+
+    async def __aenter__(self) -> Caller[Q, R]:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        s = self._book.statistics()
+        return f"<aiobroadcast.Caller workers={len(self.workers)} ready={len(s.ready)} calls={s.calls}>"
+
+    def __reduce__(self) -> NoReturn:
+        raise BroadcastError("a Caller cannot be pickled: send caller.handle and open_worker there")
+
+    if not TYPE_CHECKING:
+
+        @property
+        def serve(self) -> NoReturn:
+            raise AttributeError(
+                "a Caller has no serve(): workers serve, each in its own role: "
+                "open_worker(caller.handle, name=...).serve(handler)"
+            )
+
+
+# --- the worker (async) -------------------------------------------------------------------------------
+@final
+class Request(Generic[Q, R]):
+    """One call as a worker receives it: ``value``, answered once with ``reply`` or ``fail``."""
+
+    __slots__ = ("_answered", "_sender", "id", "value")
+
+    def __init__(self, sender: Sender[Any], cid: int, value: Q) -> None:
+        self._sender = sender
+        self._answered = False
+        self.id = cid
+        self.value = value
+
+    def _once(self) -> None:
+        if self._answered:
+            raise InvalidArgument(f"request {self.id} was already answered: one reply per request")
+        self._answered = True
+
+    async def reply(self, value: R) -> None:
+        """Answer the call with ``value``. Raises ``InvalidArgument`` the second time, what
+        ``Sender.put`` raises (``SerializationError``, ``CollectorGone``)."""
+        self._once()
+        try:
+            await self._sender.put((self.id, True, value))
+        except BaseException:
+            self._answered = False  # not sent: it may still be answered (with fail, say)
+            raise
+
+    async def fail(self, exc: BaseException) -> None:
+        """Answer the call with an error: the caller gets ``Failed(worker, type name, message)``."""
+        self._once()
+        await self._sender.put(_error_reply(self.id, exc))
+
+
+@final
+class Worker(Generic[Q, R]):
+    """One named worker of a pool. Built by ``open_worker``; has no ``call``.
+
+    ``async for request in worker: await request.reply(answer)``, or ``await
+    worker.serve(handler)``. Iteration ends when the caller closes the pool (after the requests
+    it sent); a dead caller raises ``WriterGone``."""
+
+    def __init__(self, token: object, reader: Reader[Any], sender: Sender[Any], name: str) -> None:
+        if token is not _private:
+            raise TypeError("Worker cannot be built directly; use aiobroadcast.open_worker()")
+        self._r = reader
+        self._s = sender
+        self._name = name
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def __aiter__(self) -> Worker[Q, R]:
+        return self
+
+    async def __anext__(self) -> Request[Q, R]:
+        try:
+            cid, value = await self._r.get()
+        except (EndOfStream, ClosedResourceError):
+            raise StopAsyncIteration from None
+        return Request(self._s, cid, value)
+
+    async def serve(self, handler: Any) -> int:
+        """Answer every request with ``handler(value)`` (a function or a coroutine function) until
+        the caller closes the pool; an exception the handler raises becomes that call's ``Failed``
+        and the loop goes on. Returns the number of requests served. A reply that cannot be sent
+        (unpicklable, too large) is answered as ``Failed`` with that error."""
+        served = 0
+        async for request in self:
+            try:
+                answer = handler(request.value)
+                if isawaitable(answer):
+                    answer = await answer
+            except Exception as exc:
+                await request.fail(exc)
+            else:
+                try:
+                    await request.reply(answer)
+                except CollectorGone:
+                    raise
+                except BroadcastError as exc:
+                    await request.fail(exc)
+            served += 1
+        return served
+
+    async def aclose(self) -> None:
+        """Leave the pool: the caller's calls report this worker ``NoReply("closed")``."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            await self._s.aclose()
+        finally:
+            await self._r.aclose()
+
+    async def __aenter__(self) -> Worker[Q, R]:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<aiobroadcast.Worker {self._name!r}>"
+
+    def __reduce__(self) -> NoReturn:
+        raise BroadcastError("a Worker cannot be pickled: send the pool's handle and open_worker there")
+
+    if not TYPE_CHECKING:
+
+        @property
+        def call(self) -> NoReturn:
+            raise AttributeError(
+                "a Worker has no call(): only the caller calls (open_caller(workers=...).call(request)); "
+                "a worker answers requests: async for request in worker: await request.reply(...)"
+            )
+
+
+# --- opening ----------------------------------------------------------------------------------------
+class _PoolSpec:
+    """``open_caller``'s arguments, checked; shared by the async and blocking factories."""
+
+    def __init__(
+        self,
+        workers: Iterable[str],
+        capacity: int,
+        slot_bytes: int,
+        max_request_bytes: int | None,
+        max_reply_bytes: int | None,
+        directory: str,
+    ) -> None:
+        self.workers = _check_workers(workers)
+        self.capacity = capacity
+        self.slot_bytes = slot_bytes
+        self.max_request_bytes = max_request_bytes
+        self.max_reply_bytes = max_reply_bytes
+        self.directory = directory
+
+
+def open_caller(
+    *,
+    workers: Iterable[str],
+    capacity: int = 64,
+    slot_bytes: int = 1 << 16,
+    max_request_bytes: int | None = None,
+    max_reply_bytes: int | None = None,
+    directory: str = DEFAULT_DIRECTORY,
+) -> _Opening[Caller[Any, Any]]:
+    """Create a pool of the named ``workers`` (unique names, as a fan-in's senders) and return its
+    caller. Start the workers with ``caller.handle``; ``call`` waits (within its timeout) for
+    those not attached yet. ``capacity``/``slot_bytes``: the request ring and each worker's reply
+    ring. ``max_request_bytes``/``max_reply_bytes``: size limits (``MessageTooLarge``)."""
+    spec = _PoolSpec(workers, capacity, slot_bytes, max_request_bytes, max_reply_bytes, directory)
+
+    async def make() -> Caller[Any, Any]:
+        writer = await open_writer(
+            capacity=spec.capacity,
+            slot_bytes=spec.slot_bytes,
+            max_readers=len(spec.workers),
+            max_message_bytes=spec.max_request_bytes,
+            directory=spec.directory,
+        )
+        try:
+            collector = await open_collector(
+                expect=spec.workers,
+                capacity=spec.capacity,
+                slot_bytes=spec.slot_bytes,
+                max_message_bytes=spec.max_reply_bytes,
+                directory=spec.directory,
+            )
+        except BaseException:
+            await writer.aclose()
+            raise
+        return Caller(_private, writer, collector, spec.workers)
+
+    return _Opening(make)
+
+
+def _worker_start(handle: object, name: str) -> PoolHandle:
+    h = PoolHandle.parse(handle)  # type: ignore[arg-type]
+    if name not in h.workers:
+        raise InvalidArgument(f"{name!r} is not one of this pool's workers {list(h.workers)}")
+    return h
+
+
+def open_worker(handle: PoolHandle | str, *, name: str) -> _Opening[Worker[Any, Any]]:
+    """Join the pool of ``handle`` (``caller.handle`` or its JSON) as worker ``name`` (one of the
+    names the caller gave). Raises ``InvalidHandle`` (not a pool's handle), ``InvalidArgument``
+    (a name not in the pool, or held by a live worker), ``CollectorGone`` (the caller closed)."""
+
+    async def make() -> Worker[Any, Any]:
+        h = _worker_start(handle, name)
+        sender = await open_sender(h.replies, name=name)  # claims the name
+        try:
+            reader = await open_reader(h.requests, name=name, transport="shm")
+            try:
+                await sender.put((_HELLO, True, os.getpid()))  # attached: calls from now on reach us
+            except BaseException:
+                await reader.aclose()
+                raise
+        except BaseException:
+            await sender.aclose()
+            raise
+        return Worker(_private, reader, sender, name)
+
+    return _Opening(make)
+
+
+# --- blocking ---------------------------------------------------------------------------------------
+@final
+class BlockingCaller(Generic[Q, R]):
+    """``Caller`` for code without an event loop (``aiobroadcast.blocking.open_caller``)."""
+
+    def __init__(self, token: object, writer: Any, collector: Any, workers: tuple[str, ...]) -> None:
+        if token is not _private:
+            raise TypeError("BlockingCaller cannot be built directly; use aiobroadcast.blocking.open_caller()")
+        self._w = writer
+        self._c = collector
+        self._book = _Book(workers)
+        self._handle = PoolHandle(requests=writer.handle, replies=collector.handle, workers=workers)
+        self._lock = threading.Lock()
+        self._closed = False
+
+    @property
+    def handle(self) -> PoolHandle:
+        return self._handle
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        return self._book.workers
+
+    def call(self, request: Q, *, timeout: float) -> dict[str, Outcome[R]]:
+        """As ``Caller.call``; calls from several threads take turns (the wait counts in the timeout)."""
+        from time import monotonic
+
+        from ._exceptions import WaitTimeout
+
+        _check_timeout(timeout)
+        with self._lock:
+            if self._closed:
+                raise ClosedResourceError("this caller is closed")
+            book = self._book
+            got: dict[str, Reply[Any] | Failed] = {}
+            cid = book.begin()
+            deadline = monotonic() + timeout
+            try:
+                while book.unready():
+                    if not self._absorb(cid, got, deadline):
+                        return book.result(got, timeout)
+                try:
+                    self._w.put((cid, request), max(0.0, deadline - monotonic()))
+                except WaitTimeout:
+                    return book.result(got, timeout)
+                book.sent()
+                while book.waiting(got):
+                    if not self._absorb(cid, got, deadline):
+                        break
+            finally:
+                book.busy = False
+            return book.result(got, timeout)
+
+    def _absorb(self, cid: int, got: dict[str, Reply[Any] | Failed], deadline: float) -> bool:
+        from time import monotonic
+
+        from ._exceptions import WaitTimeout
+
+        try:
+            d = self._c.get(max(0.0, deadline - monotonic()))
+        except (EndOfStream, WaitTimeout):
+            return False
+        self._book.absorb(d, cid, got)
+        return True
+
+    def statistics(self) -> CallerStatistics:
+        return self._book.statistics()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._w.close()
+        finally:
+            self._c.close()
+
+    def __enter__(self) -> BlockingCaller[Q, R]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<aiobroadcast.blocking.BlockingCaller workers={len(self.workers)}>"
+
+    def __reduce__(self) -> NoReturn:
+        raise BroadcastError("a BlockingCaller cannot be pickled: send caller.handle and open_worker there")
+
+    if not TYPE_CHECKING:
+
+        @property
+        def serve(self) -> NoReturn:
+            raise AttributeError(
+                "a BlockingCaller has no serve(): workers serve (open_worker(caller.handle, name=...).serve(fn))"
+            )
+
+
+@final
+class BlockingRequest(Generic[Q, R]):
+    """``Request`` for a ``BlockingWorker``."""
+
+    __slots__ = ("_answered", "_sender", "id", "value")
+
+    def __init__(self, sender: Any, cid: int, value: Q) -> None:
+        self._sender = sender
+        self._answered = False
+        self.id = cid
+        self.value = value
+
+    def _once(self) -> None:
+        if self._answered:
+            raise InvalidArgument(f"request {self.id} was already answered: one reply per request")
+        self._answered = True
+
+    def reply(self, value: R) -> None:
+        self._once()
+        try:
+            self._sender.put((self.id, True, value))
+        except BaseException:
+            self._answered = False  # not sent: it may still be answered (with fail, say)
+            raise
+
+    def fail(self, exc: BaseException) -> None:
+        self._once()
+        self._sender.put(_error_reply(self.id, exc))
+
+
+@final
+class BlockingWorker(Generic[Q, R]):
+    """``Worker`` for code without an event loop (``aiobroadcast.blocking.open_worker``)."""
+
+    def __init__(self, token: object, reader: Any, sender: Any, name: str) -> None:
+        if token is not _private:
+            raise TypeError("BlockingWorker cannot be built directly; use aiobroadcast.blocking.open_worker()")
+        self._r = reader
+        self._s = sender
+        self._name = name
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def __iter__(self) -> BlockingWorker[Q, R]:
+        return self
+
+    def __next__(self) -> BlockingRequest[Q, R]:
+        try:
+            cid, value = self._r.get()
+        except (EndOfStream, ClosedResourceError):
+            raise StopIteration from None
+        return BlockingRequest(self._s, cid, value)
+
+    def serve(self, handler: Any) -> int:
+        """As ``Worker.serve``, with a plain function."""
+        served = 0
+        for request in self:
+            try:
+                answer = handler(request.value)
+            except Exception as exc:
+                request.fail(exc)
+            else:
+                try:
+                    request.reply(answer)
+                except CollectorGone:
+                    raise
+                except BroadcastError as exc:
+                    request.fail(exc)
+            served += 1
+        return served
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._s.close()
+        finally:
+            self._r.close()
+
+    def __enter__(self) -> BlockingWorker[Q, R]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<aiobroadcast.blocking.BlockingWorker {self._name!r}>"
+
+    def __reduce__(self) -> NoReturn:
+        raise BroadcastError("a BlockingWorker cannot be pickled: send the pool's handle and open_worker there")
+
+    if not TYPE_CHECKING:
+
+        @property
+        def call(self) -> NoReturn:
+            raise AttributeError("a BlockingWorker has no call(): only the caller calls (open_caller(workers=...))")
+
+
+def open_blocking_caller(
+    *,
+    workers: Iterable[str],
+    capacity: int = 64,
+    slot_bytes: int = 1 << 16,
+    max_request_bytes: int | None = None,
+    max_reply_bytes: int | None = None,
+    directory: str = DEFAULT_DIRECTORY,
+) -> BlockingCaller[Any, Any]:
+    """``aiobroadcast.blocking.open_caller``: the arguments and errors of ``open_caller``."""
+    from . import blocking
+
+    spec = _PoolSpec(workers, capacity, slot_bytes, max_request_bytes, max_reply_bytes, directory)
+    writer = blocking.open_writer(
+        capacity=spec.capacity,
+        slot_bytes=spec.slot_bytes,
+        max_readers=len(spec.workers),
+        max_message_bytes=spec.max_request_bytes,
+        directory=spec.directory,
+    )
+    try:
+        collector = blocking.open_collector(
+            expect=spec.workers,
+            capacity=spec.capacity,
+            slot_bytes=spec.slot_bytes,
+            max_message_bytes=spec.max_reply_bytes,
+            directory=spec.directory,
+        )
+    except BaseException:
+        writer.close()
+        raise
+    return BlockingCaller(_private, writer, collector, spec.workers)
+
+
+def open_blocking_worker(handle: PoolHandle | str, *, name: str) -> BlockingWorker[Any, Any]:
+    """``aiobroadcast.blocking.open_worker``: the arguments and errors of ``open_worker``."""
+    from . import blocking
+
+    h = _worker_start(handle, name)
+    sender = blocking.open_sender(h.replies, name=name)
+    try:
+        reader = blocking.open_reader(h.requests, name=name, transport="shm")
+        try:
+            sender.put((_HELLO, True, os.getpid()))
+        except BaseException:
+            reader.close()
+            raise
+    except BaseException:
+        sender.close()
+        raise
+    return BlockingWorker(_private, reader, sender, name)
+
+
+for _public in (BlockingCaller, BlockingRequest, BlockingWorker):
+    _public.__module__ = "aiobroadcast.blocking"
+for _fn, _name in ((open_blocking_caller, "open_caller"), (open_blocking_worker, "open_worker")):
+    _fn.__module__ = "aiobroadcast.blocking"
+    _fn.__name__ = _fn.__qualname__ = _name

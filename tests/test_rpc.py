@@ -1,0 +1,172 @@
+"""Request/reply over a pool of workers (docs/fan-in.md, "Calls"): real worker processes, real
+shared memory."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import anyio
+import pytest
+from _rpc_workers import answer, worker_proc
+from _workers import spawn
+
+import aiobroadcast as ab
+from aiobroadcast import blocking
+
+#: Generous bound for "it happens" (never a performance claim): a loaded 2-core machine.
+WITHIN_S = 15.0
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.fixture
+def anyio_backend() -> Any:
+    return ("asyncio", {"use_uvloop": False})
+
+
+@pytest.mark.anyio
+async def test_a_call_gets_every_reply_a_handlers_error_as_text_and_a_closed_worker_as_closed() -> None:
+    async with ab.open_caller(workers=["a", "b", "c"], capacity=8, slot_bytes=1024) as caller:
+        h = caller.handle.to_json()
+        with (
+            spawn(worker_proc, h, "a", "blocking") as a,
+            spawn(worker_proc, h, "b", "async") as b,
+            spawn(worker_proc, h, "c", "leaver") as c,
+        ):
+            got = await caller.call("x", timeout=WITHIN_S)
+            assert got == {w: ab.Reply(w, (w, "x")) for w in "abc"}
+            assert [r.unwrap() for r in got.values()] == [("a", "x"), ("b", "x"), ("c", "x")]
+            # Concurrent calls take turns, each gets its own answers.
+            both: dict[str, Any] = {}
+
+            async def one(v: str) -> None:
+                both[v] = await caller.call(v, timeout=WITHIN_S)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(one, "x1")
+                tg.start_soon(one, "x2")
+            assert both == {v: {w: ab.Reply(w, (w, v)) for w in "abc"} for v in ("x1", "x2")}
+            failed = await caller.call("boom", timeout=WITHIN_S)
+            assert failed["a"] == ab.Failed("a", "ValueError", "a cannot do 42")
+            assert failed["b"] == ab.Failed("b", "ValueError", "b cannot do 42")
+            with pytest.raises(ab.WorkerError, match="worker 'a' raised ValueError: a cannot do 42") as err:
+                failed["a"].unwrap()
+            assert (err.value.worker, err.value.type_name) == ("a", "ValueError")
+            # A reply that cannot be sent is answered as the error it raised.
+            bad = await caller.call("lambda", timeout=WITHIN_S)
+            assert isinstance(bad["a"], ab.Failed) and bad["a"].type_name == "SerializationError"
+            # c leaves without answering: the call says so, without waiting for the deadline.
+            t0 = time.monotonic()
+            left = await caller.call("leave", timeout=60)
+            assert time.monotonic() - t0 < WITHIN_S
+            assert left["c"] == ab.NoReply("c", "closed", "worker 'c' closed")
+            assert left["a"] == ab.Reply("a", ("a", "leave"))
+            with pytest.raises(ab.NoReplyError, match="closed") as no:
+                left["c"].unwrap()
+            assert no.value.reason == "closed"
+            await c.recv("ready")
+            await c.recv("done")
+            again = await caller.call(1, timeout=WITHIN_S)
+            assert again["c"].reason == "closed"  # type: ignore[union-attr]
+            assert again["b"] == ab.Reply("b", ("b", 1))
+            # Waiting workers sleep: (nearly) no CPU while no call comes.
+            before = [cpu_s(a.pid), cpu_s(b.pid)]
+            await anyio.sleep(1.0)
+            used = [cpu_s(a.pid) - before[0], cpu_s(b.pid) - before[1]]
+            assert max(used) < 0.05, used
+            s = caller.statistics()
+            assert (s.calls, s.ready, s.ended) == (7, ("a", "b"), (("c", "closed"),))
+            assert (s.late_replies, s.unknown_replies) == (0, 0)
+
+
+@pytest.mark.anyio
+async def test_a_late_reply_is_dropped_and_counted_and_an_unknown_id_too() -> None:
+    async with ab.open_caller(workers=["slow", "rogue"], capacity=8, slot_bytes=1024) as caller:
+        h = caller.handle.to_json()
+        with spawn(worker_proc, h, "slow", "blocking") as slow, spawn(worker_proc, h, "rogue", "rogue") as rogue:
+            await slow.recv("ready")
+            await rogue.recv("ready")
+            first = await caller.call(("sleep", 1.5), timeout=0.3)
+            assert first["slow"] == ab.NoReply("slow", "deadline", "worker 'slow' did not answer within 0.3 s")
+            assert first["rogue"].reason == "deadline"  # type: ignore[union-attr]
+            # The next call is answered after the late reply to the first arrived: it is dropped.
+            second = await caller.call("next", timeout=3)
+            assert second["slow"] == ab.Reply("slow", ("slow", "next"))
+            assert second["rogue"].reason == "deadline"  # type: ignore[union-attr]
+            s = caller.statistics()
+            assert (s.late_replies, s.unknown_replies) == (1, 2)
+
+
+def test_blocking_caller_reports_a_killed_worker_dead_and_goes_on() -> None:
+    with blocking.open_caller(workers=["w0", "w1"], capacity=8, slot_bytes=1024) as caller:
+        h = caller.handle.to_json()
+        with spawn(worker_proc, h, "w0", "blocking"), spawn(worker_proc, h, "w1", "async") as w1:
+            assert caller.call(7, timeout=WITHIN_S) == {
+                "w0": ab.Reply("w0", ("w0", 7)),
+                "w1": ab.Reply("w1", ("w1", 7)),
+            }
+            w1.sigkill()
+            t0 = time.monotonic()
+            got = caller.call(8, timeout=60)
+            assert time.monotonic() - t0 < WITHIN_S  # about a second: the collector's liveness check
+            assert got["w0"] == ab.Reply("w0", ("w0", 8))
+            assert got["w1"] == ab.NoReply("w1", "dead", f"worker 'w1' (pid {w1.pid}) died")
+            assert caller.call(9, timeout=WITHIN_S)["w0"] == ab.Reply("w0", ("w0", 9))
+            late = caller.call(("sleep", 0.5), timeout=0.05)
+            assert late["w0"].reason == "deadline"  # type: ignore[union-attr]
+            assert caller.call(10, timeout=WITHIN_S)["w0"] == ab.Reply("w0", ("w0", 10))
+            assert caller.statistics().late_replies == 1
+            assert caller.statistics().ended == (("w1", "dead"),)
+
+
+@pytest.mark.anyio
+async def test_bad_input_gets_clear_errors_and_nothing_accepted_is_lost() -> None:
+    with pytest.raises(ab.InvalidArgument, match="not one string"):
+        ab.open_caller(workers="ab")
+    with pytest.raises(ab.InvalidArgument, match="unique"):
+        ab.open_caller(workers=["a", "a"])
+    with pytest.raises(ab.InvalidArgument, match="at least one"):
+        blocking.open_caller(workers=[])
+    async with ab.open_caller(workers=["me"], max_request_bytes=1000) as caller:
+        async with ab.open_writer() as w, ab.open_collector() as c:
+            for wrong in (w.handle, c.handle, w.handle.to_json(), c.handle.to_json()):
+                with pytest.raises(ab.InvalidHandle, match=r"open_worker takes caller\.handle"):
+                    await ab.open_worker(wrong, name="me")  # type: ignore[arg-type]
+                with pytest.raises(ab.InvalidHandle, match=r"open_worker takes caller\.handle"):
+                    blocking.open_worker(wrong, name="me")  # type: ignore[arg-type]
+        with pytest.raises(ab.InvalidHandle):
+            await ab.open_worker("{}", name="me")
+        with pytest.raises(ab.InvalidArgument, match="not one of this pool's workers"):
+            await ab.open_worker(caller.handle, name="stranger")
+        async with ab.open_worker(caller.handle, name="me") as worker:
+            with pytest.raises(ab.InvalidArgument, match="already attached"):
+                await ab.open_worker(caller.handle, name="me")
+            with pytest.raises(AttributeError, match="only the caller calls"):
+                worker.call  # type: ignore[attr-defined]  # noqa: B018
+            with pytest.raises(AttributeError, match="workers serve"):
+                caller.serve  # type: ignore[attr-defined]  # noqa: B018
+            with pytest.raises(ab.SerializationError):
+                await caller.call(lambda: None, timeout=WITHIN_S)
+            with pytest.raises(ab.MessageTooLarge):
+                await caller.call(b"x" * 2000, timeout=WITHIN_S)
+            with pytest.raises(ab.InvalidArgument, match="timeout"):
+                await caller.call(1, timeout=-1)
+
+            async def serve_one() -> None:
+                request = await anext(aiter(worker))
+                await request.reply(answer("me", request.value))
+                with pytest.raises(ab.InvalidArgument, match="already answered"):
+                    await request.reply("twice")
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(serve_one)
+                got = await caller.call("ok", timeout=WITHIN_S)
+            assert got == {"me": ab.Reply("me", ("me", "ok"))}  # the refused requests took no id's reply
+            assert caller.statistics().unknown_replies == 0

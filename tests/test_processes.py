@@ -246,7 +246,7 @@ async def test_ready_messages_are_never_lost_to_an_expired_deadline(anyio_backen
         async with ab.open_reader(handle, name="in-a-hurry") as reader:
             writer.send("go")
             assert await writer.recv("sent") == count
-            got = []
+            got: list[object] = []
             cancelled = 0
             while len(got) < count and cancelled <= count:
                 with anyio.move_on_after(0) as scope:

@@ -13,7 +13,7 @@ and large buffers are copied once into shared memory and at most once out:
   itself, or a value of lists, tuples and dicts, at any depth of them. One an object is built
   from (an argument or the state of a reconstructor: a sliced numpy array's data, an
   ``array.array``'s, which refuse a view) or that is hashed (a dict's key, a set's member: a
-  view of the ring cannot be) is not, and arrives as ``bytes`` (``_held_payloads``).
+  view of a bytearray cannot be) is not, and arrives as ``bytes`` (``_held_payloads``).
 - Numpy arrays and other ``PickleBuffer`` producers of ``OOB_MIN_BYTES`` and up travel out of
   band (pickle's ``buffer_callback``), after the stream; the body is then "out of band"
   (``oob``) and a large ``bytes`` in the same message that a view can stand for travels out of
@@ -223,7 +223,7 @@ def _held_payloads(pieces: list[Any]) -> set[int] | None:
     reconstructor, ``REDUCE``, ``NEWOBJ``, ``BUILD``: a sliced numpy array's data, an
     ``array.array``'s, a pydantic model's field; or an item an object's own ``__setitem__`` or
     ``extend`` takes), which may refuse a view or keep one, and those that are hashed (a dict's
-    key, a set's or frozenset's member, or inside one), as a view of the ring cannot be. A
+    key, a set's or frozenset's member, or inside one): a view of a bytearray cannot be. A
     payload that is the message itself, or a list's item or a dict's or tuple's value, at any
     depth of those, is not held. ``None`` if the stream is not what the C pickler writes at
     protocol 5 (then every payload counts as held).

@@ -293,16 +293,18 @@ def check_alike(obj: Any, default: Any, zero_copy: Any) -> None:
 @given(messages)
 def test_a_zero_copy_decode_is_the_default_decode_with_views(obj: Any) -> None:
     parts, total, oob = PickleEncoder().encode(obj)
-    body = bytearray(b"".join(bytes(memoryview(p).cast("B")) for p in parts))
+    body = bytearray(b"".join(bytes(memoryview(p).cast("B")) for p in parts))  # as unhashable as the ring
     assert len(body) == total
     check_alike(obj, decode_pickle(memoryview(body), oob), decode_pickle_view(memoryview(body), oob))
 
 
 def test_the_two_reported_objects_and_their_neighbours() -> None:
     """The reported cases, by name: a sliced array and an ``array.array`` (each alone, and beside
-    a top-level bytes and an array out of band), a 0-d and a Fortran-ordered array."""
+    a top-level bytes and an array out of band), a 0-d and a Fortran-ordered array; and large
+    bytes that are hashed (a view of the body cannot be: "unhashable type")."""
     sliced = np.arange(40_000.0)[::2]
     floats = array.array("d", range(20_000))
+    key = data(70_000, 3)
     for obj in [
         sliced,
         floats,
@@ -310,9 +312,13 @@ def test_the_two_reported_objects_and_their_neighbours() -> None:
         [np.arange(OOB_MIN_BYTES // 8), sliced, data(OOB_MIN_BYTES, 2)],
         np.array(7.0),
         np.asfortranarray(np.arange(40_000.0).reshape(200, 200)),
+        {key: 1},
+        {(key, 2): [key]},  # a key, and the same bytes as a list's item: bytes in both places
+        {key},
+        [frozenset([key]), np.arange(OOB_MIN_BYTES // 8)],
     ]:
         parts, _total, oob = PickleEncoder().encode(obj)
-        body = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+        body = bytearray(b"".join(bytes(memoryview(p).cast("B")) for p in parts))  # as unhashable as the ring
         check_alike(obj, decode_pickle(body, oob), decode_pickle_view(body, oob))
 
 

@@ -453,8 +453,11 @@ def open_reader(
       keeps a core busy, passing through the event loop on every round). After a sleep of
       0.1 s or more (an idle stream) a reader sleeps again without polling.
     - ``zero_copy=True`` (pickle channels): large buffers are not copied out of the ring. A
-      ``bytes`` of 64 KiB or more arrives as a read-only ``memoryview``, and a numpy array sent
-      out of band (256 KiB or more) as a read-only array, both on the message's slot. **They are
+      ``bytes`` of 64 KiB or more arrives as a read-only ``memoryview`` where the message itself
+      or its lists, tuples and dicts hold it (as ``bytes``, as for any reader, where an object is
+      built from it, such as a sliced numpy array's data, or it is a dict key or set member), and
+      a contiguous numpy array of 256 KiB or more as a read-only array, both on the message's
+      slot: the message is otherwise what a default reader decodes. **They are
       valid until the next ``get``/``get_nowait`` on this reader (by any task) or its
       ``aclose``**: the reader keeps the slot until then, and the writer may reuse it after. Copy
       what must live longer (``bytes(view)``). A message larger than a slot, and any message

@@ -3,6 +3,9 @@ slot they point into until the reader's next ``get``, so the writer cannot overw
 
 from __future__ import annotations
 
+import array
+from typing import Literal
+
 import anyio
 import numpy as np
 import pytest
@@ -122,3 +125,31 @@ async def test_no_effect_on_json_channels() -> None:
         async with ab.open_reader(writer.handle, zero_copy=True) as reader:
             await writer.put({"a": [1, 2]})
             assert await reader.get() == {"a": [1, 2]}
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+async def test_bytes_an_object_is_built_from_stay_bytes_and_nothing_is_lost(transport: Literal["shm", "tcp"]) -> None:
+    """A sliced numpy array pickles its data as a ``bytes`` argument of its reconstructor, and so
+    does an ``array.array``: the reconstructor refuses a view ("pickle not returning string",
+    "fourth argument should be bytes"). A dict key is hashed, which a view of the ring cannot be.
+    Such a ``bytes`` stays ``bytes`` for a zero-copy reader; a large ``bytes`` of the message
+    itself is still a view beside it."""
+    sliced = np.arange(40_000.0)[::2]  # 160 KB of data, not contiguous: no PickleBuffer
+    floats = array.array("d", range(20_000))
+    tcp = "tcp://127.0.0.1:0" if transport == "tcp" else None
+    async with ab.open_writer(capacity=32, slot_bytes=64 * 1024, tcp=tcp) as writer:  # all five fit
+        async with ab.open_reader(writer.handle, transport=transport, zero_copy=True) as reader:
+            for k, obj in enumerate([sliced, floats, (sliced, payload(4), floats), {payload(5): "key"}]):
+                await writer.put((k, obj))
+            await writer.put((4, "after"))
+            with anyio.fail_after(30):
+                k0, got_sliced = await reader.get()
+                assert k0 == 0 and got_sliced.dtype == sliced.dtype and np.array_equal(got_sliced, sliced)
+                k1, got_floats = await reader.get()
+                assert k1 == 1 and got_floats == floats
+                k2, (again, body, floats_again) = await reader.get()
+                assert k2 == 2 and np.array_equal(again, sliced) and floats_again == floats
+                assert isinstance(body, memoryview) and body == payload(4)
+                k3, keyed = await reader.get()
+                assert k3 == 3 and keyed == {payload(5): "key"} and type(next(iter(keyed))) is bytes
+                assert await reader.get() == (4, "after")

@@ -606,6 +606,27 @@ def _collector_alive(handle: CollectorHandle) -> bool:
         os.close(fd)
 
 
+class CollectorWatch:
+    """A sender's look at its collector's liveness lock, at most once in ``SENDER_WATCH_S``, on
+    the put path, before the item is published: a collector that died while the ring had room
+    makes ``put`` raise ``CollectorGone`` within that time, with the item not taken (the ring's
+    active word tells only of a collector that closed, or that the writer found dead when the
+    ring was full)."""
+
+    __slots__ = ("_handle", "_next")
+
+    def __init__(self, handle: CollectorHandle) -> None:
+        self._handle = handle
+        self._next = monotonic() + _tuning.SENDER_WATCH_S
+
+    def dead(self) -> bool:
+        now = monotonic()
+        if now < self._next:
+            return False
+        self._next = now + _tuning.SENDER_WATCH_S
+        return not _collector_alive(self._handle)
+
+
 # --- the collector (async) ------------------------------------------------------------------------
 @final
 class Collector(Generic[T_co]):
@@ -800,6 +821,7 @@ class Sender(Generic[T_contra]):
         self._active = writer._ch.seg.layout.record_word(0, R_ACTIVE)
         self._name = name
         self._collector = collector
+        self._watch = CollectorWatch(collector)
 
     @property
     def name(self) -> str:
@@ -814,14 +836,13 @@ class Sender(Generic[T_contra]):
         pub = self._pub
         if pub.closed:
             raise ClosedResourceError(_sender_refusal(self._w._ch.owner) if pub.refusal else "this sender is closed")
-        if not self._words[self._active]:
+        if not self._words[self._active] or self._watch.dead():
             raise CollectorGone(self._collector.collector_pid, self._name)
 
     def put_nowait(self, obj: T_contra) -> None:
         """Send ``obj`` now, or raise ``WouldBlock`` if the ring is full. Raises like
         ``Writer.put_nowait``, and ``CollectorGone``."""
-        if self._pub.closed or not self._words[self._active]:
-            self._check()
+        self._check()
         self._w.put_nowait(obj)
         if not self._words[self._active]:
             self._check()
@@ -829,9 +850,9 @@ class Sender(Generic[T_contra]):
     async def put(self, obj: T_contra) -> None:
         """Send ``obj``, waiting while the collector is a full ring behind. Cancel-safe. Raises
         like ``Writer.put``, and ``CollectorGone`` once the collector has closed or died (a
-        ``put`` waiting for a dead collector raises within about a second)."""
-        if self._pub.closed or not self._words[self._active]:
-            self._check()
+        ``put`` waiting for a dead collector raises within about a second; one into a ring with
+        room, within ``SENDER_WATCH_S`` of the death, before it publishes)."""
+        self._check()
         await self._w.put(obj)
         if not self._words[self._active]:
             self._check()

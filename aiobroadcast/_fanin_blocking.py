@@ -17,6 +17,7 @@ from ._fanin import (
     _NOTHING,
     CollectorHandle,
     CollectorStatistics,
+    CollectorWatch,
     Delivery,
     _CollectorSpec,
     _Gather,
@@ -221,6 +222,7 @@ class BlockingSender(Generic[T_contra]):
         self._active = ch.seg.layout.record_word(0, R_ACTIVE)
         self._name = name
         self._collector = collector
+        self._watch = CollectorWatch(collector)
 
     @property
     def name(self) -> str:
@@ -234,7 +236,7 @@ class BlockingSender(Generic[T_contra]):
         if self._w._closing or self._pub.closed:
             pub = self._pub
             raise ClosedResourceError(_sender_refusal(self._w._w.owner) if pub.refusal else "this sender is closed")
-        if not self._words[self._active]:
+        if not self._words[self._active] or self._watch.dead():
             raise CollectorGone(self._collector.collector_pid, self._name)
 
     def put_nowait(self, obj: T_contra) -> None:

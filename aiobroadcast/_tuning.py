@@ -49,3 +49,9 @@ WATCHED_LIVENESS_S = 2.0
 #: ``sweep_stale`` leaves a channel's files alone while they are this new: a writer may be in the
 #: middle of creating them (its lock not taken yet).
 STALE_MIN_AGE_S = 2.0
+
+#: How often at most a fan-in sender looks at its collector's lock on the put path (a few
+#: system calls). A collector that dies while the sender's ring has room clears nothing in the
+#: ring, so without it the sender would learn only when the ring filled, after up to a ring of
+#: puts that nobody will read.
+SENDER_WATCH_S = 0.25

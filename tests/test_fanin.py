@@ -636,3 +636,54 @@ async def test_a_parked_collector_is_woken_by_a_remote_senders_item(monkeypatch:
             tg.start_soon(put_later)
             with anyio.fail_after(WITHIN_S):
                 assert await collector.get() == ab.Item("far", "wake up")
+
+
+@pytest.mark.parametrize("api", ["async", "blocking"])
+def test_a_sender_with_room_learns_of_its_killed_collector_before_publishing_more(api: str) -> None:
+    """A collector killed while its sender's ring has plenty of room clears nothing in the ring:
+    the sender still finds out, within ``SENDER_WATCH_S`` of puts, and its put raises
+    ``CollectorGone`` with the item not taken, instead of filling a ring nobody will read."""
+    with spawn(collector_proc, 4096) as child:
+        h = recv(child, "handle")
+        try:
+            accepted_after_kill = 0
+
+            def keep_putting(put: Any) -> BaseException:
+                nonlocal accepted_after_kill
+                deadline = time.monotonic() + WITHIN_S
+                while time.monotonic() < deadline:
+                    try:
+                        put(accepted_after_kill)
+                    except BaseException as exc:
+                        return exc
+                    accepted_after_kill += 1
+                    time.sleep(0.005)
+                raise AssertionError(f"{accepted_after_kill} puts accepted after the collector was killed")
+
+            if api == "blocking":
+                with blocking.open_sender(h, name="s", capacity=4096) as bsender:
+                    child.send("go")
+                    bsender.put("first")
+                    recv(child, "took")
+                    os.kill(child.pid, 9)
+                    failure = keep_putting(bsender.put)
+            else:
+
+                async def main() -> BaseException:
+                    async with ab.open_sender(h, name="s", capacity=4096) as sender:
+                        child.send("go")
+                        await sender.put("first")
+                        recv(child, "took")
+                        os.kill(child.pid, 9)
+                        return await anyio.to_thread.run_sync(
+                            keep_putting, lambda i: anyio.from_thread.run(sender.put, i)
+                        )
+
+                failure = anyio.run(main)
+            assert isinstance(failure, ab.CollectorGone), failure
+            # A ring of 4096 would have taken every put of the whole WITHIN_S; the watch looks every
+            # SENDER_WATCH_S (0.25 s: about 50 puts here), with room to spare for a loaded machine.
+            assert accepted_after_kill < 1000
+        finally:
+            child.cleanup()
+            shutil.rmtree(ab.CollectorHandle.parse(h).path, ignore_errors=True)

@@ -275,6 +275,9 @@ class MessageQueueWriter(MessageQueue):
         start = time.monotonic()
         said = start
         while True:
+            # A ring reader is listed once the entry it starts at is fixed, at or before our head
+            # (ReaderPlace.join), a TCP reader once its server admitted it, starting at the ring's
+            # next_msg as the server loaded it then: each gets every message published after this.
             readers = self._writer.statistics().readers
             local = sum(r.transport == "shm" for r in readers)
             remote = sum(r.transport == "tcp" for r in readers)

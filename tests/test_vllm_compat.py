@@ -398,6 +398,47 @@ def test_a_group_without_torch_never_imports_torch() -> None:
     ]
 
 
+def test_a_reader_slow_to_join_still_gets_the_first_message_after_the_handshake(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """vLLM's contract: a reader that took part in the handshake gets every message enqueued
+    after it. The reader here is held up (0.5 s) exactly between making its ring record active
+    and loading the head it starts at; wait_until_ready must not count it before that load, or
+    the writer's first message lands before the reader's start and is not its."""
+    from aiobroadcast._shm import atomic, place
+
+    writer = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=4)
+    results: Any = mp.Queue()
+
+    def slow_reader() -> None:
+        def fence_then_stall() -> None:  # join's fence: after `active`, before the head is loaded
+            atomic.fence()
+            time.sleep(0.5)
+
+        monkeypatch.setattr(place, "fence", fence_then_stall)  # in this child only
+        reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+        try:
+            results.put(reader.dequeue(timeout=5))
+        except ab.WaitTimeout:
+            results.put("nothing in 5 s")
+        finally:
+            reader.close()
+
+    child = mp.Process(target=slow_reader)
+    child.start()
+    try:
+        writer.wait_until_ready()
+        writer.enqueue("first")
+        writer.enqueue("second")
+        assert results.get(timeout=30) == "first"
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+        writer.close()
+    assert child.exitcode == 0
+
+
 def test_a_fork_child_that_drops_an_inherited_queue_leaves_it_open() -> None:
     """A child forked after the queue was made (a worker pool) inherits its finalizer; dropping
     the object there, or exiting through sys.exit, must not close the parent's channel."""

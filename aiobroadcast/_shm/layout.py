@@ -33,6 +33,9 @@ WAITING_OFFSET = 256
 RECORD_BYTES = 128
 RECORD_WORDS = RECORD_BYTES // 8
 R_ACTIVE, R_CURSOR, R_PID, R_GENERATION, R_RECEIVED, R_NAME_LEN = 0, 1, 2, 3, 4, 5
+# R_ACTIVE's values: 0 free; JOINING while a joining reader's cursor holds the writer back but the
+# entry it starts at is not chosen yet; ACTIVE once it is (docs/design.md, "Memory ordering", step 7).
+ACTIVE, JOINING = 1, 2
 R_NAME_OFFSET = 48
 NAME_BYTES = 64
 R_HOST_OFFSET = R_NAME_OFFSET + NAME_BYTES  # where the reader lives: HOST_BYTES, NUL-padded

@@ -9,7 +9,9 @@ from .._exceptions import InvalidHandle, TooManyReaders
 from . import layout as _layout
 from . import segment as _segment
 from .layout import (
+    ACTIVE,
     F_FIRST,
+    JOINING,
     R_ACTIVE,
     R_CURSOR,
     R_GENERATION,
@@ -94,7 +96,7 @@ class ReaderPlace:
                 return cursor, self._number_at(cursor)
             # docs/design.md, "Joining without missing anything".
             w[self.cur_word] = w[W_HEAD]
-            w[lay.record_word(i, R_ACTIVE)] = 1
+            w[lay.record_word(i, R_ACTIVE)] = JOINING
             fence()
             while True:
                 n1 = w[W_NEXT_MSG]
@@ -102,6 +104,10 @@ class ReaderPlace:
                 if w[W_NEXT_MSG] == n1:
                     break
             w[self.cur_word] = h2
+            # Attached: the start is fixed. A release store, after the loads of h2 and n1: a writer
+            # that load-acquires ACTIVE publishes its next message after them (statistics() lists
+            # the reader, and vLLM's wait_until_ready counts it, only from here).
+            w[lay.record_word(i, R_ACTIVE)] = ACTIVE
             return h2, n1
         except BaseException:
             self.leave()

@@ -8,7 +8,7 @@ from collections.abc import Callable, Collection
 
 from .._stats import ReaderInfo
 from . import segment as _segment
-from .layout import R_GENERATION, R_NAME_LEN, R_PID, R_RECEIVED, fence, has_room
+from .layout import JOINING, R_GENERATION, R_NAME_LEN, R_PID, R_RECEIVED, fence, has_room
 from .segment import Segment
 from .wake import Outbox
 
@@ -105,13 +105,16 @@ class ReaderRecords:
             )
 
     def infos(self, head: int, server_pids: Collection[int]) -> tuple[ReaderInfo, ...]:
-        """The attached readers (the TCP server's place shown as transport "tcp-server")."""
+        """The attached readers (the TCP server's place shown as transport "tcp-server"): not one
+        still joining, whose first entry is not fixed yet."""
         seg = self._seg
         lay = seg.layout
         w = self._words
         out = []
         for i, (active, cursor) in enumerate(zip(seg.rec_active.tolist(), seg.rec_cursor.tolist(), strict=True)):
-            if not active or (not w[lay.record_word(i, R_NAME_LEN)] and not w[lay.record_word(i, R_PID)]):
+            if not active or active == JOINING:
+                continue
+            if not w[lay.record_word(i, R_NAME_LEN)] and not w[lay.record_word(i, R_PID)]:
                 continue
             pid = w[lay.record_word(i, R_PID)]
             out.append(

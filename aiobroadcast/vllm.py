@@ -40,7 +40,9 @@ from a monitor thread wakes a parked ``dequeue``).
 
 from __future__ import annotations
 
+import json
 import logging
+import multiprocessing.util
 import os
 import socket
 import threading
@@ -51,11 +53,18 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from . import blocking
-from ._exceptions import BroadcastError, WaitTimeout, WouldBlock
+from ._exceptions import BroadcastError, InsufficientSharedMemory, WaitTimeout, WouldBlock
 from ._handle import Handle as ChannelHandle
-from ._open import _ring_reachable
+from ._open import DEFAULT_DIRECTORY, _ring_reachable
 
-__all__ = ["Handle", "MessageQueue", "MessageQueueReader", "MessageQueueWriter", "QueueCancelled"]
+__all__ = [
+    "Handle",
+    "InsufficientQueueSpace",
+    "MessageQueue",
+    "MessageQueueReader",
+    "MessageQueueWriter",
+    "QueueCancelled",
+]
 
 log = logging.getLogger("aiobroadcast")
 
@@ -73,6 +82,21 @@ class QueueCancelled(BroadcastError, RuntimeError):
     it waited. A ``RuntimeError`` whose message starts with "cancelled", as vLLM's."""
 
 
+class InsufficientQueueSpace(InsufficientSharedMemory, RuntimeError):
+    """Raised by the constructor (and so by ``create_from_process_group``) when /dev/shm cannot
+    hold the ring: an ``aiobroadcast.InsufficientSharedMemory`` that is also the
+    ``RuntimeError("Insufficient space in /dev/shm ...")`` vLLM raises there."""
+
+    def __init__(self, needed: int, available: int, directory: str) -> None:
+        super().__init__(needed, available, directory)
+        mib = 1 << 20
+        self.args = (
+            f"Insufficient space in {directory} for the message queue: {needed / mib:.0f} MiB required, "
+            f"{available / mib:.0f} MiB free. Increase {directory} (e.g. --shm-size or --ipc=host), or "
+            "lower max_chunks or max_chunk_bytes",
+        )
+
+
 @dataclass(frozen=True)
 class Handle:
     """What ``export_handle`` returns and ``create_from_handle`` takes: picklable, so it goes
@@ -83,6 +107,20 @@ class Handle:
     channel: str = ""  #: the aiobroadcast channel's handle (JSON)
     n_reader: int = 0
     n_local_reader: int = 0
+
+    @property
+    def remote_subscribe_addr(self) -> str | None:
+        """As vLLM's: the ``tcp://host:port`` remote readers connect to (a rank not among
+        ``local_reader_ranks``, or -1), None when the queue has no remote readers."""
+        if self.n_reader == self.n_local_reader or not self.channel:
+            return None
+        tcp = json.loads(self.channel).get("tcp")
+        return tcp if isinstance(tcp, str) else None
+
+    @property
+    def remote_addr_ipv6(self) -> bool:
+        """As vLLM's: whether ``remote_subscribe_addr`` is an IPv6 address (``tcp://[...]:port``)."""
+        return (self.remote_subscribe_addr or "").startswith("tcp://[")
 
 
 class _SpinCondition:
@@ -112,6 +150,7 @@ class MessageQueue:
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         max_chunks: int = DEFAULT_MAX_CHUNKS,
         connect_ip: str | None = None,
+        enable_shm_tensor_arena: bool = False,
     ) -> MessageQueueWriter:
         return object.__new__(MessageQueueWriter)
 
@@ -121,23 +160,36 @@ class MessageQueue:
     @staticmethod
     def create_from_handle(handle: Handle, rank: int) -> MessageQueueReader:
         """Attach the reader of group rank ``rank``: over shared memory if ``rank`` is one of the
-        handle's local reader ranks, else over TCP."""
+        handle's local reader ranks, else over TCP (vLLM's executor opens a peer's queue with
+        rank -1: any rank that is not local)."""
         return MessageQueueReader(handle, rank)
 
     @staticmethod
     def create_from_process_group(
-        pg: Any, max_chunk_bytes: int, max_chunks: int, writer_rank: int = 0, blocking: bool = True
+        pg: Any,
+        max_chunk_bytes: int,
+        max_chunks: int,
+        writer_rank: int = 0,
+        external_writer_handle: Handle | None = None,
+        blocking: bool = True,
     ) -> MessageQueueWriter | MessageQueueReader:
         """Collective: every rank of ``pg`` calls it. Rank ``writer_rank`` gets the writer, the
         others a reader each: local ones (on the writer's node: those that can map its ring)
-        over shared memory, the others over TCP. ``blocking``: also ``wait_until_ready()``."""
+        over shared memory, the others over TCP. ``external_writer_handle`` (looked at on rank
+        ``writer_rank`` only): that rank attaches to this existing queue, as the reader of its
+        own rank, instead of making one, and passes its handle on; the other ranks then read
+        that queue, locally if they are among its local reader ranks. ``blocking``: also
+        ``wait_until_ready()``; with False that handshake is left to the caller."""
         group = _Group(pg)
         same_node = _same_node(group, writer_rank)
         mq: MessageQueueWriter | MessageQueueReader
         if group.rank == writer_rank:
             local = [r for r in range(group.world_size) if same_node[r] and r != writer_rank]
             try:
-                mq = MessageQueueWriter(group.world_size - 1, len(local), local, max_chunk_bytes, max_chunks)
+                if external_writer_handle is not None:
+                    mq = MessageQueueReader(external_writer_handle, group.rank)
+                else:
+                    mq = MessageQueueWriter(group.world_size - 1, len(local), local, max_chunk_bytes, max_chunks)
             except BaseException as exc:
                 group.broadcast(f"{type(exc).__name__}: {exc}", writer_rank)  # the readers fail too
                 raise
@@ -204,12 +256,18 @@ class MessageQueueWriter(MessageQueue):
         max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES,
         max_chunks: int = DEFAULT_MAX_CHUNKS,
         connect_ip: str | None = None,
+        enable_shm_tensor_arena: bool = False,
     ) -> None:
         """As vLLM's: ``n_reader`` readers, ``n_local_reader`` of them on this node (group ranks
         ``local_reader_ranks``, default ``0 .. n_local_reader-1``), a ring of ``max_chunks``
         slots of ``max_chunk_bytes`` (larger messages take several slots, or stream), and for
         the remote readers a TCP endpoint on ``connect_ip`` (default: ``$VLLM_HOST_IP``, else
-        this host name's address)."""
+        this host name's address).
+
+        ``enable_shm_tensor_arena`` is accepted and, for now, changes nothing: large CPU tensors
+        take the copying path (each reader unpickles its own copy, which stays valid for as
+        long as it is referenced, the lifetime vLLM's arena gives its zero-copy views). Raises
+        ``InsufficientQueueSpace`` (a ``RuntimeError``) when /dev/shm cannot hold the ring."""
         if local_reader_ranks is None:
             local_reader_ranks = list(range(n_local_reader))
         if len(local_reader_ranks) != n_local_reader:
@@ -222,14 +280,17 @@ class MessageQueueWriter(MessageQueue):
         if self.n_remote_reader:
             ip = connect_ip or _host_ip()
             tcp = f"tcp://[{ip}]:0" if ":" in ip else f"tcp://{ip}:0"
-        self._writer: blocking.BlockingWriter[Any] = blocking.open_writer(
-            capacity=max_chunks,
-            slot_bytes=max_chunk_bytes,
-            max_readers=max(1, n_local_reader, self.n_remote_reader),
-            tcp=tcp,
-        )
+        try:
+            self._writer: blocking.BlockingWriter[Any] = blocking.open_writer(
+                capacity=max_chunks,
+                slot_bytes=max_chunk_bytes,
+                max_readers=max(1, n_local_reader, self.n_remote_reader),
+                tcp=tcp,
+            )
+        except InsufficientSharedMemory as exc:
+            raise InsufficientQueueSpace(exc.needed, exc.available, DEFAULT_DIRECTORY) from exc
         self._owner = os.getpid()
-        self._finalizer = weakref.finalize(self, _close_here, self._owner, self._writer.close)
+        self._finalizer = _close_at_exit(self, self._owner, self._writer.close)
         self.handle = Handle(list(local_reader_ranks), self._writer.handle.to_json(), n_reader, n_local_reader)
         self.shutting_down = False
         self._ready = n_reader == 0
@@ -313,7 +374,7 @@ class MessageQueueReader(MessageQueue):
         self.handle = handle
         self.shutting_down = False
         self._spin_condition = _SpinCondition()
-        name = f"rank-{rank}"
+        name = f"rank-{rank}" if rank >= 0 else "remote"
         if rank in handle.local_reader_ranks:
             reader = blocking.open_reader(handle.channel, name=name, transport="shm")
         else:
@@ -325,7 +386,7 @@ class MessageQueueReader(MessageQueue):
             reader = blocking.open_reader(handle.channel, name=name, transport="tcp")
         self._reader: blocking.BlockingReader[Any] = reader
         self._owner = os.getpid()
-        self._finalizer = weakref.finalize(self, _close_here, self._owner, reader.close)
+        self._finalizer = _close_at_exit(self, self._owner, reader.close)
 
     def dequeue(
         self, timeout: float | None = None, cancel: threading.Event | None = None, indefinite: bool = False
@@ -381,6 +442,19 @@ class MessageQueueReader(MessageQueue):
             busy_ns = max(0, int((spin.last_read + spin.busy_loop_s - time.monotonic()) * 1e9))
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
         return self._reader._get(deadline, stop, CANCEL_CHECK_S if cancel is not None else None, busy_ns)
+
+
+def _close_at_exit(
+    queue: MessageQueue, pid: int, close: Callable[[], None]
+) -> weakref.finalize[[int, Callable[[], None]], MessageQueue]:
+    """Close ``queue`` when it is collected, or at the exit of the process that made it, the
+    exit of a ``multiprocessing`` child too (it ends in ``os._exit``, which runs no ``atexit``
+    hook, but runs ``multiprocessing``'s finalizers): a vLLM worker that exits with a queue
+    still referenced (by its death-pipe thread) must not leave its ring in /dev/shm, nor its
+    remote reader for the writer to time out."""
+    finalizer = weakref.finalize(queue, _close_here, pid, close)
+    multiprocessing.util.Finalize(queue, finalizer, exitpriority=0)
+    return finalizer
 
 
 def _close_here(pid: int, close: Callable[[], None]) -> None:

@@ -462,3 +462,55 @@ def test_a_fork_child_that_drops_an_inherited_queue_leaves_it_open() -> None:
     finally:
         reader.close()
         writer.close()
+
+
+_kept: list[Any] = []  # what a multiprocessing child keeps referenced until it exits
+
+
+def _keep_a_writer(out: Any) -> None:
+    _kept.append(MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=2))
+    out.send(_kept[-1].export_handle())
+
+
+def _keep_a_remote_reader(handle: Any, out: Any) -> None:
+    _kept.append(MessageQueue.create_from_handle(handle, -1))
+    out.send("attached")
+
+
+def test_a_multiprocessing_child_that_exits_with_its_queues_referenced_closes_them() -> None:
+    """A multiprocessing child ends in os._exit, which runs no atexit hook: a vLLM worker whose
+    queues are still referenced then (its death-pipe thread holds them) must not leave its ring
+    in /dev/shm, nor its remote reader for the writer to drop after the heartbeat timeout."""
+    ours, theirs = mp.Pipe()
+    child = mp.Process(target=_keep_a_writer, args=(theirs,))
+    child.start()
+    path = ab.Handle.parse(ours.recv().channel).path
+    child.join(30)
+    assert child.exitcode == 0
+    assert not os.path.exists(path)
+
+    writer = MessageQueue(1, 0, max_chunk_bytes=4096, max_chunks=4, connect_ip="127.0.0.1")
+    try:
+        child = mp.Process(target=_keep_a_remote_reader, args=(writer.export_handle(), theirs))
+        child.start()
+        assert ours.recv() == "attached"
+        child.join(30)
+        assert child.exitcode == 0
+
+        def remote() -> list[Any]:
+            return [r for r in writer.statistics().readers if r.transport == "tcp"]
+
+        deadline = time.monotonic() + 2  # a reader that never said goodbye is dropped after 3 s
+        while remote() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not remote()
+    finally:
+        writer.close()
+
+
+def test_a_ring_too_large_for_dev_shm_raises_vllms_runtime_error() -> None:
+    st = os.statvfs("/dev/shm")
+    free = st.f_bavail * st.f_frsize
+    with pytest.raises(RuntimeError, match=r"^Insufficient space in /dev/shm") as caught:
+        MessageQueue(1, 1, max_chunk_bytes=free + (1 << 30), max_chunks=2)
+    assert isinstance(caught.value, ab.InsufficientSharedMemory)

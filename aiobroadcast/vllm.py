@@ -282,7 +282,7 @@ class MessageQueueWriter(MessageQueue):
             tcp = f"tcp://[{ip}]:0" if ":" in ip else f"tcp://{ip}:0"
         try:
             self._writer: blocking.BlockingWriter[Any] = blocking.open_writer(
-                capacity=max_chunks,
+                capacity=2 if max_chunks == 1 else max_chunks,  # a ring has two slots at least
                 slot_bytes=max_chunk_bytes,
                 max_readers=max(1, n_local_reader, self.n_remote_reader),
                 tcp=tcp,

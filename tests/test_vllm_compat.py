@@ -514,3 +514,16 @@ def test_a_ring_too_large_for_dev_shm_raises_vllms_runtime_error() -> None:
     with pytest.raises(RuntimeError, match=r"^Insufficient space in /dev/shm") as caught:
         MessageQueue(1, 1, max_chunk_bytes=free + (1 << 30), max_chunks=2)
     assert isinstance(caught.value, ab.InsufficientSharedMemory)
+
+
+def test_a_queue_of_one_chunk() -> None:
+    """vLLM takes max_chunks=1 (its own tests do); the ring then has two slots."""
+    writer = MessageQueue(1, 1, max_chunk_bytes=4096, max_chunks=1)
+    reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
+    try:
+        for i in range(5):
+            writer.enqueue(i)
+            assert reader.dequeue(timeout=5) == i
+    finally:
+        reader.close()
+        writer.close()

@@ -261,8 +261,8 @@ class MessageQueueWriter(MessageQueue):
         """As vLLM's: ``n_reader`` readers, ``n_local_reader`` of them on this node (group ranks
         ``local_reader_ranks``, default ``0 .. n_local_reader-1``), a ring of ``max_chunks``
         slots of ``max_chunk_bytes`` (larger messages take several slots, or stream), and for
-        the remote readers a TCP endpoint on ``connect_ip`` (default: ``$VLLM_HOST_IP``, else
-        this host name's address).
+        the remote readers a TCP endpoint on ``connect_ip`` (default: as vLLM's ``get_ip()``,
+        ``$VLLM_HOST_IP``, else the address of the interface that routes outwards).
 
         ``enable_shm_tensor_arena`` is accepted and, for now, changes nothing: large CPU tensors
         take the copying path (each reader unpickles its own copy, which stays valid for as
@@ -527,6 +527,23 @@ def _same_node(group: _Group, writer_rank: int) -> list[bool]:
             probe.close()
 
 
+#: Public addresses a UDP socket is "connected" to (nothing is sent) to learn which local address
+#: routes outwards, as vLLM's ``get_ip()`` does.
+_ROUTE_PROBES = ((socket.AF_INET, ("8.8.8.8", 80)), (socket.AF_INET6, ("2001:4860:4860::8888", 80)))
+
+
 def _host_ip() -> str:
-    """The address remote readers connect to when ``connect_ip`` is not given."""
-    return os.environ.get("VLLM_HOST_IP") or socket.gethostbyname(socket.gethostname())
+    """The address remote readers connect to when ``connect_ip`` is not given, as vLLM's
+    ``get_ip()``: ``$VLLM_HOST_IP``, else the address of the interface that routes outwards
+    (IPv4, then IPv6), else the host name's address (vLLM's last resort is 0.0.0.0, which no
+    reader can connect to)."""
+    if ip := os.environ.get("VLLM_HOST_IP"):
+        return ip
+    for family, probe in _ROUTE_PROBES:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(probe)
+                return str(s.getsockname()[0])
+        except OSError:
+            pass
+    return socket.gethostbyname(socket.gethostname())

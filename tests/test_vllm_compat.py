@@ -19,6 +19,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import socket
 import sys
 import threading
 import time
@@ -526,4 +527,23 @@ def test_a_queue_of_one_chunk() -> None:
             assert reader.dequeue(timeout=5) == i
     finally:
         reader.close()
+        writer.close()
+
+
+def test_remote_readers_are_offered_the_address_vllms_get_ip_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without connect_ip (as create_from_process_group_single_reader makes a remote rank's
+    queue) and without $VLLM_HOST_IP, the queue listens where vLLM's get_ip() says this host is
+    reached: the address of the interface that routes outwards, not the host name's (which
+    /etc/hosts often maps to 127.0.1.1 or 127.0.0.1, out of reach of the other nodes)."""
+    monkeypatch.delenv("VLLM_HOST_IP", raising=False)
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("8.8.8.8", 80))  # nothing is sent
+            expected = probe.getsockname()[0]
+    except OSError:
+        pytest.skip("this host has no IPv4 route outwards")
+    writer = MessageQueue(1, 0, max_chunk_bytes=4096, max_chunks=2)
+    try:
+        assert (writer.export_handle().remote_subscribe_addr or "").startswith(f"tcp://{expected}:")
+    finally:
         writer.close()

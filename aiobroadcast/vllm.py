@@ -12,6 +12,19 @@ node read its shared-memory ring and sleep on a socket instead of spinning; read
 nodes come over TCP with CurveZMQ (authenticated and encrypted; nothing is unpickled before it
 is authenticated), not over a plain PUB socket.
 
+The surface is vLLM 0.33.0's, with the calls its multiprocess executor makes
+(``tests/test_vllm_executor.py`` makes them in its order): the constructor's keywords and
+defaults (``enable_shm_tensor_arena`` among them), ``create_from_process_group(pg,
+max_chunk_bytes, max_chunks, writer_rank=0, external_writer_handle=None, blocking=True)``,
+``create_from_handle(handle, -1)`` (any rank that is not local reads over TCP), and the
+``Handle``'s ``local_reader_ranks``, ``remote_subscribe_addr`` (None when the queue has no
+remote readers) and ``remote_addr_ipv6``. Without ``connect_ip`` the remote readers are offered
+the address vLLM's ``get_ip()`` gives (``$VLLM_HOST_IP``, else the interface that routes
+outwards). ``max_chunks=1`` makes a ring of two slots (a ring has two at least). A ring
+/dev/shm cannot hold raises ``InsufficientQueueSpace``, a ``RuntimeError`` whose message starts
+"Insufficient space in /dev/shm", as vLLM's (vLLM also weighs the cgroup's memory limit; this
+does not).
+
 What differs, on purpose:
 
 - The roles are two classes, ``MessageQueueWriter`` and ``MessageQueueReader``, both
@@ -29,6 +42,39 @@ What differs, on purpose:
 - Timeouts raise ``aiobroadcast.WaitTimeout``, a ``TimeoutError``; a cancelled ``dequeue``
   raises ``QueueCancelled``, a ``RuntimeError`` whose message starts with "cancelled", as
   vLLM's; negative timeouts never mean "forever".
+- ``enable_shm_tensor_arena=True`` is accepted and, for now, changes nothing: every object,
+  a torch CPU tensor too, is pickled into the message (torch's own reducer) and each reader
+  unpickles its own copy, writable and valid for as long as it is referenced, the lifetime
+  vLLM's arena gives its zero-copy views (vLLM 0.33 also sends tensors of 1 MiB or more
+  out-of-band; the arena's zero-copy path is not there yet). A message larger than a chunk takes
+  several slots, or streams through the ring, instead of vLLM's overflow socket.
+- ``shutdown()`` wakes a parked ``dequeue`` of a remote (TCP) reader too, where vLLM's wakes
+  local readers only (its remote reader sleeps on until its process is killed); on the writer
+  it only sets ``shutting_down``, as vLLM's. A queue is closed when collected, at its
+  process's exit, and at a ``multiprocessing`` child's exit (``os._exit``, which runs no
+  ``atexit`` hook); vLLM's executor drops its queues after its workers exited, so its workers
+  never see the end of the stream (a reader that does gets ``EndOfStream``, where vLLM's would
+  wait on).
+- ``dequeue`` also takes ``cancel=`` (a ``threading.Event``, as earlier vLLM did). A
+  reader polls for at most ~50 us after a read before it sleeps (``_spin_condition.busy_loop_s``
+  is 0 here, 1 s in vLLM, whose reader spins a core for a second after every read); vLLM's
+  environment knobs (``VLLM_RINGBUFFER_WARNING_INTERVAL``, ``VLLM_USE_SPINLOOP_EXT``) are not
+  read.
+- Wrong arguments raise ``ValueError`` where vLLM asserts (``python -O`` drops asserts):
+  ``local_reader_ranks`` that do not name ``n_local_reader`` ranks, an
+  ``n_local_reader`` above ``n_reader``. ``create_from_handle`` of a rank that is not local on
+  a queue without remote readers raises ``BroadcastError`` at once; if the writer rank of
+  ``create_from_process_group`` cannot make the queue, every rank raises.
+- The ``Handle`` is a frozen dataclass that carries the channel's handle (and its CurveZMQ
+  reader keys: send it only to the ranks) instead of vLLM's ring name and ZeroMQ addresses:
+  ``buffer_handle``, ``local_subscribe_addr``, ``local_notify_addr`` and
+  ``tensor_arena_handle`` are not there.
+- vLLM's transport internals are not there: ``ShmRingBuffer``, ``SpinCondition`` (but for
+  ``_spin_condition.busy_loop_s`` and ``last_read``), ``acquire_read``/``acquire_write``,
+  ``ReadTimeoutWithWarnings``, ``MessageQueue.recv``, ``check_shm_free_space``,
+  ``_reduce_tensor``, and the attributes ``buffer``, ``current_idx``, ``local_socket``,
+  ``remote_socket``, ``local_reader_rank`` and ``tensor_arena``. ``close()`` and
+  ``statistics()`` are added.
 
 torch is imported only when ``create_from_process_group`` is given a torch ``ProcessGroup``; any
 other group object with ``rank``, ``world_size`` and ``broadcast_obj(obj, src)`` (as vLLM's

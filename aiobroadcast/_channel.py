@@ -285,9 +285,24 @@ class WriterChannel:
             server.stop()
 
     async def stop_server(self) -> None:
-        if self.server is not None:
+        """``stop_server_blocking``, in a thread of its own that the loop waits for. A cancellation
+        that gets through the shield (asyncio's own: ``task.cancel()``, ``asyncio.timeout``,
+        ``wait_for``, a failing ``TaskGroup`` sibling; no anyio shield stops them) ends the wait,
+        never the stop: the stop is finished here, blocking for a bounded time, before the
+        cancellation goes on (``ServerProcess.finish``)."""
+        server, self.server = self.server, None
+        if server is None:
+            return
+        # Not anyio's worker: a worker that had not started the stop when the wait was cancelled
+        # would never run it.
+        stopper = threading.Thread(target=server.stop, name="aiobroadcast-tcp-stop", daemon=True)
+        stopper.start()
+        try:
             with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self.stop_server_blocking)
+                await anyio.to_thread.run_sync(stopper.join)
+        except BaseException:
+            server.finish(stopper)
+            raise
 
     # --- state ---------------------------------------------------------------------------------
     def statistics(self, tasks_waiting: int) -> WriterStatistics:
@@ -337,8 +352,7 @@ class WriterChannel:
         closed = self.closed_event = anyio.Event()
         try:
             self.mark_closed()
-            await self.stop_server()
-            self.release()
+            await self._stop_and_release()
         finally:
             closed.set()
 
@@ -348,8 +362,16 @@ class WriterChannel:
             return
         self.pub.abandon()
         _fork.untrack(self)
-        await self.stop_server()  # it sees the writer gone and tells remote readers
-        self.release()
+        await self._stop_and_release()  # the server sees the writer gone and tells remote readers
+
+    async def _stop_and_release(self) -> None:
+        """The rest of a close, once the ring is marked closed, done in full even when cancelled:
+        the writer is marked closed already, so a second ``aclose`` would do nothing, and what a
+        cancellation cut short here would stay in /dev/shm until the process exits."""
+        try:
+            await self.stop_server()
+        finally:
+            self.release()
 
     def release(self) -> None:
         """The last step of a close: unlink the files, close the sockets, unmap the ring."""

@@ -46,6 +46,10 @@ FD_SPARE = 8
 #: its report is stale (it cannot write it) when it is older than this many heartbeats, plus a second
 STALE_HEARTBEATS = 4
 
+#: how long a close that was cancelled still gives the server to hand remote readers the end of the
+#: stream (normally milliseconds) before it kills it; the event loop is blocked meanwhile
+CANCELLED_STOP_S = 1.0
+
 #: the directory that holds the ``aiobroadcast`` package this module belongs to
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -100,6 +104,8 @@ class ServerProcess:
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
+        #: the server ``stop`` waits for (``finish`` may kill it)
+        self._stopping: subprocess.Popen[bytes] | None = None
         self._thread: threading.Thread | None = None
         self.state: TcpServerState = "running"
         self.restarts = 0
@@ -213,7 +219,7 @@ class ServerProcess:
     def stop(self) -> None:
         """Ask the server to stop once remote readers have drained (it sees its stdin close),
         wait for it (killing it after ``stop_s``), and remove its report. Blocking."""
-        proc = self._detach()
+        proc = self._stopping = self._detach()
         if proc is not None:
             try:
                 proc.wait(self._stop_s)
@@ -228,6 +234,23 @@ class ServerProcess:
             proc.stdout.close()
         remove_quietly(self.stats_path)
         remove_quietly(stats_tmp_path(self.stats_path))
+
+    def finish(self, stopper: threading.Thread) -> None:
+        """``stopper`` runs ``stop`` and its caller may not wait for it any longer (its close was
+        cancelled): give the server ``CANCELLED_STOP_S`` more to drain, then kill it, and return
+        once ``stop`` is done (the server is gone, its report removed). Blocking, for about
+        ``CANCELLED_STOP_S`` at most."""
+        stopper.join(CANCELLED_STOP_S)
+        if stopper.is_alive():
+            proc = self._stopping
+            if proc is not None and proc.poll() is None:
+                log.warning(
+                    "aiobroadcast: the writer's close was cancelled and its TCP server had not stopped "
+                    "%.1f s later; killed it (remote readers may not receive the end of the stream)",
+                    CANCELLED_STOP_S,
+                )
+                proc.kill()
+            stopper.join()
 
     def abandon(self) -> None:
         """The writer is gone without closing (garbage collected, or the interpreter exits): let

@@ -9,10 +9,10 @@ the total, and with ``--messages`` the CPU per message in microseconds, per row 
 COMMAND's own last line of output, unchanged.
 
 A thread's figure is its last sample, so a thread that ends between two samples loses up to MS
-milliseconds (keep runs long against MS: seconds, not milliseconds). The tree is walked again
-every ``RESCAN`` samples (new processes are found that late at most); in between only the known
-processes are read. The sampler's own CPU is reported (``sampler_cpu_s``): it runs beside the
-command, on the same CPUs. Linux only.
+milliseconds (keep runs long against MS: seconds, not milliseconds). The tree is walked at every
+sample for the first ``EARLY_S``, then every ``RESCAN`` samples (new processes are found that late
+at most); in between only the known processes are read. The sampler's own CPU is reported
+(``sampler_cpu_s``): it runs beside the command, on the same CPUs. Linux only.
 
 Used to put aiobroadcast's processes beside a peer's on one cell, e.g. over TCP at 64 KiB:
 
@@ -36,6 +36,9 @@ from typing import Any
 TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 #: samples between two walks of the whole process table (a walk reads every process's stat)
 RESCAN = 10
+#: for this long after the start every sample walks it: the command's processes are born then, and a
+#: short run on a loaded machine could otherwise end before the first walk that would find them
+EARLY_S = 2.0
 
 
 def _stat_fields(path: str) -> tuple[str, list[str]]:
@@ -109,8 +112,9 @@ def main() -> int:
         cpu0 = time.process_time()
         pids: list[int] = []
         n = 0
+        started = time.monotonic()
         while proc.poll() is None:
-            if n % RESCAN == 0:
+            if n % RESCAN == 0 or time.monotonic() - started < EARLY_S:
                 pids = descendants(proc.pid)
             sample(pids, rows, commands)
             n += 1

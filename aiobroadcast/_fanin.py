@@ -47,6 +47,7 @@ from ._exceptions import (
     WouldBlock,
     WriterGone,
 )
+from ._fanin_deaths import SenderDeaths
 from ._fanin_remote import NoWatch, RemoteOptions, remote_spec, server_place
 from ._handle import (
     _UNIX_PATH_MAX,
@@ -315,6 +316,8 @@ class _Gather:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
         self._outbox = Outbox()
+        #: The senders' pidfds: a death knocks the inbox at once (``_fanin_deaths``).
+        self._deaths = SenderDeaths(handle.inbox_path)
         _fork.track(self)
 
     # --- taking ----------------------------------------------------------------------------
@@ -424,6 +427,7 @@ class _Gather:
         f.src.close()
         if f.ring is None or f.link is None:
             return  # a remote sender: nothing of it here
+        self._deaths.forget(f.name)
         for path in (f.ring.path, f.ring.path + "-w.sock", f.ring.path + "-r0.sock"):
             _segment._unlink_quiet(path)
         self._unlink_link(f.link, f.ring.name)
@@ -453,7 +457,7 @@ class _Gather:
         if self.inbox.knocked:
             self.inbox.knocked = False
             self.rescan()
-        if monotonic() - self._last_check >= _tuning.LIVENESS_S:
+        if self._deaths.fired or monotonic() - self._last_check >= _tuning.LIVENESS_S:
             self.check_now()
 
     @property
@@ -465,6 +469,7 @@ class _Gather:
         """Look for new senders, and for dead ones among those with nothing to read."""
         self._last_check = monotonic()
         self.inbox.knocked = False
+        self._deaths.fired = False
         for f in self.feeds:
             f.src.check_writer()
         self.rescan()
@@ -518,6 +523,7 @@ class _Gather:
             return
         self.feeds.append(_Feed(name, pid, ring, src, link))
         self._known.add(name)
+        self._deaths.watch(name, seg)
 
     def remote_source(self, handle: Handle | str, name: str) -> tuple[Handle, Any]:
         """Check a remote sender's handle and name, and start its ``TcpSource`` (not yet welcomed)."""
@@ -578,6 +584,7 @@ class _Gather:
             self._let_go(f)
         self.feeds = []
         self._cur = None
+        self._deaths.close()
         self.inbox.close()
         self._outbox.close()
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -595,6 +602,7 @@ class _Gather:
             os.close(self._lock_fd)
         except OSError:
             pass
+        self._deaths.forget_in_child()
 
 
 def _name_problem(name: object) -> str | None:

@@ -8,14 +8,21 @@ from __future__ import annotations
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from typing import Any
 
+import _netns
 import anyio
 import anyio.from_thread
 import anyio.to_thread
 import pytest
 from _blocking_workers import recv
-from _fanin_workers import remote_collector_proc, remote_sender_proc
+from _fanin_workers import (
+    netns_collector_proc,
+    netns_remote_sender_proc,
+    remote_collector_proc,
+    remote_sender_proc,
+)
 from _peers import hello, keyed_peer, until
 from _workers import spawn
 
@@ -160,3 +167,45 @@ async def test_forged_frames_from_a_keyed_peer_drop_only_that_peer_and_nothing_i
             got = [await collector.get() for _ in range(len(forged) + 1)]
         assert got == [ab.Item("far", i) for i in range(-1, len(forged))]
         await until(lambda: sender._w.statistics().rejected_frames >= 3)
+
+
+@pytest.fixture(scope="module")
+def hosts() -> Iterator[_netns.Topology]:
+    """Network namespaces joined by a bridge (tests/_netns.py), deleted at the end."""
+    try:
+        topo = _netns.create()
+    except _netns.Unavailable as exc:
+        pytest.skip(f"no network namespaces: {exc}")
+    try:
+        yield topo
+    finally:
+        _netns.destroy(topo)
+
+
+@pytest.mark.anyio
+async def test_across_hosts_nothing_put_before_attach_is_lost_and_a_cut_link_ends_put(hosts: _netns.Topology) -> None:
+    """The sender on one host (network namespace), the collector on another: what the sender put
+    before the collector attached arrives in order; then the collector's cable is pulled (no
+    packet, nobody told) and the sender's ``put`` raises ``CollectorGone`` once its server has
+    dropped the silent collector (6 heartbeats: 3 s)."""
+    with spawn(netns_collector_proc, hosts.reader_ns, 50) as collector:
+        collector_handle = await collector.recv("handle")
+        try:
+            with spawn(netns_remote_sender_proc, hosts.writer_ns, collector_handle, 50) as sender:
+                remote = await sender.recv("handle")
+                assert ab.Handle.parse(remote).tcp.startswith(f"tcp://{_netns.WRITER_IP}:")  # type: ignore[union-attr]
+                assert await sender.recv("sent") == 50
+                collector.send(remote)
+                assert await collector.recv("took") == list(range(50))
+                hosts.set_reader_link(up=False)
+                try:
+                    t0 = time.monotonic()
+                    sender.send("more")
+                    await sender.recv("gone", within_s=WITHIN_S + 10)
+                    assert time.monotonic() - t0 < WITHIN_S
+                finally:
+                    hosts.set_reader_link(up=True)
+                await sender.recv("closed")  # its files removed
+        finally:
+            collector.cleanup()
+            shutil.rmtree(ab.CollectorHandle.parse(collector_handle).path, ignore_errors=True)

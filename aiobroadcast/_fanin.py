@@ -849,6 +849,7 @@ class Sender(Generic[T_contra]):
         self._pub = writer._ch.pub
         self._words = writer._ch.seg.words
         self._active, self._watch = _guard(writer._ch, collector)
+        self._remote = writer.handle if writer._ch.server is not None else None
         self._name = name
         self._collector = collector
 
@@ -866,7 +867,7 @@ class Sender(Generic[T_contra]):
         """A remote sender's (``open_sender(..., tcp=...)``): what the collector attaches, with
         ``collector.attach(remote_handle, name=...)`` (JSON-able; it holds the TCP keys). None
         for a sender of this host."""
-        return self._w.handle if self._w._ch.server is not None else None
+        return self._remote
 
     def _check(self) -> None:
         pub = self._pub

@@ -221,6 +221,7 @@ class BlockingSender(Generic[T_contra]):
         self._pub = ch.pub
         self._words = ch.seg.words
         self._active, self._watch = _guard(ch, collector)
+        self._remote: Handle | None = writer.handle if ch.server is not None else None
         self._name = name
         self._collector = collector
 
@@ -235,7 +236,7 @@ class BlockingSender(Generic[T_contra]):
     @property
     def remote_handle(self) -> Handle | None:
         """As ``Sender.remote_handle``: what a collector attaches (a remote sender), else None."""
-        return self._w.handle if self._w._w.server is not None else None
+        return self._remote
 
     def _check(self) -> None:
         if self._w._closing or self._pub.closed:

@@ -16,6 +16,7 @@ from ._exceptions import InvalidHandle as InvalidHandle
 from ._exceptions import MessageTooLarge as MessageTooLarge
 from ._exceptions import NoReplyError as NoReplyError
 from ._exceptions import ReaderLagged as ReaderLagged
+from ._exceptions import SchemaViolation as SchemaViolation
 from ._exceptions import SerializationError as SerializationError
 from ._exceptions import TooManyReaders as TooManyReaders
 from ._exceptions import TransportError as TransportError
@@ -88,6 +89,7 @@ __all__ = [
     "ReaderStatistics",
     "Reply",
     "Request",
+    "SchemaViolation",
     "Sender",
     "SenderInfo",
     "SerializationError",

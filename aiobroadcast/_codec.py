@@ -35,9 +35,9 @@ import struct
 from collections.abc import Sequence
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
-from ._exceptions import SerializationError
+from ._exceptions import SchemaViolation, SerializationError
 
 #: ``PickleBuffer`` producers (numpy arrays, bytearrays) from this size up travel out of band (one
 #: copy, straight into the ring). Below it the out-of-band bookkeeping costs more than it saves.
@@ -553,7 +553,10 @@ class SchemaCodec:
     def encode(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
         # An instance is validated again: model_construct() or assignment may have made it invalid.
         data = dict(obj) if isinstance(obj, BaseModel) else obj
-        model = self.schema.model_validate(data)  # raises pydantic.ValidationError
+        try:
+            model = self.schema.model_validate(data)
+        except ValidationError as exc:
+            raise SchemaViolation(self.schema.__qualname__, exc.errors(include_url=False)) from exc
         data = model.model_dump_json().encode()
         return (data,), len(data), False
 

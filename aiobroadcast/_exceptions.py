@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, TypeVar
 
 
 class BroadcastError(Exception):
@@ -123,6 +123,23 @@ class MessageTooLarge(BroadcastError):
 class SerializationError(BroadcastError):
     """Raised by ``put``/``put_nowait`` when the object cannot be encoded (for example it
     cannot be pickled). Nothing is published."""
+
+
+class SchemaViolation(SerializationError, ValueError):
+    """Raised by ``put``/``put_nowait``/``put_many`` of a channel or collector with a ``schema``
+    (every sending role: ``Writer``, ``Sender``, their blocking roles) when the object does not
+    validate against the model. Nothing is published. ``errors`` holds pydantic's list of
+    problems (``ValidationError.errors()``), and the ``ValidationError`` is its ``__cause__``.
+    Also a ``SerializationError`` and a ``ValueError``."""
+
+    def __init__(self, schema: str, errors: list[Any]) -> None:
+        self.schema = schema
+        self.errors = errors
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ())) or '(the object)'}: {e.get('msg', '?')}" for e in errors[:3]
+        )
+        more = f" and {len(errors) - 3} more" if len(errors) > 3 else ""
+        super().__init__(f"the object does not validate as {schema}: {problems}{more}")
 
 
 class DeserializationError(BroadcastError):

@@ -47,8 +47,20 @@ from ._exceptions import (
     WouldBlock,
     WriterGone,
 )
-from ._handle import _UNIX_PATH_MAX, Codec, Handle, Policy, _first_problem, check_directory, handle_kind, require
-from ._open import DEFAULT_DIRECTORY, _decoder, _Opening, _WriterSpec
+from ._fanin_deaths import SenderDeaths
+from ._fanin_remote import NoWatch, RemoteOptions, remote_spec, server_place
+from ._handle import (
+    _UNIX_PATH_MAX,
+    Codec,
+    CurveKeys,
+    Handle,
+    Policy,
+    _first_problem,
+    check_directory,
+    handle_kind,
+    require,
+)
+from ._open import DEFAULT_DIRECTORY, _decoder, _open_channel, _Opening, _WriterSpec
 from ._shm import segment as _segment
 from ._shm.atomic import Words
 from ._shm.layout import R_ACTIVE, R_CURSOR, R_PID, fence
@@ -304,6 +316,8 @@ class _Gather:
             shutil.rmtree(self._dir, ignore_errors=True)
             raise
         self._outbox = Outbox()
+        #: The senders' pidfds: a death knocks the inbox at once (``_fanin_deaths``).
+        self._deaths = SenderDeaths(handle.inbox_path)
         _fork.track(self)
 
     # --- taking ----------------------------------------------------------------------------
@@ -413,6 +427,7 @@ class _Gather:
         f.src.close()
         if f.ring is None or f.link is None:
             return  # a remote sender: nothing of it here
+        self._deaths.forget(f.name)
         for path in (f.ring.path, f.ring.path + "-w.sock", f.ring.path + "-r0.sock"):
             _segment._unlink_quiet(path)
         self._unlink_link(f.link, f.ring.name)
@@ -442,7 +457,7 @@ class _Gather:
         if self.inbox.knocked:
             self.inbox.knocked = False
             self.rescan()
-        if monotonic() - self._last_check >= _tuning.LIVENESS_S:
+        if self._deaths.fired or monotonic() - self._last_check >= _tuning.LIVENESS_S:
             self.check_now()
 
     @property
@@ -454,6 +469,7 @@ class _Gather:
         """Look for new senders, and for dead ones among those with nothing to read."""
         self._last_check = monotonic()
         self.inbox.knocked = False
+        self._deaths.fired = False
         for f in self.feeds:
             f.src.check_writer()
         self.rescan()
@@ -507,6 +523,7 @@ class _Gather:
             return
         self.feeds.append(_Feed(name, pid, ring, src, link))
         self._known.add(name)
+        self._deaths.watch(name, seg)
 
     def remote_source(self, handle: Handle | str, name: str) -> tuple[Handle, Any]:
         """Check a remote sender's handle and name, and start its ``TcpSource`` (not yet welcomed)."""
@@ -567,6 +584,7 @@ class _Gather:
             self._let_go(f)
         self.feeds = []
         self._cur = None
+        self._deaths.close()
         self.inbox.close()
         self._outbox.close()
         shutil.rmtree(self._dir, ignore_errors=True)
@@ -584,6 +602,7 @@ class _Gather:
             os.close(self._lock_fd)
         except OSError:
             pass
+        self._deaths.forget_in_child()
 
 
 def _name_problem(name: object) -> str | None:
@@ -625,6 +644,15 @@ class CollectorWatch:
             return False
         self._next = now + _tuning.SENDER_WATCH_S
         return not _collector_alive(self._handle)
+
+
+def _guard(ch: WriterChannel, collector: CollectorHandle) -> tuple[int, CollectorWatch | NoWatch]:
+    """What a sender watches: the active word of its collector's place (place 0, or for a remote
+    sender its TCP server's, which the server leaves once the collector is gone), and the
+    collector's lock (a local one only)."""
+    if ch.server is None:
+        return ch.seg.layout.record_word(0, R_ACTIVE), CollectorWatch(collector)
+    return ch.seg.layout.record_word(server_place(ch), R_ACTIVE), NoWatch()
 
 
 # --- the collector (async) ------------------------------------------------------------------------
@@ -686,12 +714,14 @@ class Collector(Generic[T_co]):
         return self._g.statistics(self._tasks_waiting)
 
     async def attach(self, handle: Handle | str, *, name: str, connect_timeout: float = 10.0) -> None:
-        """Read a remote sender: a writer on another host that serves TCP
-        (``open_writer(tcp=..., max_readers=1)``), with the broadcast side's security (CurveZMQ
-        admission, sealed data, nothing decoded before it is authenticated). Its items arrive as
-        ``Item(name, value)`` in turn with the others; its close as ``SourceClosed``, its death as
-        ``SourceGone``. (Its ``put`` does not learn of this collector's death: docs/fan-in.md.)
-        Raises ``InvalidHandle``, ``InvalidArgument`` (a name taken), ``TransportError``."""
+        """Read a remote sender: ``open_sender(handle, name=..., tcp=...)`` on another host (pass
+        its ``remote_handle``), or any writer that serves TCP (``open_writer(tcp=...,
+        max_readers=1)``), with the broadcast side's security (CurveZMQ admission, sealed data,
+        nothing decoded before it is authenticated). Its items arrive as ``Item(name, value)`` in
+        turn with the others (a remote sender's from its first, put before this attach); its
+        close as ``SourceClosed``, its death as ``SourceGone``. A remote sender's ``put`` raises
+        ``CollectorGone`` once this collector closed or died (a plain writer's does not:
+        docs/fan-in.md). Raises ``InvalidHandle``, ``InvalidArgument`` (a name taken), ``TransportError``."""
         h, src = self._g.remote_source(handle, name)
         await src.wait_welcome(connect_timeout)
         self._g.add_remote(name, h, src)
@@ -818,10 +848,10 @@ class Sender(Generic[T_contra]):
         self._w = writer
         self._pub = writer._ch.pub
         self._words = writer._ch.seg.words
-        self._active = writer._ch.seg.layout.record_word(0, R_ACTIVE)
+        self._active, self._watch = _guard(writer._ch, collector)
+        self._remote = writer.handle if writer._ch.server is not None else None
         self._name = name
         self._collector = collector
-        self._watch = CollectorWatch(collector)
 
     @property
     def name(self) -> str:
@@ -831,6 +861,13 @@ class Sender(Generic[T_contra]):
     def handle(self) -> CollectorHandle:
         """The collector's handle."""
         return self._collector
+
+    @property
+    def remote_handle(self) -> Handle | None:
+        """A remote sender's (``open_sender(..., tcp=...)``): what the collector attaches, with
+        ``collector.attach(remote_handle, name=...)`` (JSON-able; it holds the TCP keys). None
+        for a sender of this host."""
+        return self._remote
 
     def _check(self) -> None:
         pub = self._pub
@@ -1213,6 +1250,11 @@ def open_sender(
     capacity: int | None = ...,
     slot_bytes: int | None = ...,
     connect_timeout: float = ...,
+    tcp: str | None = ...,
+    advertise: str | None = ...,
+    keys: CurveKeys | None = ...,
+    heartbeat_s: float = ...,
+    data_port: int = ...,
 ) -> _Opening[Sender[Any]]: ...
 @overload
 def open_sender(
@@ -1223,6 +1265,11 @@ def open_sender(
     capacity: int | None = ...,
     slot_bytes: int | None = ...,
     connect_timeout: float = ...,
+    tcp: str | None = ...,
+    advertise: str | None = ...,
+    keys: CurveKeys | None = ...,
+    heartbeat_s: float = ...,
+    data_port: int = ...,
 ) -> _Opening[Sender[M]]: ...
 def open_sender(
     handle: CollectorHandle | str,
@@ -1232,6 +1279,11 @@ def open_sender(
     capacity: int | None = None,
     slot_bytes: int | None = None,
     connect_timeout: float = 10.0,
+    tcp: str | None = None,
+    advertise: str | None = None,
+    keys: CurveKeys | None = None,
+    heartbeat_s: float = 0.5,
+    data_port: int = 0,
 ) -> _Opening[Sender[Any]]:
     """Attach a sender named ``name`` to the collector of ``handle`` (its ``CollectorHandle`` or
     JSON) and return it. Items put before the collector attaches wait in the ring (a full ring
@@ -1243,10 +1295,27 @@ def open_sender(
     - ``connect_timeout``: how long to wait for the name to be freed when a sender of that
       name ended and the collector has not reported it yet.
 
+    - ``tcp``: a **remote sender** (the collector on another host): serve this sender's ring on
+      this ZeroMQ endpoint (e.g. ``"tcp://10.0.0.5:0"``), with the broadcast side's security, and
+      hand ``sender.remote_handle`` to the collector, which reads it with
+      ``collector.attach(remote_handle, name=...)``. Nothing put before it attaches is lost (a full
+      ring holds the sender back); once it closes or dies, ``put`` raises ``CollectorGone``.
+      ``advertise``, ``keys``, ``heartbeat_s``, ``data_port``: as ``open_writer``'s. No rendezvous
+      with the collector's directory: ``name`` is what the collector's ``attach`` is given.
+
     Raises ``InvalidHandle`` (a broadcast channel's handle, or not a handle), ``InvalidArgument``
     (a bad name, or a name a live sender holds), ``CollectorGone`` (the collector closed or died),
     ``TransportError`` (the name of an ended sender was not released within ``connect_timeout``).
     """
+    if tcp is not None:
+        h = CollectorHandle.parse(handle)
+        require(_name_problem(name))
+        spec = remote_spec(h, schema, capacity, slot_bytes, RemoteOptions(tcp, advertise, keys, heartbeat_s, data_port))
+
+        async def make_remote() -> Sender[Any]:
+            return Sender(_private, Writer(_writer_token, await _open_channel(spec)), name, h)
+
+        return _Opening(make_remote)
 
     async def make() -> Sender[Any]:
         start = _SenderStart(handle, name, schema, capacity, slot_bytes, connect_timeout)

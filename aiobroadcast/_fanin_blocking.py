@@ -17,18 +17,19 @@ from ._fanin import (
     _NOTHING,
     CollectorHandle,
     CollectorStatistics,
-    CollectorWatch,
     Delivery,
     _CollectorSpec,
     _Gather,
+    _guard,
+    _name_problem,
     _orphaned,
     _sender_refusal,
     _SenderStart,
 )
-from ._handle import Handle, Policy
+from ._fanin_remote import RemoteOptions, blocking_channel, remote_spec
+from ._handle import CurveKeys, Handle, Policy, require
 from ._open import DEFAULT_DIRECTORY
 from ._shm import segment as _segment
-from ._shm.layout import R_ACTIVE
 from ._shm.wake import poll_blocking, wait_readable
 
 T_co = TypeVar("T_co", covariant=True)
@@ -219,10 +220,10 @@ class BlockingSender(Generic[T_contra]):
         ch = writer._w
         self._pub = ch.pub
         self._words = ch.seg.words
-        self._active = ch.seg.layout.record_word(0, R_ACTIVE)
+        self._active, self._watch = _guard(ch, collector)
+        self._remote: Handle | None = writer.handle if ch.server is not None else None
         self._name = name
         self._collector = collector
-        self._watch = CollectorWatch(collector)
 
     @property
     def name(self) -> str:
@@ -231,6 +232,11 @@ class BlockingSender(Generic[T_contra]):
     @property
     def handle(self) -> CollectorHandle:
         return self._collector
+
+    @property
+    def remote_handle(self) -> Handle | None:
+        """As ``Sender.remote_handle``: what a collector attaches (a remote sender), else None."""
+        return self._remote
 
     def _check(self) -> None:
         if self._w._closing or self._pub.closed:
@@ -352,6 +358,11 @@ def open_sender(
     capacity: int | None = ...,
     slot_bytes: int | None = ...,
     connect_timeout: float = ...,
+    tcp: str | None = ...,
+    advertise: str | None = ...,
+    keys: CurveKeys | None = ...,
+    heartbeat_s: float = ...,
+    data_port: int = ...,
 ) -> BlockingSender[Any]: ...
 @overload
 def open_sender(
@@ -362,6 +373,11 @@ def open_sender(
     capacity: int | None = ...,
     slot_bytes: int | None = ...,
     connect_timeout: float = ...,
+    tcp: str | None = ...,
+    advertise: str | None = ...,
+    keys: CurveKeys | None = ...,
+    heartbeat_s: float = ...,
+    data_port: int = ...,
 ) -> BlockingSender[M]: ...
 def open_sender(
     handle: CollectorHandle | str,
@@ -371,10 +387,21 @@ def open_sender(
     capacity: int | None = None,
     slot_bytes: int | None = None,
     connect_timeout: float = 10.0,
+    tcp: str | None = None,
+    advertise: str | None = None,
+    keys: CurveKeys | None = None,
+    heartbeat_s: float = 0.5,
+    data_port: int = 0,
 ) -> BlockingSender[Any]:
     """Attach a blocking sender to a collector (made by either API); the arguments and errors
-    are those of ``aiobroadcast.open_sender``. Use ``with`` or call ``close()``."""
+    are those of ``aiobroadcast.open_sender`` (``tcp=``: a remote sender, whose
+    ``remote_handle`` the collector attaches). Use ``with`` or call ``close()``."""
     b = _blocking()
+    if tcp is not None:
+        h = CollectorHandle.parse(handle)
+        require(_name_problem(name))
+        spec = remote_spec(h, schema, capacity, slot_bytes, RemoteOptions(tcp, advertise, keys, heartbeat_s, data_port))
+        return BlockingSender(_private, b.BlockingWriter(b._private, blocking_channel(spec)), name, h)
     start = _SenderStart(handle, name, schema, capacity, slot_bytes, connect_timeout)
     return BlockingSender(_private, b.BlockingWriter(b._private, start.channel), name, start.handle)
 

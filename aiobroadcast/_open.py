@@ -255,6 +255,9 @@ class _WriterSpec:
     rekey_messages: int = REKEY_MESSAGES
     rekey_bytes: int = REKEY_BYTES
     data_port: int = 0
+    #: a fan-in remote sender's ring: its TCP server serves one reader, the collector
+    #: (``ServerConfig.sole_reader``)
+    sole_reader: bool = False
 
     def __post_init__(self) -> None:
         if self.capacity < 2:
@@ -354,6 +357,7 @@ class _ServerStart:
             "hb_interval": spec.heartbeat_s,
             "hb_timeout": 6 * spec.heartbeat_s,
             "max_remote": spec.max_readers,
+            "sole_reader": spec.sole_reader,
             "rekey_messages": spec.rekey_messages,
             "rekey_bytes": spec.rekey_bytes,
             "data_port": spec.data_port,

@@ -27,7 +27,9 @@ from ._exceptions import (
     InvalidArgument,
     InvalidHandle,
     NoReplyError,
+    WaitTimeout,
     WorkerError,
+    WouldBlock,
 )
 from ._fanin import (
     Collector,
@@ -157,6 +159,36 @@ def _check_workers(workers: Iterable[str]) -> tuple[str, ...]:
 def _check_timeout(timeout: float) -> None:
     if not timeout >= 0:
         raise InvalidArgument(f"timeout must be a number of seconds >= 0, not {timeout!r}")
+
+
+def _ready_names(workers: tuple[str, ...], names: Iterable[str] | None, timeout: float | None) -> tuple[str, ...]:
+    """``wait_ready``'s arguments, checked: the names to wait for (default: every worker)."""
+    if timeout is not None:
+        _check_timeout(timeout)
+    if names is None:
+        return workers
+    if isinstance(names, str):
+        raise InvalidArgument("names must be a collection of worker names, not one string")
+    out = tuple(names)
+    for n in out:
+        if n not in workers:
+            raise InvalidArgument(f"{n!r} is not one of this pool's workers {list(workers)}")
+    return out
+
+
+def _not_ready(book: _Book, names: tuple[str, ...]) -> list[str]:
+    return [n for n in names if n not in book.ready]
+
+
+def _not_ready_error(missing: list[str], timeout: float | None) -> WaitTimeout:
+    return WaitTimeout(
+        f"worker(s) {', '.join(repr(n) for n in missing)} did not say hello within {timeout} s "
+        "(not started, still starting, or ended)"
+    )
+
+
+#: deliveries ``wait_ready`` takes at most in one sweep of what is ready now
+_SWEEP = 4096
 
 
 # --- the bookkeeping both callers share -----------------------------------------------------------------
@@ -329,6 +361,58 @@ class Caller(Generic[Q, R]):
 
     def statistics(self) -> CallerStatistics:
         return self._book.statistics()
+
+    # The timeout is part of the answer (WaitTimeout naming who is missing), as call's is.
+    async def wait_ready(
+        self,
+        names: Iterable[str] | None = None,
+        *,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> None:
+        """Return once every worker of ``names`` (default: the whole pool) has said hello: it is
+        attached, and a request broadcast now reaches it. A worker restarted under the name of one
+        that ended (a new process) is waited for: dead workers are looked for first (their rings'
+        locks, not the liveness period), and the reports that free their names are taken, so the
+        new process can attach. Raises ``WaitTimeout`` (a ``TimeoutError``) naming the workers
+        that did not, after ``timeout`` seconds (None: no limit); ``InvalidArgument`` for a name
+        not in the pool. Takes turns with calls; answers it meets are late ones (counted)."""
+        wanted = _ready_names(self._book.workers, names, timeout)
+        deadline = anyio.current_time() + (float("inf") if timeout is None else timeout)
+        with anyio.CancelScope(deadline=deadline) as scope:
+            await self._turn.acquire()
+        if scope.cancelled_caught:
+            raise _not_ready_error(_not_ready(self._book, wanted), timeout)
+        try:
+            if self._closed:
+                raise ClosedResourceError("this caller is closed")
+            while True:
+                missing = self._sweep(wanted)
+                if not missing:
+                    return
+                with anyio.CancelScope(deadline=deadline) as scope:
+                    d = await self._c.get()
+                if scope.cancelled_caught:
+                    raise _not_ready_error(_not_ready(self._book, wanted), timeout)
+                self._book.absorb(d, 0, {})
+        except EndOfStream:
+            raise _not_ready_error(_not_ready(self._book, wanted), timeout) from None
+        finally:
+            self._turn.release()
+
+    def _sweep(self, wanted: tuple[str, ...]) -> list[str]:
+        """Take what is ready, look for dead and new workers now, take what that made ready:
+        then ``book.ready`` names no worker whose process has ended (its ring's lock is free)."""
+        c = self._c
+        for look in (False, True):
+            if look:
+                c._g.check_now()
+            for _ in range(_SWEEP):
+                try:
+                    d = c.get_nowait()
+                except WouldBlock:
+                    break
+                self._book.absorb(d, 0, {})
+        return _not_ready(self._book, wanted)
 
     async def aclose(self) -> None:
         """Close: workers' iteration ends after the requests already sent; their replies are not
@@ -644,6 +728,45 @@ class BlockingCaller(Generic[Q, R]):
 
     def statistics(self) -> CallerStatistics:
         return self._book.statistics()
+
+    def wait_ready(self, names: Iterable[str] | None = None, *, timeout: float | None = None) -> None:
+        """As ``Caller.wait_ready``; takes turns with calls from other threads."""
+        from time import monotonic
+
+        wanted = _ready_names(self._book.workers, names, timeout)
+        deadline = None if timeout is None else monotonic() + timeout
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise _not_ready_error(_not_ready(self._book, wanted), timeout)
+        try:
+            if self._closed:
+                raise ClosedResourceError("this caller is closed")
+            c = self._c
+            while True:
+                for look in (False, True):
+                    if look:
+                        c._lock.acquire(None)
+                        try:
+                            c._g.check_now()
+                        finally:
+                            c._lock.release()
+                    for _ in range(_SWEEP):
+                        try:
+                            d = c.get_nowait()
+                        except WouldBlock:
+                            break
+                        self._book.absorb(d, 0, {})
+                missing = _not_ready(self._book, wanted)
+                if not missing:
+                    return
+                try:
+                    d = c.get(None if deadline is None else max(0.0, deadline - monotonic()))
+                except WaitTimeout:
+                    raise _not_ready_error(missing, timeout) from None
+                self._book.absorb(d, 0, {})
+        except EndOfStream:
+            raise _not_ready_error(_not_ready(self._book, wanted), timeout) from None
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
         if self._closed:

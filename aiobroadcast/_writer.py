@@ -42,7 +42,7 @@ class Writer(Generic[T_contra]):
     def put_nowait(self, obj: T_contra) -> None:
         """Publish ``obj`` now, or raise ``WouldBlock`` if a live reader would be overrun (or
         another ``put`` is in progress). Raises ``SerializationError``,
-        ``pydantic.ValidationError`` or ``MessageTooLarge`` for a bad object, publishing
+        ``SchemaViolation`` or ``MessageTooLarge`` for a bad object, publishing
         nothing, and ``ClosedResourceError`` after ``aclose``."""
         ch = self._ch
         pub = ch.pub

@@ -4,7 +4,8 @@ With ``open_writer(schema=Order)`` the writer is a ``Writer[Order]``: ``put`` va
 message and sends it as JSON, and readers get ``Order`` instances back (no pickle on either side,
 so readers may pass ``trust_pickle=False``). A bad message never reaches anyone:
 
-- on the writer: ``put`` raises ``pydantic.ValidationError`` and publishes nothing; the channel
+- on the writer: ``put`` raises ``ab.SchemaViolation`` (its ``errors`` are pydantic's) and publishes
+  nothing; the channel
   and its readers go on (and mypy already rejects ``writer.put({"symbol": ...})``: not an Order);
 - on a reader whose model is stricter than the writer's (an older or newer version of the
   schema), ``get`` raises ``DeserializationError`` for that message only: it is consumed, the
@@ -22,7 +23,6 @@ from __future__ import annotations
 from typing import Literal
 
 import anyio
-import pydantic
 from pydantic import BaseModel, Field
 
 import aiobroadcast as ab
@@ -54,8 +54,8 @@ async def main() -> None:
             bad = Order.model_construct(symbol="ACME", side="hold", qty=-5, price=12.5)
             try:
                 await writer.put(bad)
-            except pydantic.ValidationError as exc:
-                fields = ", ".join(str(e["loc"][0]) for e in exc.errors())
+            except ab.SchemaViolation as exc:
+                fields = ", ".join(str(e["loc"][0]) for e in exc.errors)
                 print(f"writer: put() refused a bad order ({fields}); nothing was published")
 
             await writer.put(Order(symbol="INIT", side="sell", qty=500, price=3.0))

@@ -77,3 +77,83 @@ def _remote_write(conn: Conn, count: int, then: str) -> None:
             _expect(conn, "die")
             os.kill(os.getpid(), 9)
     conn.send(("closed", count))
+
+
+def remote_sender_proc(conn: Conn, handle: str, count: int) -> None:
+    """A remote sender (``open_sender(..., tcp=...)`` on loopback, blocking): sends its remote
+    handle, puts 0 .. count-1 at once (before the collector attaches: the last ones wait for it),
+    then closes and reports."""
+    reporting(conn, lambda: _remote_send(conn, handle, count))
+
+
+def _remote_send(conn: Conn, handle: str, count: int) -> None:
+    with blocking.open_sender(handle, name="far", tcp="tcp://127.0.0.1:0", capacity=8, slot_bytes=256) as sender:
+        assert sender.remote_handle is not None
+        conn.send(("handle", sender.remote_handle.to_json()))
+        for i in range(count):
+            sender.put(i)
+        conn.send(("sent", count))
+    conn.send(("closed", count))
+
+
+def remote_collector_proc(conn: Conn) -> None:
+    """A collector for a remote sender: sends its handle, is sent the remote sender's handle,
+    attaches it, takes one item, reports it, and waits to be killed."""
+    reporting(conn, lambda: _remote_collect(conn))
+
+
+def _remote_collect(conn: Conn) -> None:
+    with blocking.open_collector(capacity=8, slot_bytes=256) as collector:
+        conn.send(("handle", collector.handle.to_json()))
+        collector.attach(conn.recv(), name="far")
+        conn.send(("took", repr(collector.get(timeout=30))))
+        time.sleep(3600)
+
+
+def netns_remote_sender_proc(conn: Conn, netns: str, handle: str, count: int) -> None:
+    """A remote sender on the "writer host" (network namespace ``netns``): sends its remote
+    handle, puts 0 .. count-1 (before the collector attaches) and reports "sent"; on "more",
+    puts until ``CollectorGone`` and reports how many more it put."""
+    import _netns
+
+    _netns.enter(netns)
+    reporting(conn, lambda: _netns_send(conn, handle, count))
+
+
+def _netns_send(conn: Conn, handle: str, count: int) -> None:
+    import _netns
+
+    with blocking.open_sender(handle, name="far", tcp=f"tcp://{_netns.WRITER_IP}:0", heartbeat_s=0.5) as sender:
+        assert sender.remote_handle is not None
+        conn.send(("handle", sender.remote_handle.to_json()))
+        for i in range(count):
+            sender.put(i)
+        conn.send(("sent", count))
+        _expect(conn, "more")
+        i = count
+        try:
+            while True:
+                sender.put(i, timeout=60)
+                i += 1
+                time.sleep(0.01)
+        except ab.CollectorGone:
+            conn.send(("gone", i - count))
+    conn.send(("closed", i))
+
+
+def netns_collector_proc(conn: Conn, netns: str, count: int) -> None:
+    """A collector on the "reader host" (network namespace ``netns``): sends its handle, is sent
+    a remote sender's handle, attaches it, takes ``count`` items and reports their values."""
+    import _netns
+
+    _netns.enter(netns)
+    reporting(conn, lambda: _netns_collect(conn, count))
+
+
+def _netns_collect(conn: Conn, count: int) -> None:
+    with blocking.open_collector() as collector:
+        conn.send(("handle", collector.handle.to_json()))
+        collector.attach(conn.recv(), name="far")
+        got = [collector.get(timeout=30) for _ in range(count)]
+        conn.send(("took", [d.value if isinstance(d, ab.Item) else repr(d) for d in got]))
+        time.sleep(3600)

@@ -16,7 +16,7 @@ import pytest
 from _blocking_workers import recv
 from _fanin_workers import collector_proc, remote_writer_proc, sender_proc
 from _workers import spawn
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 import aiobroadcast as ab
 from aiobroadcast import _tuning, blocking
@@ -255,7 +255,7 @@ def test_blocking_roles_threads_and_a_schema() -> None:
             with blocking.open_sender(collector.handle, name=f"t{i}") as sender:
                 for k in range(100):
                     sender.put(Tick(price=i * 1000 + k))
-                with pytest.raises(ValidationError):  # a schema violation, as open_writer(schema=) has it
+                with pytest.raises(ab.SchemaViolation):  # a schema violation, as open_writer(schema=) has it
                     sender.put("not a tick")
                 sender.put_many([Tick(price=-1.0)])
 

@@ -118,6 +118,7 @@ def server(
     returning: int = 0,
     buffer_bytes: int = BUFFER_BYTES,
     data_token: str | None = None,
+    sole_reader: bool = False,
 ) -> ServerProtocol:
     config = ServerConfig(
         policy,
@@ -131,6 +132,7 @@ def server(
         data_port=5555,
         data_token=data_token,
         buffer_bytes=buffer_bytes,
+        sole_reader=sole_reader,
     )
     return ServerProtocol(config, start=start, now=0.0, returning=returning)
 
@@ -394,6 +396,49 @@ def test_bye_leaves_and_a_full_server_refuses_more_readers() -> None:
     assert isinstance(srv.receive(b"a", signed(wire.BYE), now=0.0, published=0, send=net), Departed)
     assert srv.receive(b"a", signed(wire.BYE), now=0.0, published=0, send=net) is None  # a replay
     admit(srv, net, b"b")
+
+
+def test_a_fan_in_senders_server_keeps_everything_for_its_collector_and_is_abandoned_once_it_left() -> None:
+    """``sole_reader`` (a remote fan-in sender): with no reader yet, nothing is trimmed and the
+    ring is taken only up to the buffer (then the ring holds the sender back); the collector
+    starts at message 0, whatever was published; once it left, the server takes no more from the
+    ring, refuses readers, and a stop finishes at once."""
+    srv, net = server("block", window=4, buffer_max=6, max_remote=1, sole_reader=True), Net()
+    publish(srv, *range(6))
+    srv.trim(100.0)
+    assert not srv.wants_ring()  # all 6 held for the collector
+    assert isinstance(srv.receive(b"c", hello(), now=100.0, published=9, send=net), Admitted)
+    assert net.seen(b"c") == [("welcome", 0, 4)]
+    srv.transmit(net.data)
+    assert net.seen(b"c") == [("msg", s) for s in range(4)]
+    srv.receive(b"c", ack(4), now=100.0, published=9, send=net)
+    srv.trim(100.0)
+    assert srv.wants_ring() and not srv.abandoned
+    srv.stop(1000.0)
+    assert not srv.finished(100.0)  # the collector has not everything yet
+    assert isinstance(srv.receive(b"c", signed(wire.BYE), now=100.0, published=9, send=net), Departed)
+    assert srv.abandoned and not srv.wants_ring() and srv.finished(100.0)
+    assert srv.receive(b"d", hello(), now=100.0, published=9, send=net) is None
+    assert net.seen(b"d")[0][0] == "refused"
+
+
+def test_a_fan_in_senders_collector_dropped_for_silence_abandons_and_a_restarted_server_reports_the_loss() -> None:
+    srv, net = server("block", sole_reader=True), Net()
+    srv.stop(1000.0)
+    publish(srv, 0)
+    assert not srv.finished(1.0)  # a closed sender's server waits for its collector to come
+    admit(srv, net, b"c", now=1.0)
+    srv.heartbeat(1.0 + TIMEOUT + 1, net)
+    assert srv.abandoned
+    # A server started again over a ring no collector read yet (the dead one took 0..4):
+    again, net2 = server("block", start=5, sole_reader=True), Net()
+    publish(again, 5, 6)
+    assert isinstance(again.receive(b"c", hello(), now=0.0, published=7, send=net2), Admitted)
+    again.transmit(net2.data)
+    assert net2.seen(b"c") == [("welcome", 0, 4), ("lagged", 5, 5)]
+    again.receive(b"c", ack(5), now=0.1, published=7, send=net2)  # it took the report
+    again.transmit(net2.data)
+    assert net2.seen(b"c") == [("msg", 5), ("msg", 6)]
 
 
 def test_a_replayed_hello_within_a_heartbeat_gets_no_second_welcome() -> None:

@@ -150,6 +150,13 @@ class ServerConfig:
     #: bytes of sealed bodies held, at most (as ``buffer_max``, by size: a server holding a
     #: window of 4 MiB messages would hold a gigabyte)
     buffer_bytes: int = BUFFER_BYTES
+    #: a fan-in remote sender's server (docs/fan-in.md, "Remote senders"): its one reader is the
+    #: collector. Until it comes, everything taken from the ring is kept (under "block", up to
+    #: ``buffer_max``: then the ring holds the sender back), and it starts at the stream's first
+    #: message; once it has left (BYE, silence, a refused frame) and none comes back, the
+    #: protocol is ``abandoned``: the pump leaves the ring (the sender's ``put`` raises
+    #: ``CollectorGone``) and refuses readers from then on.
+    sole_reader: bool = False
 
 
 class _Held:
@@ -325,6 +332,10 @@ class ServerProtocol:
         self.next_heartbeat = now + config.hb_interval
         self.dropped = 0
         self.rejected_frames = 0
+        #: ``sole_reader``: a reader was admitted (or the server this one replaces served one)
+        self._had_reader = returning > 0
+        #: ``sole_reader``: its reader left for good; nothing is taken from the ring any more
+        self.abandoned = False
 
     # --- the ring's side ------------------------------------------------------------------------
     @property
@@ -336,8 +347,10 @@ class ServerProtocol:
         """Whether to take more from the ring: not after its end, and under "block" not beyond
         ``buffer_max`` held (the ring then holds the writer back, as a slow local reader would)."""
         held = self._held
-        return held.done is None and (
-            not self._block or (len(held.seqs) < self._cfg.buffer_max and held.nbytes < self._cfg.buffer_bytes)
+        return (
+            held.done is None
+            and not self.abandoned
+            and (not self._block or (len(held.seqs) < self._cfg.buffer_max and held.nbytes < self._cfg.buffer_bytes))
         )
 
     def add(self, seq: int, item: tuple[Any, int]) -> None:
@@ -407,6 +420,8 @@ class ServerProtocol:
         self.rejected_frames += 1
         client = self._clients.pop(ident, None)
         self._send(send, ident, [wire.REFUSED, f"malformed frame: {reason}".encode()[:256]])
+        if client is not None:
+            self._reader_left(None)
         return Rejected(ident, reason, client.info if client else None, self.rejected_frames)
 
     def _on_frames(self, ident: bytes, frames: list[bytes], now: float, horizon: int, send: Sink) -> ServerEvent | None:
@@ -449,6 +464,7 @@ class ServerProtocol:
             client.ended = False
         else:
             del self._clients[ident]
+            self._reader_left(None)
             return Departed(ident, client.info)
         return None
 
@@ -467,6 +483,9 @@ class ServerProtocol:
             return None
         if client is not None and now - client.resent_at < self._cfg.hb_interval:
             return None  # it said HELLO a moment ago; it says it again if the WELCOME is lost
+        if self.abandoned:
+            self._send(send, ident, [wire.REFUSED, b"this sender's collector left: it serves no reader any more"])
+            return None
         if client is None and len(self._clients) >= self._cfg.max_remote:
             self._send(
                 send, ident, [wire.REFUSED, f"all {self._cfg.max_remote} remote reader places are taken".encode()]
@@ -481,6 +500,11 @@ class ServerProtocol:
         # reader, policy "block"). A returning one resumes where it says; if that is before
         # what the server holds, transmit tells it exactly what it lost.
         start = horizon if hello.resume is None else hello.resume
+        if self._cfg.sole_reader and not self._had_reader and hello.resume is None:
+            # A fan-in sender's collector: everything from the stream's first message is its
+            # own. What a server that died took and did not hand over is reported as lost.
+            start = 0
+        self._had_reader = True
         info = ClientInfo(hello.name[:NAME_BYTES], hello.pid, hello.host)
         window = min(hello.window, self._cfg.window)
         self._clients[ident] = _Client(ident, info, window, start, start, now, now)
@@ -517,6 +541,7 @@ class ServerProtocol:
             except Exception:  # a bug: it must not take the other readers down with it
                 log.exception("aiobroadcast: the TCP server failed to send to %r; dropped it", client.info.name)
                 self._clients.pop(client.ident, None)
+                self._reader_left(None)
         return sent
 
     @property
@@ -532,7 +557,7 @@ class ServerProtocol:
         base = held.base
         if not self._block:
             held.keep_newest(self._cfg.buffer_max, self._cfg.buffer_bytes)
-        elif not self._awaiting_return(now):
+        elif not self._awaiting_return(now) and not (self._cfg.sole_reader and not self._clients):
             held.keep_from(min((c.acked for c in self._clients.values()), default=held.end))
         if held.base > base:  # the keys nothing held is sealed under any more are forgotten
             self.sealer.retire(held.seqs[0] if held.seqs else held.end)
@@ -560,7 +585,17 @@ class ServerProtocol:
                 out.append(TimedOut(ident, client.info, now - client.last_heard, client.acked, self._held.end))
             else:
                 self._send(send, ident, beat)
+        self._reader_left(now)
         return out
+
+    def _reader_left(self, now: float | None) -> None:
+        """``sole_reader``: once the reader that came has left and none is expected back (a
+        restarted server waits for its readers' return), the stream is abandoned."""
+        if not self._cfg.sole_reader or self.abandoned or self._clients or not self._had_reader:
+            return
+        if self._returning and (now is None or self._awaiting_return(now)):
+            return
+        self.abandoned = True
 
     def stop(self, deadline: float) -> None:
         """Stop once every reader has everything, or at ``deadline``."""
@@ -569,9 +604,14 @@ class ServerProtocol:
     def finished(self, now: float) -> bool:
         if self._stop_at is None:
             return False
-        # Every reader has everything (it says BYE when it has the end) or was dropped.
-        drained = self._held.done is not None and all(
-            c.ended and c.acked >= self._held.end for c in self._clients.values()
+        if self.abandoned:
+            return True  # nobody to drain for
+        # Every reader has everything (it says BYE when it has the end) or was dropped. A fan-in
+        # sender's server waits for its collector, which has not come yet, until the deadline.
+        drained = (
+            self._held.done is not None
+            and (self._had_reader or not self._cfg.sole_reader)
+            and all(c.ended and c.acked >= self._held.end for c in self._clients.values())
         )
         return drained or now >= self._stop_at
 
@@ -583,6 +623,7 @@ class ServerProtocol:
             "end": end,
             "dropped": self.dropped,
             "rejected_frames": self.rejected_frames,
+            "abandoned": self.abandoned,
             "readers": [
                 {
                     "name": c.info.name,

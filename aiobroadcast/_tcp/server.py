@@ -199,8 +199,10 @@ class TcpServer:
         buffer_bytes: int = BUFFER_BYTES,
         data_port: int = 0,
         data_token: str | None = None,
+        sole_reader: bool = False,
     ) -> None:
-        """``take_over`` and ``returning``: this server replaces one that died (pid
+        """``sole_reader``: a fan-in remote sender's server (``ServerConfig.sole_reader``).
+        ``take_over`` and ``returning``: this server replaces one that died (pid
         ``take_over``), which served ``returning`` remote readers. ``rekey_messages`` and
         ``rekey_bytes``: the data plane's rekey policy (``_seal.py``). ``buffer_bytes``: the
         bytes of sealed bodies held for readers, at most (beside ``buffer_max`` messages).
@@ -303,6 +305,7 @@ class TcpServer:
             data_port=self.data_port,
             data_token=self.data_token,
             buffer_bytes=buffer_bytes,
+            sole_reader=sole_reader,
         )
         self.protocol = ServerProtocol(
             config,
@@ -314,6 +317,7 @@ class TcpServer:
         )
         self._complaints: dict[bytes, float] = {}
         self._report_failing = False
+        self._src_left = False
 
     def write_stats(self) -> None:
         """Who is connected, for ``Writer.statistics()`` and ``aiobroadcast stats``. Only a
@@ -391,6 +395,8 @@ class TcpServer:
                 if idle:
                     self._buffers.clear()
                 idle = True
+            if proto.abandoned:
+                self._leave_ring()
             if proto.finished(now):
                 return
             if pulled or sent:
@@ -418,6 +424,17 @@ class TcpServer:
                         poller.unregister(self._ctrl_r)  # EOF stays readable: stop polling it
                 except BlockingIOError:
                     pass
+
+    def _leave_ring(self) -> None:
+        """A fan-in sender's collector left for good (``ServerProtocol.abandoned``): leave the
+        ring, so the sender sees its collector's place inactive and its ``put`` raises
+        ``CollectorGone`` (a put waiting for room is woken), instead of publishing to nobody.
+        The process goes on (the writer restarts a server that exits) and refuses readers."""
+        if self._src_left:
+            return
+        self._src_left = True
+        self._src._place.leave()  # the mapping stays (the loop still reads the ring's words)
+        self.write_stats()
 
     def _pull_ring(self) -> int:
         """Hand what the ring holds to the protocol (under "block", while it has room), up to
@@ -629,6 +646,7 @@ def main() -> int:
                 buffer_bytes=cfg.get("buffer_bytes") or BUFFER_BYTES,
                 data_port=cfg.get("data_port") or 0,
                 data_token=cfg.get("data_token"),
+                sole_reader=bool(cfg.get("sole_reader")),
             )
         except BaseException:
             seg.close()

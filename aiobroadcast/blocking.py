@@ -581,6 +581,15 @@ def open_reader(
     return BlockingReader(_private, source, h, reader_name, spec.spin_us)
 
 
+def _open_arena_reader(handle: Handle | str, *, name: str) -> BlockingReader[Any]:
+    """A shared-memory reader whose arena bodies arrive as views with a lifetime and everything
+    else as copies (``aiobroadcast.vllm``'s local readers: vLLM's arena hands out such tensors)."""
+    h = Handle.parse(handle)
+    _name, decode = _ReaderSpec(name=name).decoder(h)
+    source = _shm_source(h, name, decode, False, arena_views=True)
+    return BlockingReader(_private, source, h, name, None)
+
+
 # The fan-in roles (docs/fan-in.md), over the helpers above.
 from ._fanin_blocking import BlockingCollector as BlockingCollector  # noqa: E402
 from ._fanin_blocking import BlockingSender as BlockingSender  # noqa: E402

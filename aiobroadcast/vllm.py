@@ -123,7 +123,7 @@ log = logging.getLogger("aiobroadcast")
 DEFAULT_MAX_CHUNK_BYTES = 24 * 1024 * 1024
 DEFAULT_MAX_CHUNKS = 10
 #: The arena ``enable_shm_tensor_arena=True`` makes (vLLM's: 8 slots of 256 MiB, paged lazily).
-ARENA_BYTES = 512 * 1024 * 1024
+ARENA_BYTES = 256 * 1024 * 1024
 #: How often a ``dequeue`` given a ``cancel`` event looks at it (nothing signals an Event).
 CANCEL_CHECK_S = 0.1
 #: How often a writer still waiting for its readers says so.

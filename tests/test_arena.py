@@ -188,3 +188,17 @@ def test_remote_readers_get_the_arenas_buffers_copied_in() -> None:
             want = message(3)
             assert torch.equal(got["t"], want["t"]) and np.array_equal(got["a"], want["a"]) and got["b"] == want["b"]
             assert writer.statistics().arena_placed == 1
+
+
+def test_stats_shows_the_bytes_each_readers_views_pin(tmp_path: Any) -> None:
+    with blocking.open_writer(capacity=8, slot_bytes=4096, arena_bytes=4 * MIB) as writer:
+        with blocking.open_reader(writer.handle, name="holder", zero_copy=True) as reader:
+            writer.put(np.ones(MIB // 8))
+            kept = reader.get(timeout=5)
+            path = tmp_path / "h.json"
+            writer.handle.save(path)
+            cmd = [sys.executable, "-m", "aiobroadcast", "stats", str(path), "--once", "--interval", "0"]
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=60).stdout
+            assert "arena 4,194,304 B, 1,048,576 B held" in out
+            assert "its views pin 1,048,576 B of the arena" in out
+            del kept

@@ -481,7 +481,11 @@ def open_reader(
       ``aclose``**: the reader keeps the slot until then, and the writer may reuse it after. Copy
       what must live longer (``bytes(view)``). A message larger than a slot, and any message
       under policy ``"lag"``, is copied out once anyway (its views are then of that copy). No
-      effect on JSON and schema channels, nor with ``schema=``.
+      effect on JSON and schema channels, nor with ``schema=``. On a channel with an arena
+      (``open_writer(arena_bytes=...)``) the buffers the writer put in it (numpy arrays, torch
+      CPU tensors, the large ``bytes`` beside them) are views of the arena instead, **valid for
+      as long as they, or views of them, are referenced** (until this reader closes); torch
+      tensors are writable, as vLLM's arena gives them.
 
     Raises ``InvalidHandle`` (does not parse, segment gone, other layout, writer gone, pickle
     refused), ``TooManyReaders``, ``TransportError`` (remote writer unreachable or silent for

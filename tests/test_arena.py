@@ -202,3 +202,17 @@ def test_stats_shows_the_bytes_each_readers_views_pin(tmp_path: Any) -> None:
             assert "arena 4,194,304 B, 1,048,576 B held" in out
             assert "its views pin 1,048,576 B of the arena" in out
             del kept
+
+
+def test_a_message_that_is_not_published_gives_its_record_back() -> None:
+    with blocking.open_writer(capacity=2, slot_bytes=4096, arena_bytes=4 * MIB) as writer:
+        with blocking.open_reader(writer.handle, name="slow") as reader:
+            writer.put("a")
+            writer.put("b")  # the ring is full until the reader reads
+            with pytest.raises(blocking.WouldBlock):
+                writer.put_nowait(np.ones(MIB // 8))  # encoded into the arena, then refused
+            assert writer.statistics().arena_placed == 1
+            assert (reader.get(timeout=5), reader.get(timeout=5)) == ("a", "b")
+            assert writer.statistics().arena_used_bytes == 0
+            writer.put(np.zeros(MIB // 8))
+            assert not reader.get(timeout=5).any()

@@ -97,7 +97,9 @@ class _Alloc:
 
 class ArenaHead(bytes):
     """The first part of a body whose buffers are in the arena. The publisher marks it
-    published (``committed``); one dropped unpublished (a cancelled put) frees its record."""
+    published (``committed``). One dropped without that mark was not published (a cancelled or
+    failed put), or was by a publish that an interrupt cut short after its commit: either way
+    no reader will read it past the head as it is now, which becomes its end."""
 
     alloc: _Alloc
     arena: ArenaWriter
@@ -107,7 +109,7 @@ class ArenaHead(bytes):
 
     def __del__(self) -> None:
         if self.alloc.end is None:
-            self.arena.abandoned.append(self.alloc)  # list.append: atomic, safe from any thread
+            self.alloc.end = self.arena.head()  # one attribute store: safe from any thread
 
 
 class ArenaWriter:
@@ -145,11 +147,10 @@ class ArenaWriter:
         for i, v in enumerate((MAGIC, VERSION, data_bytes, RECORDS, m, self.data_offset)):
             w[i] = v
         self.data = memoryview(self.mm)[self.data_offset :]
-        self._head = head
+        self.head = head
         self.lock = threading.Lock()
         self.live: list[_Alloc] = []
         self.free_recs = list(range(RECORDS - 1, -1, -1))
-        self.abandoned: list[_Alloc] = []
         self.placed = 0
         self.fallbacks = 0
         self._probed = 0.0
@@ -162,7 +163,7 @@ class ArenaWriter:
         that joins after this scan starts past every message published before it)."""
         seg = self.seg
         fence()
-        head = self._head()
+        head = self.head()
         active = seg.rec_active.tolist()
         cursors = seg.rec_cursor.tolist()
         places = [i for i, a in enumerate(active) if a]
@@ -170,9 +171,6 @@ class ArenaWriter:
         return places, min(m, head)
 
     def _reclaim(self) -> None:
-        while self.abandoned:
-            a = self.abandoned.pop()
-            a.end = 0
         if not self.live:
             return
         places, low = self._scan()

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiobroadcast import WriterStatistics, blocking
+from aiobroadcast import WouldBlock, WriterStatistics, blocking
 from aiobroadcast.vllm import MessageQueue
 
 torch = pytest.importorskip("torch")
@@ -209,7 +209,7 @@ def test_a_message_that_is_not_published_gives_its_record_back() -> None:
         with blocking.open_reader(writer.handle, name="slow") as reader:
             writer.put("a")
             writer.put("b")  # the ring is full until the reader reads
-            with pytest.raises(blocking.WouldBlock):
+            with pytest.raises(WouldBlock):
                 writer.put_nowait(np.ones(MIB // 8))  # encoded into the arena, then refused
             assert writer.statistics().arena_placed == 1
             assert (reader.get(timeout=5), reader.get(timeout=5)) == ("a", "b")

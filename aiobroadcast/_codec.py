@@ -120,25 +120,27 @@ class PickleEncoder:
     the kept pickler is taken out of a one-place pool; a call that finds it taken encodes with a
     pickler of its own. Safe from any thread and from inside an ``encode``."""
 
-    def __init__(self, tensors: bool = False) -> None:
-        #: ``tensors``: a contiguous torch CPU tensor of ``OOB_MIN_BYTES`` or more travels out of
-        #: band, as a numpy array does (``_reduce_tensor``), once torch is imported.
-        self._tensors = tensors
+    def __init__(self, arena: bool = False) -> None:
+        #: ``arena``: every large buffer travels out of band (into the channel's arena): a
+        #: contiguous torch CPU tensor of ``OOB_MIN_BYTES`` or more, as a numpy array does
+        #: (``_reduce_tensor``, once torch is imported), and a ``bytes`` of as much that a view
+        #: can stand for, even without arrays beside it.
+        self._arena = arena
         #: The kept pickler while no call uses it. ``list.pop`` and ``append`` are atomic, so a
         #: call takes it or finds the list empty (another call has it) without a lock; a lock's
         #: acquire and release cost more than the rest of encoding a small message here.
-        self._idle = [_Pickling()]
+        self._idle = [_Pickling(arena)]
 
     def encode(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
         """Return the body as parts, its total length, and whether it has out-of-band parts."""
         try:
             pickling = self._idle.pop()
         except IndexError:  # re-entered, or used by another thread right now
-            pickling = _Pickling()
-            if self._tensors and "torch" in sys.modules:
+            pickling = _Pickling(self._arena)
+            if self._arena and "torch" in sys.modules:
                 pickling.reduce_tensors()
             return pickling.encode(obj)
-        if self._tensors and not pickling.tensors and "torch" in sys.modules:
+        if self._arena and not pickling.tensors and "torch" in sys.modules:
             pickling.reduce_tensors()
         try:
             return pickling.encode(obj)
@@ -149,13 +151,14 @@ class PickleEncoder:
 class _Pickling:
     """One pickler, its sink, and the out-of-band callback: used by one call at a time."""
 
-    __slots__ = ("_pickler", "_pieces", "tensors")
+    __slots__ = ("_bytes_oob", "_pickler", "_pieces", "tensors")
 
-    def __init__(self) -> None:
+    def __init__(self, bytes_oob: bool = False) -> None:
         sink = _Sink()
         self._pieces = sink.parts
         self._pickler = pickle.Pickler(sink, protocol=5, buffer_callback=self._callback)
         self.tensors = False
+        self._bytes_oob = bytes_oob
 
     def reduce_tensors(self) -> None:
         """From now on pickle ``torch.Tensor`` with ``_reduce_tensor`` (torch is imported)."""
@@ -192,7 +195,7 @@ class _Pickling:
             body = pieces.pop()
             return (body,), len(body), False
         try:
-            return _assemble(pieces)
+            return _assemble(pieces, self._bytes_oob)
         finally:
             pieces.clear()
 
@@ -401,13 +404,15 @@ def _in_band(piece: Any) -> Buffer:
     return piece if type(piece) is bytes else bytes(memoryview(piece).cast("B"))
 
 
-def _assemble(pieces: list[Any]) -> tuple[Sequence[Buffer], int, bool]:
+def _assemble(pieces: list[Any], bytes_oob: bool = False) -> tuple[Sequence[Buffer], int, bool]:
     """The body from the sink's pieces (see the module's text); or, if the pieces are not shaped
-    as the C pickler writes them, the stream as it is, without index.
+    as the C pickler writes them, the stream as it is, without index. ``bytes_oob``: a ``bytes``
+    of ``OOB_MIN_BYTES`` or more makes the body out of band even without arrays (an arena's).
 
     The last piece is the end of the stream: only a chunk followed by a payload is looked into."""
     n = len(pieces)
-    if n == 3:  # the common shape: the start of the stream, one large bytes, the end of the stream
+    force = bytes_oob and any(type(p) is bytes and len(p) >= OOB_MIN_BYTES for p in pieces[1:-1])
+    if n == 3 and not force:  # the common shape: the start of the stream, one large bytes, the end
         start, payload, end = pieces
         if type(payload) is bytes and type(start) is bytes:
             tail = _tail_header(start, True)
@@ -418,7 +423,7 @@ def _assemble(pieces: list[Any]) -> tuple[Sequence[Buffer], int, bool]:
                     end = end + _INDEX_1.pack(len(start) - tail[0], 1, _INDEX_TAG)
                 # else an object holds it, or it is hashed: the stream as it is, without index
                 return (start, payload, end), len(start) + tail[2] + len(end), False
-    oob = any(type(p) is _OutOfBand for p in pieces)
+    oob = force or any(type(p) is _OutOfBand for p in pieces)
     data: list[Buffer] = []
     bufs: list[Buffer] = []
     lens: list[int] = []

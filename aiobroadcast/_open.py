@@ -311,7 +311,7 @@ class _WriterSpec:
         elif self.codec == "json":
             encoder, channel_codec = JsonCodec(), "json"
         else:
-            encoder, channel_codec = PickleEncoder(tensors=self.arena_bytes > 0), "pickle"
+            encoder, channel_codec = PickleEncoder(arena=self.arena_bytes > 0), "pickle"
         seg = _segment.create_segment(
             self.directory,
             token,
@@ -482,10 +482,11 @@ def open_reader(
       what must live longer (``bytes(view)``). A message larger than a slot, and any message
       under policy ``"lag"``, is copied out once anyway (its views are then of that copy). No
       effect on JSON and schema channels, nor with ``schema=``. On a channel with an arena
-      (``open_writer(arena_bytes=...)``) the buffers the writer put in it (numpy arrays, torch
-      CPU tensors, the large ``bytes`` beside them) are views of the arena instead, **valid for
-      as long as they, or views of them, are referenced** (until this reader closes); torch
-      tensors are writable, as vLLM's arena gives them.
+      (``open_writer(arena_bytes=...)``) every view has a lifetime instead: the buffers the
+      writer put in the arena (numpy arrays, torch CPU tensors and ``bytes`` of 256 KiB or more)
+      are views of it, **valid for as long as they, or views of them, are referenced** (until
+      this reader closes; torch tensors are writable, as vLLM's arena gives them), and whatever
+      is not in it (a message that found the arena full) is copied.
 
     Raises ``InvalidHandle`` (does not parse, segment gone, other layout, writer gone, pickle
     refused), ``TooManyReaders``, ``TransportError`` (remote writer unreachable or silent for
@@ -585,7 +586,10 @@ def _shm_source(
     h: Handle, name: str, decode: Callable[[Any, bool], Any], hold: bool, *, arena_views: bool = False
 ) -> ShmSource:
     """``arena_views``: arena bodies as views with a lifetime even for a copying decoder (vLLM's
-    readers: the arena's tensors are views, everything else copies)."""
+    readers: the arena's tensors are views, everything else copies). A zero-copy reader of a
+    channel with an arena is such a reader: every view it gets has a lifetime."""
+    if h.arena_bytes and decode is decode_pickle_view:
+        decode, hold, arena_views = decode_pickle, False, True
     seg = _segment.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
     try:
         source = ShmSource(seg, h, name, decode, hold=hold)

@@ -28,9 +28,8 @@ Threads. Every method of both classes may be called from any thread at any time:
 - A call made from inside one of the same object's own calls on the same thread (a
   ``__getstate__`` that calls ``put_nowait`` while its object is being pickled by ``put``, a
   ``__setstate__`` that calls ``get``) raises ``WouldBlock`` instead of deadlocking.
-- With ``zero_copy=True`` a message's views of the ring stay valid until the next
-  ``get``/``get_nowait`` on that reader by any thread; views of the channel's arena, for as
-  long as they are referenced.
+- With ``zero_copy=True`` a message's views stay valid until the next ``get``/``get_nowait`` on
+  that reader by any thread; on a channel with an arena, for as long as they are referenced.
 
 Timeouts: ``put(obj, timeout=s)`` and ``get(timeout=s)`` raise ``WaitTimeout`` (a ``WouldBlock``
 and a built-in ``TimeoutError``) when ``s`` seconds pass first; nothing is published or taken. A

@@ -80,6 +80,11 @@ def test_a_full_arena_falls_back_to_the_ring_without_waiting_or_losing_anything(
                 held.append(reader.get(timeout=5))
             stats = writer.statistics()
             assert (stats.arena_placed, stats.arena_fallbacks) == (1, 2)
+            # One lifetime per reader: views of the arena, copies of what fell back to the ring.
+            assert type(held[0]["b"]) is memoryview and type(held[1]["b"]) is bytes
+            for i in range(8):  # the ring's slots are all reused meanwhile
+                writer.put(i, timeout=5)
+                assert reader.get(timeout=5) == i
             for i, got in enumerate(held):
                 want = message(i)
                 assert torch.equal(got["t"], want["t"]) and np.array_equal(got["a"], want["a"])
@@ -188,6 +193,19 @@ def test_remote_readers_get_the_arenas_buffers_copied_in() -> None:
             want = message(3)
             assert torch.equal(got["t"], want["t"]) and np.array_equal(got["a"], want["a"]) and got["b"] == want["b"]
             assert writer.statistics().arena_placed == 1
+
+
+def test_a_large_bytes_alone_goes_through_the_arena_and_lives_while_referenced() -> None:
+    with blocking.open_writer(capacity=4, slot_bytes=4096, arena_bytes=4 * MIB) as writer:
+        with blocking.open_reader(writer.handle, name="views", zero_copy=True) as reader:
+            writer.put(b"k" * MIB)
+            kept = reader.get(timeout=5)
+            assert type(kept) is memoryview and kept.readonly
+            for i in range(20):
+                writer.put(bytes([i]) * MIB)
+                assert reader.get(timeout=5)[0] == i
+            assert kept == b"k" * MIB
+            assert writer.statistics().arena_placed == 21
 
 
 def test_stats_shows_the_bytes_each_readers_views_pin(tmp_path: Any) -> None:

@@ -19,7 +19,7 @@ from .._exceptions import (
 from .._handle import Handle
 from .._stats import ReaderStatistics
 from . import segment as _segment
-from .arena import ArenaReader, is_arena_body
+from .arena import ArenaReader
 from .atomic import fence_acquire
 from .layout import (
     BUSY,
@@ -181,8 +181,7 @@ class ShmSource:
                     raise DeserializationError(msg, exc) from exc
                 # Any other BaseException propagates before the take: the entry stays in the ring.
                 self._next_msg = msg + 1
-                # An arena body's views are of the arena, none of the slot: nothing to hold.
-                if self._hold_slot and not (flags & F_OOB and self.arena is not None and is_arena_body(body)):
+                if self._hold_slot:
                     self._hold(c)
                     return obj
                 self._cursor = c + 1

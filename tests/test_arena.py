@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiobroadcast import WouldBlock, WriterStatistics, blocking
+from aiobroadcast import InvalidArgument, WouldBlock, WriterStatistics, blocking
 from aiobroadcast.vllm import MessageQueue
 
 torch = pytest.importorskip("torch")
@@ -234,3 +234,13 @@ def test_a_message_that_is_not_published_gives_its_record_back() -> None:
             assert writer.statistics().arena_used_bytes == 0
             writer.put(np.zeros(MIB // 8))
             assert not reader.get(timeout=5).any()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{"policy": "lag"}, {"codec": "json"}, {"arena_bytes": -1}],
+    ids=["lag", "json", "negative"],
+)
+def test_an_arena_needs_policy_block_and_pickle(options: dict[str, Any]) -> None:
+    with pytest.raises(InvalidArgument):
+        blocking.open_writer(**{"arena_bytes": MIB, **options})

@@ -26,6 +26,7 @@ from ._codec import Buffer, JsonCodec, PickleEncoder, SchemaCodec
 from ._exceptions import BroadcastError, InvalidArgument, MessageTooLarge
 from ._handle import Handle
 from ._shm import segment as _segment
+from ._shm.arena import ArenaWriter
 from ._shm.layout import CODECS, W_CODEC, W_WAIT_TARGET, holds_writer, wait_target
 from ._shm.publisher import Chunks, Encoded, Publisher
 from ._shm.segment import Segment
@@ -45,17 +46,24 @@ class WriterChannel:
         handle: Handle,
         encoder: PickleEncoder | SchemaCodec | JsonCodec,
         max_message_bytes: int | None,
+        arena_bytes: int = 0,
     ) -> None:
         self.seg = seg
         self.handle = handle
-        self._encode = encoder.encode
+        self._encode = self._arena_source = encoder.encode
         self._max_message_bytes = max_message_bytes
+        self.pub = pub = Publisher(seg, handle.policy == "block")
+        #: The tensor arena (docs/design.md, "The arena"), if ``open_writer(arena_bytes=...)``.
+        self.arena: ArenaWriter | None = None
+        if arena_bytes:
+            self.arena = ArenaWriter(seg, arena_bytes, lambda: pub.head)
+            self.arena.probe = lambda: pub.records.reap(1 << 63, pub.head, self._restarting)
+            self._encode = self._encode_arena
         #: Encode a message a put is about to publish: the encoder's own method when there is no
         #: size limit to check (one call less per message).
         self.encode: Callable[[object], tuple[Sequence[Buffer], int, bool]] = (
-            encoder.encode if max_message_bytes is None else self._encode_checked
+            self._encode if max_message_bytes is None else self._encode_checked
         )
-        self.pub = pub = Publisher(seg, handle.policy == "block")
         self.payload_bytes = seg.layout.payload_bytes
         self.inbox = Inbox(seg.sock_path("w"))
         # Two locks. `turns` orders the tasks of the writer's event loop (a put waiting for room
@@ -76,13 +84,21 @@ class WriterChannel:
         # The readers' sockets too: a reader that died unnoticed (never reaped) leaves its own.
         # Inherited by fork children (atexit hooks and finalizers are), so they carry our pid.
         self.owner = os.getpid()
+        extra = (self.arena.path,) if self.arena is not None else ()
         self._finalizer = weakref.finalize(
-            self, _cleanup_files, self.owner, seg.path, self.inbox.path, *pub.records.sock_paths
+            self, _cleanup_files, self.owner, seg.path, self.inbox.path, *extra, *pub.records.sock_paths
         )
         atexit.register(self._finalizer)
         _fork.track(self)
 
     # --- encoding and publishing -------------------------------------------------------------
+    def _encode_arena(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
+        parts, total, oob = self._arena_source(obj)
+        if oob:
+            assert self.arena is not None
+            parts, total = self.arena.place(parts, total)
+        return parts, total, oob
+
     def _encode_checked(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
         parts, total, oob = self._encode(obj)
         if self._max_message_bytes is not None and total > self._max_message_bytes:
@@ -312,6 +328,11 @@ class WriterChannel:
         readers = pub.records.infos(pub.head, server.pids if server is not None else ())
         target = pub.seg.words[W_WAIT_TARGET]
         state, remote, remote_dropped, rejected = server.report() if server is not None else ("none", (), 0, 0)
+        arena = self.arena
+        if arena is not None:
+            arena.reclaim()
+            pinned = arena.pinned_bytes()
+            readers = tuple(r._replace(pinned_bytes=pinned.get(r.place, 0)) for r in readers)
         return WriterStatistics(
             sent=pub.sent,
             head=pub.head,
@@ -324,6 +345,10 @@ class WriterChannel:
             tcp_server_restarts=server.restarts if server is not None else 0,
             rejected_frames=rejected,
             tcp_server_health=server.health() if server is not None else "",
+            arena_bytes=arena.data_bytes if arena is not None else 0,
+            arena_used_bytes=arena.used_bytes() if arena is not None else 0,
+            arena_placed=arena.placed if arena is not None else 0,
+            arena_fallbacks=arena.fallbacks if arena is not None else 0,
         )
 
     def check_thread(self) -> None:
@@ -379,6 +404,8 @@ class WriterChannel:
         self.pub.outbox.close()
         self._finalizer()
         atexit.unregister(self._finalizer)
+        if self.arena is not None:
+            self.arena.close()
         self.seg.close()
 
     def leave_segment(self) -> None:
@@ -396,6 +423,8 @@ class WriterChannel:
         its stdin: a copy left open here would keep it serving). Nothing is removed, stored or
         woken: the parent goes on with its channel (docs/design.md, "Fork")."""
         self.pub.closed = True
+        if self.arena is not None:
+            self.arena.forget_in_child()
         self.pub.refusal = _fork.refusal("writer", self.owner)
         self.closed_event = None  # a close under way in the parent is not this process's to wait for
         server, self.server = self.server, None

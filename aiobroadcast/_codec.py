@@ -32,6 +32,8 @@ import importlib
 import json
 import pickle
 import struct
+import sys
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -118,18 +120,28 @@ class PickleEncoder:
     the kept pickler is taken out of a one-place pool; a call that finds it taken encodes with a
     pickler of its own. Safe from any thread and from inside an ``encode``."""
 
-    def __init__(self) -> None:
+    def __init__(self, arena: bool = False) -> None:
+        #: ``arena``: every large buffer travels out of band (into the channel's arena): a
+        #: contiguous torch CPU tensor of ``OOB_MIN_BYTES`` or more, as a numpy array does
+        #: (``_reduce_tensor``, once torch is imported), and a ``bytes`` of as much that a view
+        #: can stand for, even without arrays beside it.
+        self._arena = arena
         #: The kept pickler while no call uses it. ``list.pop`` and ``append`` are atomic, so a
         #: call takes it or finds the list empty (another call has it) without a lock; a lock's
         #: acquire and release cost more than the rest of encoding a small message here.
-        self._idle = [_Pickling()]
+        self._idle = [_Pickling(arena)]
 
     def encode(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
         """Return the body as parts, its total length, and whether it has out-of-band parts."""
         try:
             pickling = self._idle.pop()
         except IndexError:  # re-entered, or used by another thread right now
-            return _Pickling().encode(obj)
+            pickling = _Pickling(self._arena)
+            if self._arena and "torch" in sys.modules:
+                pickling.reduce_tensors()
+            return pickling.encode(obj)
+        if self._arena and not pickling.tensors and "torch" in sys.modules:
+            pickling.reduce_tensors()
         try:
             return pickling.encode(obj)
         finally:
@@ -139,12 +151,23 @@ class PickleEncoder:
 class _Pickling:
     """One pickler, its sink, and the out-of-band callback: used by one call at a time."""
 
-    __slots__ = ("_pickler", "_pieces")
+    __slots__ = ("_bytes_oob", "_pickler", "_pieces", "tensors")
 
-    def __init__(self) -> None:
+    def __init__(self, bytes_oob: bool = False) -> None:
         sink = _Sink()
         self._pieces = sink.parts
         self._pickler = pickle.Pickler(sink, protocol=5, buffer_callback=self._callback)
+        self.tensors = False
+        self._bytes_oob = bytes_oob
+
+    def reduce_tensors(self) -> None:
+        """From now on pickle ``torch.Tensor`` with ``_reduce_tensor`` (torch is imported)."""
+        import torch
+
+        table = dict(copyreg.dispatch_table)
+        table[torch.Tensor] = _reduce_tensor
+        self._pickler.dispatch_table = table
+        self.tensors = True
 
     def _callback(self, pb: pickle.PickleBuffer) -> bool:
         raw = pb.raw()
@@ -172,7 +195,7 @@ class _Pickling:
             body = pieces.pop()
             return (body,), len(body), False
         try:
-            return _assemble(pieces)
+            return _assemble(pieces, self._bytes_oob)
         finally:
             pieces.clear()
 
@@ -381,13 +404,15 @@ def _in_band(piece: Any) -> Buffer:
     return piece if type(piece) is bytes else bytes(memoryview(piece).cast("B"))
 
 
-def _assemble(pieces: list[Any]) -> tuple[Sequence[Buffer], int, bool]:
+def _assemble(pieces: list[Any], bytes_oob: bool = False) -> tuple[Sequence[Buffer], int, bool]:
     """The body from the sink's pieces (see the module's text); or, if the pieces are not shaped
-    as the C pickler writes them, the stream as it is, without index.
+    as the C pickler writes them, the stream as it is, without index. ``bytes_oob``: a ``bytes``
+    of ``OOB_MIN_BYTES`` or more makes the body out of band even without arrays (an arena's).
 
     The last piece is the end of the stream: only a chunk followed by a payload is looked into."""
     n = len(pieces)
-    if n == 3:  # the common shape: the start of the stream, one large bytes, the end of the stream
+    force = bytes_oob and any(type(p) is bytes and len(p) >= OOB_MIN_BYTES for p in pieces[1:-1])
+    if n == 3 and not force:  # the common shape: the start of the stream, one large bytes, the end
         start, payload, end = pieces
         if type(payload) is bytes and type(start) is bytes:
             tail = _tail_header(start, True)
@@ -398,7 +423,7 @@ def _assemble(pieces: list[Any]) -> tuple[Sequence[Buffer], int, bool]:
                     end = end + _INDEX_1.pack(len(start) - tail[0], 1, _INDEX_TAG)
                 # else an object holds it, or it is hashed: the stream as it is, without index
                 return (start, payload, end), len(start) + tail[2] + len(end), False
-    oob = any(type(p) is _OutOfBand for p in pieces)
+    oob = force or any(type(p) is _OutOfBand for p in pieces)
     data: list[Buffer] = []
     bufs: list[Buffer] = []
     lens: list[int] = []
@@ -472,6 +497,53 @@ def _oob_split(mv: memoryview) -> tuple[memoryview, tuple[int, ...], int]:
     words = struct.unpack_from(f"<{n + 1}Q", mv, 8)
     pos = 8 + 8 * (n + 1)
     return mv[pos : pos + words[0]], words[1:], pos + words[0]
+
+
+def _reduce_tensor(t: Any) -> Any:
+    """A contiguous, dense CPU tensor of ``OOB_MIN_BYTES`` or more as a ``PickleBuffer`` of its
+    bytes (out of band: one copy into shared memory), its dtype and shape; any other as torch
+    pickles it."""
+    import torch
+
+    if (
+        t.device.type != "cpu"
+        or t.layout != torch.strided
+        or t.requires_grad
+        or t.is_quantized
+        or t.is_conj()
+        or t.is_neg()
+        or not t.is_contiguous()
+        or t.nbytes < OOB_MIN_BYTES
+    ):
+        return t.__reduce_ex__(5)
+    flat = t.detach().reshape(-1).view(torch.uint8)
+    return _rebuild_tensor, (pickle.PickleBuffer(flat.numpy()), str(t.dtype).removeprefix("torch."), tuple(t.shape))
+
+
+_twins = threading.local()
+
+
+def writable_twins() -> dict[int, memoryview]:
+    """This thread's map from a read-only view handed to ``pickle.loads`` to the writable view of
+    the same memory (the arena's: a tensor is rebuilt on it, as vLLM's arena does; numpy arrays
+    and ``bytes`` payloads get the read-only one). Filled and emptied around one ``loads``."""
+    twins: dict[int, memoryview] | None = getattr(_twins, "map", None)
+    if twins is None:
+        twins = _twins.map = {}
+    return twins
+
+
+def _rebuild_tensor(buf: Any, dtype: str, shape: tuple[int, ...]) -> Any:
+    """The tensor ``_reduce_tensor`` pickled: on ``buf`` (an arena view: shares its lifetime), or
+    on a copy of it when ``buf`` is a read-only view of the ring (valid only until the next get)."""
+    import torch
+
+    mv = memoryview(buf)
+    if mv.readonly:
+        twin = writable_twins().get(id(buf))
+        mv = twin if twin is not None else memoryview(bytearray(mv))
+    flat = torch.frombuffer(mv, dtype=torch.uint8) if mv.nbytes else torch.empty(0, dtype=torch.uint8)
+    return flat.view(getattr(torch, dtype)).reshape(shape)
 
 
 def decode_pickle(body: memoryview | bytes | bytearray, oob: bool) -> Any:

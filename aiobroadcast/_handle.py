@@ -85,6 +85,7 @@ class Handle(BaseModel):
         default=None, description="'module:QualName' of the pydantic model, for codec pydantic-json"
     )
     writer_pid: int
+    arena_bytes: int = Field(default=0, ge=0, description="the size of the channel's arena (0: none)")
     tcp: str | None = Field(default=None, description="the TCP endpoint the writer bound for remote readers")
     insecure: bool = Field(default=False, description="plain TCP (messages still HMAC-signed)")
     server_key: str | None = Field(default=None, description="the writer's CurveZMQ public key (Z85)")

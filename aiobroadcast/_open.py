@@ -32,6 +32,7 @@ from ._reader import Reader, Source
 from ._reader import _private as _reader_token
 from ._shm import layout as _layout
 from ._shm import segment as _segment
+from ._shm.arena import arena_path
 from ._shm.subscriber import ShmSource
 from ._tcp.supervisor import SERVER_START_S, ServerProcess, read_answer
 from ._writer import Writer
@@ -94,6 +95,7 @@ def open_writer(
     rekey_messages: int = ...,
     rekey_bytes: int = ...,
     data_port: int = ...,
+    arena_bytes: int = ...,
 ) -> _Opening[Writer[Any]]: ...
 @overload
 def open_writer(
@@ -115,6 +117,7 @@ def open_writer(
     rekey_messages: int = ...,
     rekey_bytes: int = ...,
     data_port: int = ...,
+    arena_bytes: int = ...,
 ) -> _Opening[Writer[M]]: ...
 def open_writer(
     *,
@@ -135,6 +138,7 @@ def open_writer(
     rekey_messages: int = REKEY_MESSAGES,
     rekey_bytes: int = REKEY_BYTES,
     data_port: int = 0,
+    arena_bytes: int = 0,
 ) -> _Opening[Writer[Any]]:
     """Create a channel in shared memory and return its writer.
 
@@ -164,6 +168,12 @@ def open_writer(
       message bodies (on the host of ``tcp``); 0 (the default): a free port, chosen by the
       system. Give one when a firewall must let it through. The TCP server process started
       again after a crash binds it again.
+    - ``arena_bytes``: make a tensor arena of this size beside the ring (policy ``"block"``,
+      pickle codec): the large out-of-band buffers of a message (numpy arrays and torch CPU
+      tensors of 256 KiB or more, and the large ``bytes`` beside them) are copied once into it,
+      and a ``zero_copy`` reader's views of them stay valid for as long as they are referenced
+      (docs/design.md, "The arena"). A full arena never blocks ``put``: the message is copied
+      through the ring instead, and counted (``statistics().arena_fallbacks``). Reserved now.
 
     Raises ``InvalidArgument`` (a ``ValueError``) for bad arguments, ``InsufficientSharedMemory`` when the ring does not
     fit, ``BroadcastError`` when the endpoint cannot be bound or the platform is not supported.
@@ -186,6 +196,7 @@ def open_writer(
         rekey_messages=rekey_messages,
         rekey_bytes=rekey_bytes,
         data_port=data_port,
+        arena_bytes=arena_bytes,
     )
 
     async def make() -> Writer[Any]:
@@ -231,6 +242,7 @@ class WriterOptions(TypedDict, total=False):
     rekey_messages: int
     rekey_bytes: int
     data_port: int
+    arena_bytes: int
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -258,6 +270,7 @@ class _WriterSpec:
     #: a fan-in remote sender's ring: its TCP server serves one reader, the collector
     #: (``ServerConfig.sole_reader``)
     sole_reader: bool = False
+    arena_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.capacity < 2:
@@ -280,6 +293,10 @@ class _WriterSpec:
                 raise InvalidArgument(f"{name} must be an integer from 1 to {most}, not {value!r}")
         if type(self.data_port) is not int or not 0 <= self.data_port <= 65535:
             raise InvalidArgument(f"data_port must be a port number (0: any free port), not {self.data_port!r}")
+        if type(self.arena_bytes) is not int or self.arena_bytes < 0:
+            raise InvalidArgument(f"arena_bytes must be 0 (no arena) or a size in bytes, not {self.arena_bytes!r}")
+        if self.arena_bytes and (self.policy != "block" or self.codec != "pickle" or self.schema is not None):
+            raise InvalidArgument('an arena (arena_bytes) needs policy "block" and the pickle codec without schema')
         require(check_directory(self.directory, self.ring_readers))
         object.__setattr__(self, "slot_bytes", (self.slot_bytes + 63) // 64 * 64)
 
@@ -297,7 +314,7 @@ class _WriterSpec:
         elif self.codec == "json":
             encoder, channel_codec = JsonCodec(), "json"
         else:
-            encoder, channel_codec = PickleEncoder(), "pickle"
+            encoder, channel_codec = PickleEncoder(arena=self.arena_bytes > 0), "pickle"
         seg = _segment.create_segment(
             self.directory,
             token,
@@ -318,11 +335,13 @@ class _WriterSpec:
                 codec=channel_codec,  # type: ignore[arg-type]
                 schema_path=schema_path(self.schema) if self.schema is not None else None,
                 writer_pid=os.getpid(),
+                arena_bytes=(self.arena_bytes + 63) // 64 * 64,
             )
-            return WriterChannel(seg, handle, encoder, self.max_message_bytes)
+            return WriterChannel(seg, handle, encoder, self.max_message_bytes, handle.arena_bytes)
         except BaseException:
             seg.close()
             _segment._unlink_quiet(seg.path)
+            _segment._unlink_quiet(arena_path(seg.path))
             raise
 
 
@@ -466,7 +485,12 @@ def open_reader(
       ``aclose``**: the reader keeps the slot until then, and the writer may reuse it after. Copy
       what must live longer (``bytes(view)``). A message larger than a slot, and any message
       under policy ``"lag"``, is copied out once anyway (its views are then of that copy). No
-      effect on JSON and schema channels, nor with ``schema=``.
+      effect on JSON and schema channels, nor with ``schema=``. On a channel with an arena
+      (``open_writer(arena_bytes=...)``) every view has a lifetime instead: the buffers the
+      writer put in the arena (numpy arrays, torch CPU tensors and ``bytes`` of 256 KiB or more)
+      are views of it, **valid for as long as they, or views of them, are referenced** (until
+      this reader closes; torch tensors are writable, as vLLM's arena gives them), and whatever
+      is not in it (a message that found the arena full) is copied.
 
     Raises ``InvalidHandle`` (does not parse, segment gone, other layout, writer gone, pickle
     refused), ``TooManyReaders``, ``TransportError`` (remote writer unreachable or silent for
@@ -562,13 +586,27 @@ def _over_tcp(h: Handle, transport: Transport) -> bool:
     return False
 
 
-def _shm_source(h: Handle, name: str, decode: Callable[[Any, bool], Any], hold: bool) -> ShmSource:
+def _shm_source(
+    h: Handle, name: str, decode: Callable[[Any, bool], Any], hold: bool, *, arena_views: bool = False
+) -> ShmSource:
+    """``arena_views``: arena bodies as views with a lifetime even for a copying decoder (vLLM's
+    readers: the arena's tensors are views, everything else copies). A zero-copy reader of a
+    channel with an arena is such a reader: every view it gets has a lifetime."""
+    if h.arena_bytes and decode is decode_pickle_view:
+        decode, hold, arena_views = decode_pickle, False, True
     seg = _segment.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
     try:
-        return ShmSource(seg, h, name, decode, hold=hold)
+        source = ShmSource(seg, h, name, decode, hold=hold)
     except BaseException:
         seg.close()
         raise
+    if h.arena_bytes:
+        try:
+            source.attach_arena(arena_path(h.path), arena_views or hold)
+        except BaseException:
+            source.close()
+            raise
+    return source
 
 
 def _ring_reachable(h: Handle) -> bool:

@@ -23,6 +23,8 @@ class ReaderInfo(NamedTuple):
     #: where it lives, to read the pid by: its host name (in a container, by default, the
     #: container's short id); for shared memory the first 16 bytes of it; "" if it did not say
     host: str = ""
+    #: bytes of the arena this reader's views keep (docs/design.md, "The arena"); 0 without one
+    pinned_bytes: int = 0
 
 
 class WriterStatistics(NamedTuple):
@@ -43,6 +45,11 @@ class WriterStatistics(NamedTuple):
     #: so new remote readers cannot connect; a report it cannot write); "" unless ``tcp_server``
     #: is "running". Readers already connected may still be served.
     tcp_server_health: str = ""
+    arena_bytes: int = 0  #: the arena's size (``open_writer(arena_bytes=...)``); 0: no arena
+    arena_used_bytes: int = 0  #: bytes of it held by messages readers have not passed or still view
+    arena_placed: int = 0  #: messages whose large buffers went through the arena
+    #: messages with large buffers that found the arena full and were copied through the ring
+    arena_fallbacks: int = 0
 
 
 class ReaderStatistics(NamedTuple):

@@ -29,7 +29,7 @@ Threads. Every method of both classes may be called from any thread at any time:
   ``__getstate__`` that calls ``put_nowait`` while its object is being pickled by ``put``, a
   ``__setstate__`` that calls ``get``) raises ``WouldBlock`` instead of deadlocking.
 - With ``zero_copy=True`` a message's views stay valid until the next ``get``/``get_nowait`` on
-  that reader by any thread.
+  that reader by any thread; on a channel with an arena, for as long as they are referenced.
 
 Timeouts: ``put(obj, timeout=s)`` and ``get(timeout=s)`` raise ``WaitTimeout`` (a ``WouldBlock``
 and a built-in ``TimeoutError``) when ``s`` seconds pass first; nothing is published or taken. A
@@ -579,6 +579,15 @@ def open_reader(
     else:
         source = _shm_source(h, reader_name, decode, decode is decode_pickle_view)
     return BlockingReader(_private, source, h, reader_name, spec.spin_us)
+
+
+def _open_arena_reader(handle: Handle | str, *, name: str) -> BlockingReader[Any]:
+    """A shared-memory reader whose arena bodies arrive as views with a lifetime and everything
+    else as copies (``aiobroadcast.vllm``'s local readers: vLLM's arena hands out such tensors)."""
+    h = Handle.parse(handle)
+    _name, decode = _ReaderSpec(name=name).decoder(h)
+    source = _shm_source(h, name, decode, False, arena_views=True)
+    return BlockingReader(_private, source, h, name, None)
 
 
 # The fan-in roles (docs/fan-in.md), over the helpers above.

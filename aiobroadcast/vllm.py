@@ -42,12 +42,17 @@ What differs, on purpose:
 - Timeouts raise ``aiobroadcast.WaitTimeout``, a ``TimeoutError``; a cancelled ``dequeue``
   raises ``QueueCancelled``, a ``RuntimeError`` whose message starts with "cancelled", as
   vLLM's; negative timeouts never mean "forever".
-- ``enable_shm_tensor_arena=True`` is accepted and, for now, changes nothing: every object,
-  a torch CPU tensor too, is pickled into the message (torch's own reducer) and each reader
-  unpickles its own copy, writable and valid for as long as it is referenced, the lifetime
-  vLLM's arena gives its zero-copy views (vLLM 0.33 also sends tensors of 1 MiB or more
-  out-of-band; the arena's zero-copy path is not there yet). A message larger than a chunk takes
-  several slots, or streams through the ring, instead of vLLM's overflow socket.
+- ``enable_shm_tensor_arena=True`` makes the channel's arena (``open_writer(arena_bytes=...)``,
+  ``ARENA_BYTES``, reserved at once, where vLLM's 2 GiB are paged in lazily): a contiguous CPU
+  tensor of 256 KiB or more (vLLM: 8 MiB) is copied once into it, and each local reader gets a
+  zero-copy view, writable as vLLM's, valid for as long as it or a view of it is referenced;
+  its bytes are released when the last one is freed, not at the next ``dequeue`` (there is no
+  CUDA-event gating: a reader that copies to a device asynchronously keeps the tensor until the
+  copy is done). A full arena falls back to copying through the ring, as vLLM's falls back to
+  pickling; remote readers get copies. Without the arena every object, a torch CPU tensor too,
+  is pickled into the message (torch's own reducer) and each reader unpickles its own copy. A
+  message larger than a chunk takes several slots, or streams through the ring, instead of
+  vLLM's overflow socket.
 - ``shutdown()`` wakes a parked ``dequeue`` of a remote (TCP) reader too, where vLLM's wakes
   local readers only (its remote reader sleeps on until its process is killed); on the writer
   it only sets ``shutting_down``, as vLLM's. A queue is closed when collected, at its
@@ -122,6 +127,8 @@ log = logging.getLogger("aiobroadcast")
 #: vLLM's defaults: 10 chunks of 24 MiB (240 MiB of /dev/shm, reserved at creation).
 DEFAULT_MAX_CHUNK_BYTES = 24 * 1024 * 1024
 DEFAULT_MAX_CHUNKS = 10
+#: The arena ``enable_shm_tensor_arena=True`` makes (vLLM's: 8 slots of 256 MiB, paged lazily).
+ARENA_BYTES = 256 * 1024 * 1024
 #: How often a ``dequeue`` given a ``cancel`` event looks at it (nothing signals an Event).
 CANCEL_CHECK_S = 0.1
 #: How often a writer still waiting for its readers says so.
@@ -315,10 +322,10 @@ class MessageQueueWriter(MessageQueue):
         the remote readers a TCP endpoint on ``connect_ip`` (default: as vLLM's ``get_ip()``,
         ``$VLLM_HOST_IP``, else the address of the interface that routes outwards).
 
-        ``enable_shm_tensor_arena`` is accepted and, for now, changes nothing: large CPU tensors
-        take the copying path (each reader unpickles its own copy, which stays valid for as
-        long as it is referenced, the lifetime vLLM's arena gives its zero-copy views). Raises
-        ``InsufficientQueueSpace`` (a ``RuntimeError``) when /dev/shm cannot hold the ring."""
+        ``enable_shm_tensor_arena=True``: large CPU tensors go through an arena of
+        ``ARENA_BYTES`` beside the ring, and local readers get zero-copy views of them that stay
+        valid while referenced (see the module's text). Raises ``InsufficientQueueSpace`` (a
+        ``RuntimeError``) when /dev/shm cannot hold the ring (and the arena)."""
         if local_reader_ranks is None:
             local_reader_ranks = list(range(n_local_reader))
         if len(local_reader_ranks) != n_local_reader:
@@ -337,6 +344,7 @@ class MessageQueueWriter(MessageQueue):
                 slot_bytes=max_chunk_bytes,
                 max_readers=max(1, n_local_reader, self.n_remote_reader),
                 tcp=tcp,
+                arena_bytes=ARENA_BYTES if enable_shm_tensor_arena else 0,
             )
         except InsufficientSharedMemory as exc:
             raise InsufficientQueueSpace(exc.needed, exc.available, DEFAULT_DIRECTORY) from exc
@@ -427,7 +435,7 @@ class MessageQueueReader(MessageQueue):
         self._spin_condition = _SpinCondition()
         name = f"rank-{rank}" if rank >= 0 else "remote"
         if rank in handle.local_reader_ranks:
-            reader = blocking.open_reader(handle.channel, name=name, transport="shm")
+            reader = blocking._open_arena_reader(handle.channel, name=name)
         else:
             if handle.n_reader == handle.n_local_reader:
                 raise BroadcastError(

@@ -17,6 +17,7 @@ from .. import _tuning
 from .._codec import Buffer
 from .._exceptions import ClosedResourceError
 from . import segment as _segment
+from .arena import ArenaHead
 from .atomic import fence_release
 from .layout import BUSY, F_FIRST, F_GAP, F_LAST, F_OOB, F_WHOLE, SLOT_REST, W_CLOSED, W_HEAD, W_NEXT_MSG, fence
 from .records import ReaderRecords
@@ -122,6 +123,8 @@ class Publisher:
             w[W_NEXT_MSG] = msg
             self.head = seq
             w[W_HEAD] = seq
+            if oob and type(parts[0]) is ArenaHead:
+                parts[0].committed(seq)  # its arena record is reclaimed once readers pass seq
         except BaseException:
             # A KeyboardInterrupt (or any exception a signal handler raises) can land between any
             # two bytecodes of the copy. Readers go by the slots' seq words: whatever was
@@ -173,6 +176,8 @@ class Publisher:
                 else:
                     seq = self._write_fragments(Chunks(parts), total, F_OOB if oob else 0, seq, entries, first=True)
                 self.msg += 1
+                if oob and type(parts[0]) is ArenaHead:
+                    parts[0].committed(seq)
             w[W_NEXT_MSG] = self.msg
             self.head = seq
             w[W_HEAD] = seq
@@ -249,6 +254,8 @@ class Publisher:
             if first:
                 self._words[W_NEXT_MSG] = msg + 1
             self._words[W_HEAD] = self.head
+            if chunks.done and type(chunks.first) is ArenaHead:
+                chunks.first.committed(self.head)
             self.wake_readers()
             return True
         except BaseException:
@@ -313,6 +320,7 @@ class Chunks:
 
     def __init__(self, parts: Sequence[Buffer]) -> None:
         self._parts = [memoryview(p).cast("B") for p in parts]
+        self.first = parts[0] if parts else None
         self._i = 0
         self._off = 0
         self.pos = 0

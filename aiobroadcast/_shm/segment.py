@@ -417,8 +417,8 @@ def _alive(pid: int) -> bool:
 
 #: Every other file a channel has beside its segment: wake-up sockets (``-w.sock``, ``-r3.sock``),
 #: the TCP server's report (``-tcp.json``) and the temporary file it is written to first
-#: (``-tcp.json.tmp``, left behind if the server is killed while writing it).
-_ORPHAN_RE = re.compile(r"^(aiobroadcast-[0-9a-f]{32})-[\w.-]+\.(sock|json|json\.tmp)$")
+#: (``-tcp.json.tmp``, left behind if the server is killed while writing it), the arena (``-arena.shm``).
+_ORPHAN_RE = re.compile(r"^(aiobroadcast-[0-9a-f]{32})-[\w.-]+\.(sock|json|json\.tmp|shm)$")
 
 
 def _sweep_orphan(directory: str, name: str) -> None:

@@ -19,6 +19,7 @@ from .._exceptions import (
 from .._handle import Handle
 from .._stats import ReaderStatistics
 from . import segment as _segment
+from .arena import ArenaReader
 from .atomic import fence_acquire
 from .layout import (
     BUSY,
@@ -107,6 +108,7 @@ class ShmSource:
         #: A message ``_take_ahead`` found undecodable after others (entry, message number, the
         #: error): still in the ring, reported by the get after those others.
         self._failed: tuple[int, int, Exception] | None = None
+        self.arena: ArenaReader | None = None
         self._outbox = Outbox()
         self._place = place = ReaderPlace(seg, handle.name, name, self._block, self._outbox)
         try:
@@ -122,6 +124,12 @@ class ShmSource:
         self._episode = place.episode
         self._writer_sock = place.writer_sock
         self._closed = False
+
+    def attach_arena(self, path: str, views: bool) -> None:
+        """Decode the channel's arena bodies (docs/design.md, "The arena"): as views that pin their
+        record for as long as they live (``views``), else as copies."""
+        self.arena = ArenaReader(path, self._place.index)
+        self._decode = self.arena.decoder(self._decode, views)
 
     # --- what Reader calls -------------------------------------------------------------
     def get_nowait(self) -> Any:
@@ -308,6 +316,8 @@ class ShmSource:
         if self._closed:
             return
         self._closed = True
+        if self.arena is not None:
+            self.arena.close()  # its pins first: the place is still this reader's
         self._place.leave()
         self._outbox.close()
         self._seg.close()

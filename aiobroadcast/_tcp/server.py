@@ -36,6 +36,7 @@ from .. import _seal as seal
 from .._constants import TCP_SERVER_READER_NAME
 from .._exceptions import BroadcastError, EndOfStream, ReaderLagged, TransportError, WouldBlock, WriterGone
 from .._handle import Handle
+from .._shm.arena import arena_path
 from .._shm.layout import W_NEXT_MSG
 from .._shm.segment import Segment, attach_segment
 from .._shm.subscriber import ShmSource
@@ -288,6 +289,8 @@ class TcpServer:
             # hold: under policy "block" a body is a view of its slot until the next get_nowait,
             # so the protocol seals it straight out of the ring.
             self._src = ShmSource(seg, handle, TCP_SERVER_READER_NAME, _view, hold=True, take_over=take_over)
+            if handle.arena_bytes:  # arena bodies go out whole: their buffers copied in (one copy)
+                self._src.attach_arena(arena_path(handle.path), False)
         except BaseException:
             self._close_sockets()
             raise

@@ -25,6 +25,7 @@ from .._exceptions import InvalidHandle
 from .._handle import Handle
 from .._shm import layout as _layout
 from .._shm import segment as _segment
+from .._shm.arena import arena_path, read_usage
 from .._shm.layout import (
     R_ACTIVE,
     R_CURSOR,
@@ -96,6 +97,8 @@ class Snapshot:
     wait_target: int
     readers: tuple[ReaderRow, ...]
     remote: tuple[RemoteRow, ...] | None = None  #: None: no TCP server, or its report is unreadable
+    #: the arena's size, the bytes held in it and the bytes each place's views pin; None: no arena
+    arena: tuple[int, int, dict[int, int]] | None = None
 
     def holding(self) -> list[ReaderRow]:
         """The readers a blocked writer waits for: their cursor is below ``wait_target``."""
@@ -139,6 +142,7 @@ class SegmentView:
                 )
             )
         return Snapshot(
+            arena=read_usage(arena_path(self.handle.path)) if self.handle.arena_bytes else None,
             remote=self._remote(),
             at=time.monotonic(),
             head=w[W_HEAD],
@@ -190,6 +194,9 @@ def render(h: Handle, now: Snapshot, before: Snapshot | None) -> list[str]:
         f"  published {now.messages} messages ({now.head} ring entries)"
         + (f", {rate(now.messages, before.messages)} msg/s" if before is not None and span > 0 else ""),
     ]
+    if now.arena is not None:
+        size, used, _pins = now.arena
+        lines.append(f"  arena {size:,} B, {used:,} B held (by messages not yet read by all, or by views)")
     if not now.readers and not now.remote:
         lines.append("  no readers attached")
     else:
@@ -209,6 +216,8 @@ def render(h: Handle, now: Snapshot, before: Snapshot | None) -> list[str]:
             what = "reading" if r.cursor < now.head else "idle"
         if _is_tcp_server(h, r):
             what += " (the TCP server: reads for the remote readers)"
+        if now.arena is not None and now.arena[2].get(r.place):
+            what += f", its views pin {now.arena[2][r.place]:,} B of the arena"
         r_rate = rate(r.received, old.received if old else None)
         lines.append(
             f"  {r.place:>5}  {r.name[:24]:<24} {r.pid:>8} {_host(r.host)} {'yes' if r.alive else 'NO':<5} "

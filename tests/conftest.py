@@ -8,6 +8,12 @@ import pytest
 
 from aiobroadcast import _tuning
 
+# torch's CPU ops run on an OpenMP thread pool, which does not survive fork: a process forked after
+# the pool started hangs in its first parallel op. The suite is one process that both runs torch
+# ops (the arena tests) and forks vLLM-style ranks, so torch runs on one thread here. Set before
+# anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 BACKENDS = [
     pytest.param(("asyncio", {"use_uvloop": False}), id="asyncio"),
     pytest.param(("asyncio", {"use_uvloop": True}), id="uvloop"),

@@ -100,9 +100,14 @@ class WriterChannel:
         return parts, total, oob
 
     def _encode_checked(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
-        parts, total, oob = self._encode(obj)
+        # The whole message is measured, before any of it goes to the arena: the limit does not
+        # depend on whether the arena has room (a message that falls back to the ring is the same
+        # message), and a refused message takes no record.
+        parts, total, oob = self._arena_source(obj)
         if self._max_message_bytes is not None and total > self._max_message_bytes:
             raise MessageTooLarge(total, self._max_message_bytes)
+        if oob and self.arena is not None:
+            parts, total = self.arena.place(parts, total)
         return parts, total, oob
 
     def entries_for(self, total: int) -> int:

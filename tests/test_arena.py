@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiobroadcast import InvalidArgument, WouldBlock, WriterStatistics, blocking
+from aiobroadcast import InvalidArgument, MessageTooLarge, WouldBlock, WriterStatistics, blocking
 from aiobroadcast.vllm import MessageQueue
 
 torch = pytest.importorskip("torch")
@@ -234,6 +234,18 @@ def test_a_message_that_is_not_published_gives_its_record_back() -> None:
             assert writer.statistics().arena_used_bytes == 0
             writer.put(np.zeros(MIB // 8))
             assert not reader.get(timeout=5).any()
+
+
+def test_max_message_bytes_counts_the_whole_message_whether_or_not_the_arena_has_room() -> None:
+    with blocking.open_writer(capacity=4, slot_bytes=4 * MIB, arena_bytes=8 * MIB, max_message_bytes=MIB) as writer:
+        with blocking.open_reader(writer.handle, name="r", zero_copy=True) as reader:
+            with pytest.raises(MessageTooLarge):
+                writer.put(np.ones(MIB // 4))  # 2 MiB: the arena has room, the limit says no
+            stats = writer.statistics()
+            assert (stats.arena_placed, stats.arena_used_bytes, stats.sent) == (0, 0, 0)
+            writer.put(np.ones(MIB // 16))  # 512 KiB: in the arena
+            assert reader.get(timeout=5).sum() == MIB // 16
+            assert writer.statistics().arena_placed == 1
 
 
 @pytest.mark.parametrize(

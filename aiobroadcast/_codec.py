@@ -121,10 +121,10 @@ class PickleEncoder:
     pickler of its own. Safe from any thread and from inside an ``encode``."""
 
     def __init__(self, arena: bool = False) -> None:
-        #: ``arena``: every large buffer travels out of band (into the channel's arena): a
-        #: contiguous torch CPU tensor of ``OOB_MIN_BYTES`` or more, as a numpy array does
-        #: (``_reduce_tensor``, once torch is imported), and a ``bytes`` of as much that a view
-        #: can stand for, even without arrays beside it.
+        #: Once torch is imported, tensors are pickled with ``_reduce_tensor`` (their bytes; a
+        #: large contiguous one out of band, as a numpy array). ``arena``: every large buffer
+        #: travels out of band (into the channel's arena), and a ``bytes`` of ``OOB_MIN_BYTES``
+        #: or more that a view can stand for too, even without arrays beside it.
         self._arena = arena
         #: The kept pickler while no call uses it. ``list.pop`` and ``append`` are atomic, so a
         #: call takes it or finds the list empty (another call has it) without a lock; a lock's
@@ -137,10 +137,10 @@ class PickleEncoder:
             pickling = self._idle.pop()
         except IndexError:  # re-entered, or used by another thread right now
             pickling = _Pickling(self._arena)
-            if self._arena and "torch" in sys.modules:
+            if "torch" in sys.modules:
                 pickling.reduce_tensors()
             return pickling.encode(obj)
-        if self._arena and not pickling.tensors and "torch" in sys.modules:
+        if not pickling.tensors and "torch" in sys.modules:
             pickling.reduce_tensors()
         try:
             return pickling.encode(obj)
@@ -499,10 +499,27 @@ def _oob_split(mv: memoryview) -> tuple[memoryview, tuple[int, ...], int]:
     return mv[pos : pos + words[0]], words[1:], pos + words[0]
 
 
+#: dtypes whose tensors torch's own pickling writes but cannot read back (torch 2.x: "UntypedStorage
+#: has no attribute 'dtype'"); vLLM sends them, as bytes
+_BYTES_ONLY_DTYPES = frozenset(
+    (
+        "uint16",
+        "uint32",
+        "uint64",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "float8_e4m3fnuz",
+        "float8_e5m2fnuz",
+        "float8_e8m0fnu",
+    )
+)
+
+
 def _reduce_tensor(t: Any) -> Any:
-    """A contiguous, dense CPU tensor of ``OOB_MIN_BYTES`` or more as a ``PickleBuffer`` of its
-    bytes (out of band: one copy into shared memory), its dtype and shape; any other as torch
-    pickles it."""
+    """A dense contiguous CPU tensor as a ``PickleBuffer`` of its bytes (out of band when it is
+    ``OOB_MIN_BYTES`` or more: one copy into shared memory), its dtype and shape, as vLLM's
+    reducer does; a non-contiguous one so too when torch cannot read back its own pickle of that
+    dtype; any other as torch pickles it. (Two tensors of one storage arrive as two copies.)"""
     import torch
 
     if (
@@ -512,10 +529,12 @@ def _reduce_tensor(t: Any) -> Any:
         or t.is_quantized
         or t.is_conj()
         or t.is_neg()
-        or not t.is_contiguous()
-        or t.nbytes < OOB_MIN_BYTES
     ):
         return t.__reduce_ex__(5)
+    if not t.is_contiguous():
+        if str(t.dtype).removeprefix("torch.") not in _BYTES_ONLY_DTYPES:
+            return t.__reduce_ex__(5)
+        t = t.contiguous()
     flat = t.detach().reshape(-1).view(torch.uint8)
     return _rebuild_tensor, (pickle.PickleBuffer(flat.numpy()), str(t.dtype).removeprefix("torch."), tuple(t.shape))
 

@@ -49,8 +49,10 @@ What differs, on purpose:
   its bytes are released when the last one is freed, not at the next ``dequeue`` (there is no
   CUDA-event gating: a reader that copies to a device asynchronously keeps the tensor until the
   copy is done). A full arena falls back to copying through the ring, as vLLM's falls back to
-  pickling; remote readers get copies. Without the arena every object, a torch CPU tensor too,
-  is pickled into the message (torch's own reducer) and each reader unpickles its own copy. A
+  pickling; remote readers get copies. Without the arena every object is pickled into the
+  message and each reader unpickles its own copy; a dense CPU tensor travels as its bytes, its
+  dtype and shape, as vLLM's reducer sends it (float8 and ``uint16``/``uint32``/``uint64`` too,
+  whose form in torch's own pickling torch cannot read back), a large one out of band. A
   message larger than a chunk takes several slots, or streams through the ring, instead of
   vLLM's overflow socket.
 - ``shutdown()`` wakes a parked ``dequeue`` of a remote (TCP) reader too, where vLLM's wakes
@@ -80,11 +82,6 @@ What differs, on purpose:
   ``_reduce_tensor``, and the attributes ``buffer``, ``current_idx``, ``local_socket``,
   ``remote_socket``, ``local_reader_rank`` and ``tensor_arena``. ``close()`` and
   ``statistics()`` are added.
-
-Not yet as vLLM 0.33.0's: a CPU tensor is pickled by torch's own reducer, whose form of float8
-and ``uint16``/``uint32``/``uint64`` tensors torch cannot unpickle, so the reader's ``dequeue``
-raises ``aiobroadcast.DeserializationError`` (the message is consumed) where vLLM, which sends a
-tensor's bytes, delivers it (``tests/test_vllm033_flows.py`` has the strict xfail).
 
 torch is imported only when ``create_from_process_group`` is given a torch ``ProcessGroup``; any
 other group object with ``rank``, ``world_size`` and ``broadcast_obj(obj, src)`` (as vLLM's

@@ -14,8 +14,8 @@ public surface (vLLM's test name in brackets):
   one a reader keeps stays equal to what was sent while many later large tensors go through.
 - ``test_tensors_of_every_dtype_vllm_carries`` [the ``fp8`` case of ``test_tensor_pickle_roundtrip``,
   and ``test_arena_dtype_roundtrip``'s float8]: float8 and uint16/32/64 CPU tensors,
-  which vLLM's reducer sends as their bytes; expected to fail (strict) until the drop-in's codec
-  does the same: torch's own pickling of these dtypes cannot be unpickled.
+  contiguous, transposed and large (out of band), which vLLM's reducer sends as their bytes,
+  as the codec does (torch's own pickling of these dtypes cannot be unpickled).
 - ``test_32_writers_made_at_once_each_announce_their_own_address``
   [``test_remote_subscribe_addr_unique_concurrent_writers``]: 32 queues for one remote reader
   each (``n_local_reader=0``), made by 32 threads at once; each announces its own
@@ -48,7 +48,6 @@ import numpy as np
 import pytest
 from _vllm_harness import StatelessProcessGroup, get_open_port
 
-import aiobroadcast as ab
 from aiobroadcast.vllm import MessageQueue
 
 torch = pytest.importorskip("torch", reason="torch is not installed (pip install -e '.[vllm]')")
@@ -207,16 +206,10 @@ def test_tensors_through_a_process_group() -> None:
 
 #: Dtypes vLLM 0.33 carries (its ``_reduce_tensor`` sends any CPU tensor's bytes as uint8) whose
 #: pickling by torch's own reducer, in band, torch cannot unpickle (torch 2.13: "UntypedStorage has
-#: no attribute 'dtype'").
+#: no attribute 'dtype'"); the codec sends their bytes too.
 BYTES_ONLY_DTYPES = ["float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ab.DeserializationError,
-    reason="the drop-in pickles tensors with torch's own reducer, which cannot rebuild these dtypes; "
-    "vLLM 0.33 sends a tensor's bytes (to pass once the codec reduces tensors to their bytes)",
-)
 def test_tensors_of_every_dtype_vllm_carries() -> None:
     g = torch.Generator().manual_seed(37)
     sent = {}
@@ -224,7 +217,10 @@ def test_tensors_of_every_dtype_vllm_carries() -> None:
         dtype = getattr(torch, name)
         base = torch.randn(16, 8, generator=g)
         sent[name] = (base if dtype.is_floating_point else (base.abs() * 1000).to(torch.int64)).to(dtype)
-    writer = MessageQueue(1, 1, max_chunk_bytes=1 * MiB, max_chunks=4)
+        sent[name + " transposed"] = sent[name].t()  # not contiguous
+        big = torch.randn(512, 256, generator=g)  # 256 KiB or more: out of band
+        sent[name + " large"] = (big if dtype.is_floating_point else (big.abs() * 1000).to(torch.int64)).to(dtype)
+    writer = MessageQueue(1, 1, max_chunk_bytes=4 * MiB, max_chunks=4)
     reader = MessageQueue.create_from_handle(writer.export_handle(), 0)
     try:
         writer.enqueue(sent)

@@ -81,13 +81,15 @@ def ring_for_gather(size: int, senders: int) -> tuple[int, int]:
     4 senders get 1024 x 256 B at 64 B, and 64 x 68 KiB (the depth of iceoryx2's subscriber
     buffer in the same cell) at 64 KiB.
 
-    Alternated on this project's 2-CPU machines, 4 senders, medians of 6 runs: at 64 B, 1024 slots
+    Alternated on this project's 2-CPU machines, 4 senders, medians of 5-6 runs: at 64 B, 1024 slots
     367-380k msgs/s against 304-337k at 4096 (the broadcast ring's: the collector reads four rings
     in turn, and 4 MiB of them do not stay in its L2); at 64 KiB, 64 slots 62-96k msgs/s against
     49-59k at 15 (a sender whose ring is full sleeps until a quarter of it is free: a shallow ring
     puts it to sleep, and has the collector wake it, every few messages). Measured in one process,
     where no copy crosses CPUs, shallower rings of large slots had looked cheaper (8.5 us a put at
-    16 slots against 12-14 us at 64, on a machine with an 8 MiB L3)."""
+    16 slots against 12-14 us at 64, on a machine with an 8 MiB L3). In one interleaved sitting
+    (docs/performance.md, "Fan-in and calls after tuning") the paired ratios to the old rings were
+    1.08x at 64 B and 1.02x at 64 KiB: the latter within the noise of that sitting."""
     capacity, slot_bytes = ring_for(size)
     if size <= 4096:
         return max(256, min(capacity, GATHER_SMALL_RING_BYTES // (senders * slot_bytes))), slot_bytes

@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, NoReturn, TypeVar, final
 
 import anyio
+import anyio.lowlevel
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ._exceptions import (
@@ -322,14 +323,27 @@ class Caller(Generic[Q, R]):
         (the wait counts in the timeout). A worker that ended is not waited for."""
         _check_timeout(timeout)
         deadline = anyio.current_time() + timeout
-        with anyio.CancelScope(deadline=deadline) as scope:
-            await self._turn.acquire()
-        if scope.cancelled_caught:  # another call held the turn past this one's deadline
-            return self._book.result({}, timeout)
+        turn = self._turn
+        try:
+            # No call in progress (the usual case): take the turn at once. Waiting for it through
+            # a cancel scope and a trip through the event loop cost about 20 us of every paced
+            # call here. A cancelled task still raises before anything is sent.
+            turn.acquire_nowait()
+        except anyio.WouldBlock:
+            with anyio.CancelScope(deadline=deadline) as scope:
+                await turn.acquire()
+            if scope.cancelled_caught:  # another call held the turn past this one's deadline
+                return self._book.result({}, timeout)
+        else:
+            try:
+                await anyio.lowlevel.checkpoint_if_cancelled()
+            except BaseException:
+                turn.release()
+                raise
         try:
             return await self._call(request, deadline, timeout)
         finally:
-            self._turn.release()
+            turn.release()
 
     async def _call(self, request: Q, deadline: float, limit: float) -> dict[str, Outcome[R]]:
         if self._closed:

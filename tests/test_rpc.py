@@ -104,6 +104,22 @@ async def test_a_late_reply_is_dropped_and_counted_and_an_unknown_id_too() -> No
             assert (s.late_replies, s.unknown_replies) == (1, 2)
 
 
+@pytest.mark.anyio
+async def test_a_call_in_a_cancelled_scope_sends_nothing_and_the_next_call_is_answered() -> None:
+    """A call takes its turn at once when no other call holds it (no trip through the event
+    loop), but a call whose task is cancelled already still raises before its request is sent."""
+    async with ab.open_caller(workers=["w"], capacity=8, slot_bytes=1024) as caller:
+        with spawn(worker_proc, caller.handle.to_json(), "w", "blocking"):
+            assert (await caller.call("one", timeout=WITHIN_S))["w"] == ab.Reply("w", ("w", "one"))
+            with anyio.CancelScope() as scope:
+                scope.cancel()
+                await caller.call("never", timeout=WITHIN_S)
+            assert scope.cancelled_caught
+            assert caller.statistics().calls == 1
+            assert caller._w.statistics().sent == 1  # "one" only
+            assert (await caller.call("two", timeout=WITHIN_S))["w"] == ab.Reply("w", ("w", "two"))
+
+
 def test_blocking_caller_reports_a_killed_worker_dead_and_goes_on() -> None:
     with blocking.open_caller(workers=["w0", "w1"], capacity=8, slot_bytes=1024) as caller:
         h = caller.handle.to_json()

@@ -68,21 +68,32 @@ def _send_blocking(handle: str, rank: int, size: int, count: int, ready: Any, go
             put((now(), name, seq, payload))
 
 
-#: Shared memory all the senders' rings of a run take together, for messages above 4 KiB.
-GATHER_RING_BYTES = 4 << 20
+#: Shared memory all the senders' rings of a run take together at most: for messages up to 4 KiB
+#: half of a CPU's L2 here (2 MiB), above it this machine's L3 (32 MiB).
+GATHER_SMALL_RING_BYTES = 1 << 20
+GATHER_RING_BYTES = 32 << 20
 
 
 def ring_for_gather(size: int, senders: int) -> tuple[int, int]:
-    """The senders' ring: the broadcast benchmark's slot (``ring_for``), and for messages above
-    4 KiB as many slots as keep every sender's ring together within ``GATHER_RING_BYTES`` (8 to
-    64). The collector copies out of every ring in turn: four rings of 64 x 68 KiB (17 MiB) do
-    not stay in this machine's 8 MiB L3, and a 64 KiB copy out of them took 13 us against 2.5 us
-    within one ring (in-process, 4 senders: 12-14 us a put and 9 us a get at 64 slots, 8.5 and
-    6 us at 16)."""
+    """The senders' ring: the broadcast benchmark's slot (``ring_for``), with at most as many of
+    its slots (but at least 256 of small ones, 8 of large ones) as keep every sender's ring
+    together within ``GATHER_SMALL_RING_BYTES`` (messages up to 4 KiB) or ``GATHER_RING_BYTES``:
+    4 senders get 1024 x 256 B at 64 B, and 64 x 68 KiB (the depth of iceoryx2's subscriber
+    buffer in the same cell) at 64 KiB.
+
+    Alternated on this project's 2-CPU machines, 4 senders, medians of 5-6 runs: at 64 B, 1024 slots
+    367-380k msgs/s against 304-337k at 4096 (the broadcast ring's: the collector reads four rings
+    in turn, and 4 MiB of them do not stay in its L2); at 64 KiB, 64 slots 62-96k msgs/s against
+    49-59k at 15 (a sender whose ring is full sleeps until a quarter of it is free: a shallow ring
+    puts it to sleep, and has the collector wake it, every few messages). Measured in one process,
+    where no copy crosses CPUs, shallower rings of large slots had looked cheaper (8.5 us a put at
+    16 slots against 12-14 us at 64, on a machine with an 8 MiB L3). In one interleaved sitting
+    (docs/performance.md, "Fan-in and calls after tuning") the paired ratios to the old rings were
+    1.08x at 64 B and 1.02x at 64 KiB: the latter within the noise of that sitting."""
     capacity, slot_bytes = ring_for(size)
-    if size > 4096:
-        capacity = max(8, min(capacity, GATHER_RING_BYTES // (senders * slot_bytes)))
-    return capacity, slot_bytes
+    if size <= 4096:
+        return max(256, min(capacity, GATHER_SMALL_RING_BYTES // (senders * slot_bytes))), slot_bytes
+    return max(8, min(capacity, GATHER_RING_BYTES // (senders * slot_bytes))), slot_bytes
 
 
 class _Senders:

@@ -116,5 +116,8 @@ class NoWatch:
 
     __slots__ = ()
 
+    #: when a look is due (``CollectorWatch.next``, read on the put path): never
+    next: float = float("inf")
+
     def dead(self) -> bool:
         return False

@@ -6,7 +6,7 @@ import logging
 import os
 import secrets
 from collections.abc import Awaitable, Callable, Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Generic, Literal, Protocol, TypedDict, TypeVar, overload
 
@@ -268,8 +268,8 @@ class _WriterSpec:
     rekey_bytes: int = REKEY_BYTES
     data_port: int = 0
     #: a fan-in remote sender's ring: its TCP server serves one reader, the collector
-    #: (``ServerConfig.sole_reader``)
-    sole_reader: bool = False
+    #: (``ServerConfig.sole_reader``); set by ``open_sender(tcp=...)``, not an ``open_writer`` option
+    sole_reader: bool = field(default=False, metadata={"internal": True})
     arena_bytes: int = 0
 
     def __post_init__(self) -> None:

@@ -1,7 +1,8 @@
 """The ring's layout: the words and records of a channel's segment, the slot header, and the
 arithmetic of the ring (where an entry lives, when there is room, which reader a writer waits
 for). Pure: no files, no system calls. docs/design.md draws the layout and gives the
-memory-ordering argument; the property tests (tests/test_ring_props.py) drive this code.
+memory-ordering argument; the property tests (tests/test_ring_props.py, test_ring_readers_props.py)
+drive this code through the classes that run.
 """
 
 from __future__ import annotations

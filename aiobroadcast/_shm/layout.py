@@ -1,7 +1,8 @@
 """The ring's layout: the words and records of a channel's segment, the slot header, and the
 arithmetic of the ring (where an entry lives, when there is room, which reader a writer waits
 for). Pure: no files, no system calls. docs/design.md draws the layout and gives the
-memory-ordering argument; the property tests (tests/test_ring_props.py) drive this code.
+memory-ordering argument; the property tests (tests/test_ring_props.py, test_ring_readers_props.py)
+drive this code through the classes that run.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import os
 import platform
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -43,7 +45,8 @@ HOST_BYTES = 16
 
 SLOT_HEADER = struct.Struct("<QQIIQ")  # seq, msg, frag_len, flags, total
 SLOT_REST = struct.Struct("<QIIQ")  # the header after seq
-SLOT_HEADER_BYTES = SLOT_HEADER.size
+SLOT_HEADER_BYTES = SLOT_HEADER.size  # 32: a slot's payload starts this many bytes into it
+SLOT_REST_OFFSET = 8  # SLOT_REST starts after the seq word
 F_FIRST, F_LAST, F_OOB, F_GAP = 1, 2, 4, 8  # F_GAP: `total` messages were lost upstream
 F_WHOLE = F_FIRST | F_LAST
 
@@ -122,9 +125,17 @@ class Layout:
         """Bytes of message body one slot carries."""
         return self.slot_bytes - SLOT_HEADER_BYTES
 
-    def slot_offset(self, seq: int) -> int:
-        """Byte offset of the slot that holds entry ``seq``."""
-        return self.data_offset + (seq % self.capacity) * self.slot_bytes
+    @cached_property
+    def slot_offset(self) -> Callable[[int], int]:
+        """``slot_offset(seq)``: the byte offset of the slot that holds entry ``seq``. The one
+        definition of where an entry lives; a function over this channel's numbers (no attribute
+        lookups), as the paths per message call it."""
+        data_offset, capacity, slot_bytes = self.data_offset, self.capacity, self.slot_bytes
+
+        def slot_offset(seq: int) -> int:
+            return data_offset + (seq % capacity) * slot_bytes
+
+        return slot_offset
 
     def entries_for(self, body_bytes: int) -> int:
         """How many ring entries a message body of ``body_bytes`` takes (at least one)."""
@@ -139,8 +150,16 @@ class Layout:
 
 def has_room(head: int, min_cursor: int, entries: int, capacity: int) -> bool:
     """Whether entries ``head .. head+entries-1`` can be written without overwriting an entry
-    that a reader at ``min_cursor`` still needs: each needs ``e < min_cursor + capacity``."""
+    that a reader at ``min_cursor`` still needs: each needs ``e < min_cursor + capacity``.
+    The same as ``entries <= free_entries(head, min_cursor, capacity)`` (the property tests
+    hold the two together), written out: the writer asks it per message."""
     return head + entries - min_cursor <= capacity
+
+
+def free_entries(head: int, min_cursor: int, capacity: int) -> int:
+    """How many entries from ``head`` on can be written before one that a reader at
+    ``min_cursor`` still needs (a streamed message fills them)."""
+    return capacity - (head - min_cursor)
 
 
 def wait_target(head: int, entries: int, capacity: int) -> int:

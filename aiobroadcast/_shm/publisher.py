@@ -19,7 +19,23 @@ from .._exceptions import ClosedResourceError
 from . import segment as _segment
 from .arena import ArenaHead
 from .atomic import fence_release
-from .layout import BUSY, F_FIRST, F_GAP, F_LAST, F_OOB, F_WHOLE, SLOT_REST, W_CLOSED, W_HEAD, W_NEXT_MSG, fence
+from .layout import (
+    BUSY,
+    F_FIRST,
+    F_GAP,
+    F_LAST,
+    F_OOB,
+    F_WHOLE,
+    SLOT_HEADER_BYTES,
+    SLOT_REST,
+    SLOT_REST_OFFSET,
+    W_CLOSED,
+    W_HEAD,
+    W_NEXT_MSG,
+    fence,
+    free_entries,
+    has_room,
+)
 from .records import ReaderRecords
 from .segment import Segment
 from .wake import Outbox
@@ -47,11 +63,9 @@ class Publisher:
         self.refusal: str | None = None  # why a fork child may not use it
         self._words = seg.words
         self._buf = seg.buf
-        self._slot_offset = seg.layout.slot_offset  # bound once: called per entry
+        self._slot_offset = seg.layout.slot_offset  # the layout's function: called per entry
         # The layout's numbers and the bound methods the one-slot path uses, as attributes.
-        self._data_offset = seg.layout.data_offset
         self._cap = seg.layout.capacity
-        self._slot_bytes = seg.layout.slot_bytes
         self._acquire = self.mutex.acquire
         self._release = self.mutex.release
         self._waiting = seg.waiting
@@ -76,7 +90,11 @@ class Publisher:
             if self.closed:  # closed by another thread, or inherited by a fork child
                 self.check_open()
             # The cached slowest cursor usually says there is room; ``room`` rescans otherwise.
-            if self.block and self.head + entries - self.records.min_cursor > self._cap and not self.room(entries):
+            if (
+                self.block
+                and not has_room(self.head, self.records.min_cursor, entries, self._cap)
+                and not self.room(entries)
+            ):
                 return False
             self.publish(parts, total, oob, entries, gap)
             return True
@@ -97,22 +115,25 @@ class Publisher:
         seq = self.head
         try:
             if entries == 1:
-                off = self._data_offset + (seq % self._cap) * self._slot_bytes
+                off = self._slot_offset(seq)
                 if not self.block:
                     w[off >> 3] = BUSY  # a lagging reader that reads this slot now re-checks
                     fence_release()  # BUSY before the slot's new bytes (docs/design.md, step 6)
                 if len(parts) == 1:
-                    buf[off + 32 : off + 32 + total] = parts[0]
+                    at = off + SLOT_HEADER_BYTES
+                    buf[at : at + total] = parts[0]
                 else:  # pickle frames around a large payload, or out-of-band parts: byte buffers
-                    at = off + 32
+                    at = off + SLOT_HEADER_BYTES
                     for part in parts:
                         end = at + len(part)
                         buf[at:end] = part
                         at = end
                 if gap:
-                    SLOT_REST.pack_into(buf, off + 8, msg, 0, F_FIRST | F_LAST | F_GAP, gap)
+                    SLOT_REST.pack_into(buf, off + SLOT_REST_OFFSET, msg, 0, F_FIRST | F_LAST | F_GAP, gap)
                 else:
-                    SLOT_REST.pack_into(buf, off + 8, msg, total, (F_OOB | F_WHOLE) if oob else F_WHOLE, total)
+                    SLOT_REST.pack_into(
+                        buf, off + SLOT_REST_OFFSET, msg, total, (F_OOB | F_WHOLE) if oob else F_WHOLE, total
+                    )
                 w[off >> 3] = seq
                 seq += 1
             else:
@@ -161,16 +182,18 @@ class Publisher:
         try:
             for parts, total, oob, entries in batch:
                 if entries == 1:
-                    off = self._data_offset + (seq % self._cap) * self._slot_bytes
+                    off = self._slot_offset(seq)
                     if not self.block:
                         w[off >> 3] = BUSY
                         fence_release()
-                    at = off + 32
+                    at = off + SLOT_HEADER_BYTES
                     for part in parts:
                         end = at + len(part)
                         buf[at:end] = part
                         at = end
-                    SLOT_REST.pack_into(buf, off + 8, self.msg, total, (F_OOB | F_WHOLE) if oob else F_WHOLE, total)
+                    SLOT_REST.pack_into(
+                        buf, off + SLOT_REST_OFFSET, self.msg, total, (F_OOB | F_WHOLE) if oob else F_WHOLE, total
+                    )
                     w[off >> 3] = seq
                     seq += 1
                 else:
@@ -198,7 +221,9 @@ class Publisher:
         msg = self.msg
         whole = True
         while w[self._slot_offset(head) >> 3] == head:
-            number, _length, flags, _total = SLOT_REST.unpack_from(self._buf, self._slot_offset(head) + 8)
+            number, _length, flags, _total = SLOT_REST.unpack_from(
+                self._buf, self._slot_offset(head) + SLOT_REST_OFFSET
+            )
             msg = number + 1
             whole = bool(flags & F_LAST)
             head += 1
@@ -225,13 +250,13 @@ class Publisher:
             if not self.block:
                 w[off >> 3] = BUSY
                 fence_release()
-            n = chunks.copy_into(buf, off + 32, payload)
+            n = chunks.copy_into(buf, off + SLOT_HEADER_BYTES, payload)
             flags = base_flags
             if first and k == 0:
                 flags |= F_FIRST
             if chunks.done:
                 flags |= F_LAST
-            SLOT_REST.pack_into(buf, off + 8, msg, n, flags, total)
+            SLOT_REST.pack_into(buf, off + SLOT_REST_OFFSET, msg, n, flags, total)
             w[off >> 3] = seq
             seq += 1
         return seq
@@ -245,7 +270,7 @@ class Publisher:
         try:
             self.check_open()
             # Another thread's put_nowait may have taken some of the room since the caller saw it.
-            free = self.layout.capacity - (self.head - self.records.min_cursor)
+            free = free_entries(self.head, self.records.min_cursor, self.layout.capacity)
             n = min(free, self.layout.entries_for(total - chunks.pos))
             if n <= 0:
                 return True

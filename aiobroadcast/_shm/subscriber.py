@@ -29,7 +29,9 @@ from .layout import (
     F_LAST,
     F_OOB,
     F_WHOLE,
+    SLOT_HEADER_BYTES,
     SLOT_REST,
+    SLOT_REST_OFFSET,
     W_CLOSED,
     W_HEAD,
     W_WAIT_TARGET,
@@ -74,10 +76,7 @@ class ShmSource:
         self._decode = decode
         lay = seg.layout
         self._cap = lay.capacity
-        self._slot_offset = lay.slot_offset  # bound once: read per message
-        # slot_offset's numbers: the paths per message compute it inline.
-        self._data_offset = lay.data_offset
-        self._slot_bytes = lay.slot_bytes
+        self._slot_offset = lay.slot_offset  # the layout's function: called per message
         self._block = handle.policy == "block"
         # Zero-copy reads: a delivered message may be a view of its slot, so the slot is released
         # only at the next get_nowait (or close). Under policy "lag" the body is copied out of the
@@ -149,26 +148,27 @@ class ShmSource:
         buf = self._buf
         while True:
             c = self._cursor
-            off = self._data_offset + (c % self._cap) * self._slot_bytes  # slot_offset(c), inlined
+            off = self._slot_offset(c)
             seq = w[off >> 3]
             if seq != c:
                 self._not_ready(c, seq)  # raises, or returns after resynchronising
                 continue
-            msg, flen, flags, total = SLOT_REST.unpack_from(buf, off + 8)
+            msg, flen, flags, total = SLOT_REST.unpack_from(buf, off + SLOT_REST_OFFSET)
+            at = off + SLOT_HEADER_BYTES  # the payload
             if flags & F_WHOLE == F_WHOLE and self._partial is None:
                 if flags & F_GAP:  # a relay lost messages upstream
                     if not self._block:  # the header may be torn: re-check after reading it
                         fence_acquire()
                         if w[off >> 3] != c:
                             continue
-                    self._advance(c, 0)
+                    self._moved(c, c + 1, 0)
                     self._next_msg = msg + total  # the lost messages have their numbers
                     self._lagged_total += total
                     raise ReaderLagged(total)
                 if self._block:
-                    body: memoryview | bytes = buf[off + 32 : off + 32 + flen]
+                    body: memoryview | bytes = buf[at : at + flen]
                 else:
-                    body = bytes(buf[off + 32 : off + 32 + flen])
+                    body = bytes(buf[at : at + flen])
                     fence_acquire()  # the copy's loads before the re-check (docs/design.md, step 6)
                     if w[off >> 3] != c:  # overwritten while we copied
                         continue
@@ -184,15 +184,7 @@ class ShmSource:
                 if self._hold_slot:
                     self._hold(c)
                     return obj
-                self._cursor = c + 1
-                w[self._cur_word] = c + 1
-                self._received = received = self._received + 1
-                w[self._recv_word] = received
-                if self._block:
-                    fence()
-                    target = w[W_WAIT_TARGET]
-                    if target and c < target <= c + 1:  # crossed(c, c + 1, target)
-                        self._outbox.wake(self._writer_sock)
+                self._moved(c, c + 1, 1)
                 return obj
             # A fragment of a larger message. Under policy "lag" the header may be torn (the
             # writer zeroes it before filling it in): check that the entry is still ours before
@@ -208,18 +200,18 @@ class ShmSource:
                 self._partial_flags = flags
                 self._next_msg = msg
             elif self._partial is None or msg != self._partial_msg:
-                self._advance(c, 0)  # the rest of a message we joined or lagged in the middle of
+                self._moved(c, c + 1, 0)  # the rest of a message we joined or lagged in the middle of
                 continue
             partial = self._partial
             assert partial is not None
             fill = self._partial_fill
-            partial[fill : fill + flen] = buf[off + 32 : off + 32 + flen]
+            partial[fill : fill + flen] = buf[at : at + flen]
             if not self._block:
                 fence_acquire()
                 if w[off >> 3] != c:
                     continue
             self._partial_fill = fill + flen
-            self._advance(c, 0)
+            self._moved(c, c + 1, 0)
             if flags & F_LAST:
                 self._partial = None
                 return self._deliver_assembled(msg, partial, self._partial_flags & F_OOB)
@@ -243,37 +235,37 @@ class ShmSource:
             self._failed = None
             _entry, msg, exc = failed
             self._next_msg = msg + 1
-            self._advance(c, 1)
+            self._moved(c, c + 1, 1)
             raise DeserializationError(msg, exc) from exc
-        cap = self._cap
-        size = self._slot_bytes
-        base = self._data_offset
-        off = base + (c % cap) * size
+        slot_offset = self._slot_offset
+        off = slot_offset(c)
         if w[off >> 3] != c:
             return _NOTHING
-        msg, flen, flags, _total = SLOT_REST.unpack_from(buf, off + 8)
+        msg, flen, flags, _total = SLOT_REST.unpack_from(buf, off + SLOT_REST_OFFSET)
         if flags & (F_WHOLE | F_GAP) != F_WHOLE:
             return _NOTHING  # a fragment, or a relay's gap marker
         decode = self._decode
         try:
-            first = decode(buf[off + 32 : off + 32 + flen], flags & F_OOB != 0)
+            at = off + SLOT_HEADER_BYTES
+            first = decode(buf[at : at + flen], flags & F_OOB != 0)
         except Exception as exc:
             self._next_msg = msg + 1
-            self._advance(c, 1)  # consumed: the next get returns the next message
+            self._moved(c, c + 1, 1)  # consumed: the next get returns the next message
             raise DeserializationError(msg, exc) from exc
         c += 1
         more = []
         limit = c0 + _tuning.AHEAD_MESSAGES
         budget = _tuning.AHEAD_BYTES - flen
         while c < limit and budget > 0:
-            off = base + (c % cap) * size
+            off = slot_offset(c)
             if w[off >> 3] != c:
                 break
-            number, flen, flags, _total = SLOT_REST.unpack_from(buf, off + 8)
+            number, flen, flags, _total = SLOT_REST.unpack_from(buf, off + SLOT_REST_OFFSET)
             if flags & (F_WHOLE | F_GAP) != F_WHOLE:
                 break
             try:
-                more.append(decode(buf[off + 32 : off + 32 + flen], flags & F_OOB != 0))
+                at = off + SLOT_HEADER_BYTES
+                more.append(decode(buf[at : at + flen], flags & F_OOB != 0))
             except Exception as exc:
                 self._failed = (c, number, exc)
                 break
@@ -282,16 +274,9 @@ class ShmSource:
             c += 1
         # Taken: entries c0 .. c-1, with one store of the cursor and one look at the writer.
         self._next_msg = msg + 1
-        self._cursor = c
-        w[self._cur_word] = c
-        self._received = received = self._received + (c - c0)
-        w[self._recv_word] = received
         if more:
             self.ahead.extend(more)
-        fence()
-        target = w[W_WAIT_TARGET]
-        if target and c0 < target <= c:  # crossed(c0, c, target)
-            self._outbox.wake(self._writer_sock)
+        self._moved(c0, c, c - c0)
         return first
 
     def statistics(self, tasks_waiting: int) -> ReaderStatistics:
@@ -339,7 +324,7 @@ class ShmSource:
         if self._hold_slot:
             self._hold(c)
         else:
-            self._advance(c, 1)
+            self._moved(c, c + 1, 1)
 
     def _deliver_assembled(self, msg: int, body: bytearray, oob: int) -> Any:
         """Deliver a message assembled from fragments (already released from the ring). Kept as
@@ -359,18 +344,21 @@ class ShmSource:
         self._received += 1
         self._words[self._recv_word] = self._received
 
-    def _advance(self, c: int, delivered: int) -> None:
-        """Release entry ``c``; wake the writer if it waits for exactly this."""
+    def _moved(self, old: int, new: int, delivered: int) -> None:
+        """Release entries ``old .. new-1``, of which ``delivered`` messages were handed out: store
+        the cursor (and the count), fence, and wake the writer if this move reached the room it
+        waits for (``crossed``). The one place a reader gives slots back (docs/design.md,
+        "Memory ordering", steps 3 and 5)."""
         w = self._words
-        self._cursor = c + 1
-        w[self._cur_word] = c + 1
+        self._cursor = new
+        w[self._cur_word] = new
         if delivered:
-            self._received += 1
-            w[self._recv_word] = self._received
+            self._received = received = self._received + delivered
+            w[self._recv_word] = received
         if self._block:
             fence()
             target = w[W_WAIT_TARGET]
-            if crossed(c, c + 1, target):
+            if target and crossed(old, new, target):
                 self._outbox.wake(self._writer_sock)
 
     def _hold(self, c: int) -> None:
@@ -382,10 +370,10 @@ class ShmSource:
         self._words[self._recv_word] = self._received
 
     def _release(self) -> None:
-        """Give back the slot ``_hold`` kept, as ``_advance`` would have."""
+        """Give back the slot ``_hold`` kept, as ``_moved`` would have."""
         self._held = False
         self._cursor -= 1
-        self._advance(self._cursor, 0)
+        self._moved(self._cursor, self._cursor + 1, 0)
 
     def _not_ready(self, c: int, seq: int) -> None:
         """Entry ``c`` is not in its slot: raise what that means, or resynchronise and return."""
@@ -395,7 +383,7 @@ class ShmSource:
             return
         if w[W_CLOSED] or self._writer_gone:
             # The writer stored every entry before `closed`; look once more now that we saw it.
-            if w[(self._slot_offset(c)) >> 3] == c:
+            if w[self._slot_offset(c) >> 3] == c:
                 return
             self._partial = None
             if w[W_CLOSED]:
@@ -434,7 +422,7 @@ class ShmSource:
         """Whether ``get_nowait`` would do anything but raise ``WouldBlock``."""
         w = self._words
         c = self._cursor
-        seq = w[(self._data_offset + (c % self._cap) * self._slot_bytes) >> 3]
+        seq = w[self._slot_offset(c) >> 3]
         return (
             seq == c
             or bool(self.ahead)
@@ -543,7 +531,7 @@ def oldest_intact(w: Any, buf: memoryview, slot_offset: Callable[[int], int], e:
         # e, or a later entry, or BUSY for one.
         off = slot_offset(e)
         if w[off >> 3] == e:
-            msg, _flen, flags, _total = SLOT_REST.unpack_from(buf, off + 8)
+            msg, _flen, flags, _total = SLOT_REST.unpack_from(buf, off + SLOT_REST_OFFSET)
             fence_acquire()
             if w[off >> 3] == e:  # the header was read whole: the entry was not being rewritten
                 return e, msg if flags & F_FIRST else msg + 1

@@ -315,6 +315,8 @@ class TcpServer:
             large=_frame,
         )
         self._complaints: dict[bytes, float] = {}
+        #: bytes of bodies the last turn took from the ring
+        self._pulled_bytes = 0
         self._report_failing = False
 
     def write_stats(self) -> None:
@@ -375,7 +377,8 @@ class TcpServer:
         ctrl = self._ctrl_r
         stopping = False
         woken = False  # the ring's wake-up came and its datagram is still to be taken
-        pulled_ns = 0  # when a message was last taken from the ring (0: the spin is over)
+        pulled_ns = 0  # when the spin began (a message taken in a dense stream; 0: no spin)
+        last_pull_ns = 0  # when a message was last taken from the ring
         idle = True  # nothing taken from the ring since the last heartbeat
         while True:
             if self.rekey_requested:
@@ -383,7 +386,14 @@ class TcpServer:
                 proto.rekey()
             pulled = self._pull_ring()
             if pulled:
-                pulled_ns = time.perf_counter_ns()
+                t = time.perf_counter_ns()
+                # Spin after this turn only in a dense stream of small messages: this one came
+                # within the spin's time of the one before (a sparser stream gains nothing from
+                # it), and its bodies are small (a large one costs the server, and each reader,
+                # far more than the wake-up a spin saves, and they need the CPU it would take).
+                dense = t - last_pull_ns < _tuning.TCP_SERVER_SPIN_NS and self._pulled_bytes < wire.FRAME_ALONE * pulled
+                last_pull_ns = t
+                pulled_ns = t if dense else 0
             idle = idle and not pulled
             proto.send_keys(self._send)  # before anything sealed under the new key goes out
             # What was just taken goes out first: a reader waits for it, and what readers sent
@@ -498,6 +508,7 @@ class TcpServer:
             proto.add(src.next_msg - 1, item)
             budget -= len(item[0])
             n += 1
+        self._pulled_bytes = TURN_BYTES - budget
         return n
 
     def _send(self, ident: bytes, frames: list[Any]) -> bool:

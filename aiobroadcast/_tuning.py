@@ -22,6 +22,13 @@ IDLE_NS = 100_000_000
 #: as much as one small message; once in 64 keeps that under 2 %).
 YIELD_EVERY = 64
 
+#: The TCP server, after it took a message that came within this long of the one before, polls
+#: the ring (giving the CPU up between looks) for this long before it sleeps: a stream of
+#: messages this close together (a paced stream at 1 ms) is served by a process that is awake
+#: and warm, without a wake-up per message (docs/tcp.md, "The pumps"). A sparser stream, and a
+#: channel gone idle, get no spin: the server sleeps and costs no CPU.
+TCP_SERVER_SPIN_NS = 2_000_000
+
 # --- taking messages ahead --------------------------------------------------------------------
 #: A shared-memory reader that finds several small whole messages ready takes up to this many out
 #: of the ring at once, decoded, and hands them out one per ``get`` (docs/design.md, "Taking

@@ -21,7 +21,9 @@ from aiobroadcast.vllm import MessageQueue
 
 torch: Any
 try:
-    import torch
+    import torch as _torch
+
+    torch = _torch
 except ImportError:  # the arm64 CI root has no torch: the messages carry a numpy array in its place
     torch = None
 

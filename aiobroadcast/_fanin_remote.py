@@ -23,7 +23,7 @@ from ._channel import WriterChannel
 from ._codec import import_schema
 from ._exceptions import InvalidArgument, InvalidHandle
 from ._handle import CurveKeys, check_directory
-from ._open import DEFAULT_DIRECTORY, _ServerStart, _WriterSpec
+from ._open import DEFAULT_DIRECTORY, _WriterSpec
 from ._shm.layout import R_ACTIVE, R_PID
 
 
@@ -93,21 +93,9 @@ def server_place(ch: WriterChannel) -> int:
 
 def blocking_channel(spec: _WriterSpec) -> WriterChannel:
     """The channel and its TCP server, for ``aiobroadcast.blocking.open_sender(tcp=...)``."""
-    from .blocking import _close_writer
+    from .blocking import _blocking_channel
 
-    channel = spec.create()
-    try:
-        start = _ServerStart(channel, spec)
-        try:
-            answer = start.answer()
-        except BaseException:
-            start.kill()
-            raise
-        start.finish(answer)
-    except BaseException:
-        _close_writer(channel)
-        raise
-    return channel
+    return _blocking_channel(spec)
 
 
 class NoWatch:

@@ -537,7 +537,12 @@ def open_writer(*, schema: type[BaseModel] | None = None, **options: Unpack[Writ
     """Create a channel and return its blocking writer. The keyword arguments, their defaults
     and the errors are those of ``aiobroadcast.open_writer``. Use ``with`` (closes at the end)
     or call ``close()``."""
-    spec = _WriterSpec(schema=schema, **options)
+    return BlockingWriter(_private, _blocking_channel(_WriterSpec(schema=schema, **options)))
+
+
+def _blocking_channel(spec: _WriterSpec) -> WriterChannel:
+    """The channel of ``spec``, and its TCP server started (waited for in this thread) if it
+    serves TCP; on failure nothing is left open."""
     channel = spec.create()
     if spec.tcp is not None:
         try:
@@ -551,7 +556,7 @@ def open_writer(*, schema: type[BaseModel] | None = None, **options: Unpack[Writ
         except BaseException:
             _close_writer(channel)
             raise
-    return BlockingWriter(_private, channel)
+    return channel
 
 
 @overload

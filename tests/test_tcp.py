@@ -21,6 +21,8 @@ import re
 import secrets
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -1046,3 +1048,25 @@ def test_batches_put_large_bodies_in_frames_of_their_own_and_decode_back() -> No
     for parts in ([b"abcd", b"ef"], [b"abc", b"def", b""], [b"abc"], []):  # a body across frames, too many, too few
         with pytest.raises(wire.FrameError):
             wire.decode_batch(head, parts)
+
+
+def test_the_tcp_server_imports_this_package_not_a_checkout_in_the_working_directory(tmp_path: Path) -> None:
+    """``pip install .`` then ``aiobroadcast demo`` from the checkout: the working directory holds
+    a source tree without the compiled extension. The server process must import the package the
+    writer imported, not whatever ``aiobroadcast`` the working directory has."""
+    shadow = tmp_path / "aiobroadcast"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ImportError('the shadow package in the working directory')\n")
+    script = (
+        "from aiobroadcast import blocking\n"
+        "with blocking.open_writer(capacity=4, slot_bytes=256, tcp='tcp://127.0.0.1:0') as w:\n"
+        "    with blocking.open_reader(w.handle, transport='tcp', connect_timeout=20) as r:\n"
+        "        w.put('through the server', timeout=10)\n"
+        "        print(r.get(timeout=10))\n"
+    )
+    # -P: the script itself imports the installed package; its server is started from tmp_path.
+    proc = subprocess.run(
+        [sys.executable, "-P", "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=90
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "through the server"

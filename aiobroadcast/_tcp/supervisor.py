@@ -121,11 +121,13 @@ class ServerProcess:
     # --- starting --------------------------------------------------------------------------
     def spawn(self) -> subprocess.Popen[bytes]:
         """Start a server process and hand it its configuration; it answers on its stdout."""
-        # The child imports this very package, from wherever it was imported here.
+        # The child imports this very package, from wherever it was imported here; -P: not from
+        # the working directory, which ``-m`` would put first (a source checkout there, without
+        # its compiled extension, would shadow the installed package).
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
         proc = subprocess.Popen(
-            [sys.executable, "-m", "aiobroadcast._tcp.server"],
+            [sys.executable, "-P", "-m", "aiobroadcast._tcp.server"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             close_fds=True,

@@ -227,7 +227,7 @@ def our_command(cell: Cell, args: argparse.Namespace) -> tuple[list[str], dict[s
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
     if cell.mode in ("gather", CALL):
         driver = "aiobroadcast.cli._bench_gather" if cell.mode == "gather" else "aiobroadcast.cli._bench_call"
-        cmd = [sys.executable, "-m", driver, str(cell.readers), str(cell.size)]
+        cmd = [sys.executable, "-P", "-m", driver, str(cell.readers), str(cell.size)]  # -P: as the TCP server
         cmd += [str(cell.count), "--loop", args.loop]
         if args.capacity:
             cmd += ["--capacity", str(args.capacity)]
@@ -239,6 +239,7 @@ def our_command(cell: Cell, args: argparse.Namespace) -> tuple[list[str], dict[s
     env["IDLE_S"] = repr(args.idle_s)
     cmd = [
         sys.executable,
+        "-P",  # this package, not a checkout in the working directory (as the TCP server)
         "-m",
         "aiobroadcast.cli._bench_driver",
         cell.mode,

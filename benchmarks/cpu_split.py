@@ -66,12 +66,14 @@ def descendants(root: int) -> list[int]:
 
 def sample(pids: list[int], rows: dict[tuple[int, int], dict[str, Any]], commands: dict[int, str]) -> None:
     """Record the CPU time of every thread of ``pids`` into ``rows`` (the latest wins), and each
-    process's command line into ``commands`` (the first seen: an exited process has none)."""
+    process's command line into ``commands`` (the latest seen: a process caught between its
+    ``fork`` and its ``exec`` shows its parent's; an exited process has none)."""
     for pid in pids:
         try:
-            if not commands.get(pid):
-                with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    commands[pid] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            if cmdline:
+                commands[pid] = cmdline
             tids = os.listdir(f"/proc/{pid}/task")
         except OSError:
             continue

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from inspect import isawaitable
 from types import TracebackType
@@ -417,16 +417,7 @@ class Caller(Generic[Q, R]):
         """Take what is ready, look for dead and new workers now, take what that made ready:
         then ``book.ready`` names no worker whose process has ended (its ring's lock is free)."""
         c = self._c
-        for look in (False, True):
-            if look:
-                c._g.check_now()
-            for _ in range(_SWEEP):
-                try:
-                    d = c.get_nowait()
-                except WouldBlock:
-                    break
-                self._book.absorb(d, 0, {})
-        return _not_ready(self._book, wanted)
+        return _sweep(self._book, c.get_nowait, c._g.check_now, wanted)
 
     async def aclose(self) -> None:
         """Close: workers' iteration ends after the requests already sent; their replies are not
@@ -755,21 +746,16 @@ class BlockingCaller(Generic[Q, R]):
             if self._closed:
                 raise ClosedResourceError("this caller is closed")
             c = self._c
+
+            def check_now() -> None:
+                c._lock.acquire(None)
+                try:
+                    c._g.check_now()
+                finally:
+                    c._lock.release()
+
             while True:
-                for look in (False, True):
-                    if look:
-                        c._lock.acquire(None)
-                        try:
-                            c._g.check_now()
-                        finally:
-                            c._lock.release()
-                    for _ in range(_SWEEP):
-                        try:
-                            d = c.get_nowait()
-                        except WouldBlock:
-                            break
-                        self._book.absorb(d, 0, {})
-                missing = _not_ready(self._book, wanted)
+                missing = _sweep(self._book, c.get_nowait, check_now, wanted)
                 if not missing:
                     return
                 try:
@@ -972,3 +958,21 @@ for _public in (BlockingCaller, BlockingRequest, BlockingWorker):
 for _fn, _name in ((open_blocking_caller, "open_caller"), (open_blocking_worker, "open_worker")):
     _fn.__module__ = "aiobroadcast.blocking"
     _fn.__name__ = _fn.__qualname__ = _name
+
+
+def _sweep(
+    book: Any, get_nowait: Callable[[], Any], check_now: Callable[[], None], wanted: tuple[str, ...]
+) -> list[str]:
+    """Take what is ready, look for dead and new workers now, take what that made ready: then
+    ``book.ready`` names no worker whose process has ended (its ring's lock is free). Shared by
+    ``Caller.wait_ready`` and ``BlockingCaller.wait_ready``."""
+    for look in (False, True):
+        if look:
+            check_now()
+        for _ in range(_SWEEP):
+            try:
+                d = get_nowait()
+            except WouldBlock:
+                break
+            book.absorb(d, 0, {})
+    return _not_ready(book, wanted)

@@ -437,6 +437,7 @@ def open_reader(
     connect_timeout: float = ...,
     spin_us: float | None = ...,
     zero_copy: bool = ...,
+    take_ahead: int | None = ...,
 ) -> _Opening[Reader[Any]]: ...
 @overload
 def open_reader(
@@ -449,6 +450,7 @@ def open_reader(
     connect_timeout: float = ...,
     spin_us: float | None = ...,
     zero_copy: bool = ...,
+    take_ahead: int | None = ...,
 ) -> _Opening[Reader[M]]: ...
 def open_reader(
     handle: Handle | str,
@@ -460,6 +462,7 @@ def open_reader(
     connect_timeout: float = 10.0,
     spin_us: float | None = None,
     zero_copy: bool = False,
+    take_ahead: int | None = None,
 ) -> _Opening[Reader[Any]]:
     """Attach to a channel and return a reader. It starts with the next message published.
 
@@ -491,6 +494,10 @@ def open_reader(
       are views of it, **valid for as long as they, or views of them, are referenced** (until
       this reader closes; torch tensors are writable, as vLLM's arena gives them), and whatever
       is not in it (a message that found the arena full) is copied.
+    - ``take_ahead``: at most how many whole one-slot messages a shared-memory reader takes out
+      of the ring in one ``get`` and hands out one per ``get`` after (docs/design.md, "Taking
+      ahead"). ``None`` (default): 32. ``1``: one message per ``get``, so each message stays in
+      the ring, counted in the reader's lag, until its own ``get``. A positive integer.
 
     Raises ``InvalidHandle`` (does not parse, segment gone, other layout, writer gone, pickle
     refused), ``TooManyReaders``, ``TransportError`` (remote writer unreachable or silent for
@@ -506,12 +513,19 @@ def open_reader(
         connect_timeout=connect_timeout,
         spin_us=spin_us,
         zero_copy=zero_copy,
+        take_ahead=take_ahead,
     )
 
     async def make() -> Reader[Any]:
         reader_name, decode = spec.decoder(h)
         source = await _open_source(
-            h, reader_name, decode, transport, connect_timeout, hold=decode is decode_pickle_view
+            h,
+            reader_name,
+            decode,
+            transport,
+            connect_timeout,
+            hold=decode is decode_pickle_view,
+            take_ahead=take_ahead,
         )
         return Reader(_reader_token, source, h, reader_name, spin_us)
 
@@ -527,6 +541,7 @@ class ReaderOptions(TypedDict, total=False):
     connect_timeout: float
     spin_us: float | None
     zero_copy: bool
+    take_ahead: int | None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -541,12 +556,16 @@ class _ReaderSpec:
     connect_timeout: float = 10.0
     spin_us: float | None = None
     zero_copy: bool = False
+    take_ahead: int | None = None
 
     def __post_init__(self) -> None:
         if self.transport not in ("auto", "shm", "tcp"):
             raise InvalidArgument(f"transport must be 'auto', 'shm' or 'tcp', not {self.transport!r}")
         if self.spin_us is not None and not 0 <= self.spin_us <= 1_000_000:
             raise InvalidArgument(f"spin_us must be None or between 0 and 1,000,000, not {self.spin_us!r}")
+        t = self.take_ahead
+        if t is not None and (type(t) is not int or t < 1):
+            raise InvalidArgument(f"take_ahead must be None or a positive integer, not {t!r}")
 
     def decoder(self, h: Handle) -> tuple[str, Callable[[Any, bool], Any]]:
         """The reader's name and decoder for the channel of ``h``."""
@@ -566,6 +585,7 @@ async def _open_source(
     connect_timeout: float,
     *,
     hold: bool = False,
+    take_ahead: int | None = None,
 ) -> Source:
     """The transport's side of a reader: the ring when asked for or reachable, else TCP."""
     if _over_tcp(h, transport):
@@ -574,7 +594,7 @@ async def _open_source(
         tcp_source = TcpSource(h, name, decode)
         await tcp_source.wait_welcome(connect_timeout)
         return tcp_source
-    return _shm_source(h, name, decode, hold)
+    return _shm_source(h, name, decode, hold, take_ahead=take_ahead)
 
 
 def _over_tcp(h: Handle, transport: Transport) -> bool:
@@ -587,7 +607,13 @@ def _over_tcp(h: Handle, transport: Transport) -> bool:
 
 
 def _shm_source(
-    h: Handle, name: str, decode: Callable[[Any, bool], Any], hold: bool, *, arena_views: bool = False
+    h: Handle,
+    name: str,
+    decode: Callable[[Any, bool], Any],
+    hold: bool,
+    *,
+    arena_views: bool = False,
+    take_ahead: int | None = None,
 ) -> ShmSource:
     """``arena_views``: arena bodies as views with a lifetime even for a copying decoder (vLLM's
     readers: the arena's tensors are views, everything else copies). A zero-copy reader of a
@@ -596,7 +622,7 @@ def _shm_source(
         decode, hold, arena_views = decode_pickle, False, True
     seg = _segment.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
     try:
-        source = ShmSource(seg, h, name, decode, hold=hold)
+        source = ShmSource(seg, h, name, decode, hold=hold, take_ahead=take_ahead)
     except BaseException:
         seg.close()
         raise

@@ -582,7 +582,7 @@ def open_reader(
         tcp_source.wait_welcome_blocking(spec.connect_timeout)
         source = tcp_source
     else:
-        source = _shm_source(h, reader_name, decode, decode is decode_pickle_view)
+        source = _shm_source(h, reader_name, decode, decode is decode_pickle_view, take_ahead=spec.take_ahead)
     return BlockingReader(_private, source, h, reader_name, spec.spin_us)
 
 

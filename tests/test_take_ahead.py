@@ -17,7 +17,7 @@ import anyio
 import pytest
 
 import aiobroadcast as ab
-from aiobroadcast import _tuning
+from aiobroadcast import _tuning, blocking
 
 pytestmark = pytest.mark.anyio
 
@@ -228,3 +228,35 @@ async def test_lag_and_zero_copy_readers_take_one_message_at_a_time(how: str) ->
             (info,) = writer.statistics().readers
             assert info.received == 1  # the writer sees the reader's cursor one past the first
             assert [bytes(await reader.get()) for _ in range(5)] == [b"%d" % i for i in range(1, 6)]
+
+
+async def test_take_ahead_is_an_open_reader_option() -> None:
+    """``open_reader(take_ahead=1)`` takes one message out of the ring per get (the writer's view
+    of the reader shows it), a larger value bounds a batch, and a value that is not a positive
+    integer is refused."""
+    async with ab.open_writer(capacity=64, slot_bytes=256) as writer:
+        async with ab.open_reader(writer.handle, name="one", take_ahead=1) as one:
+            async with ab.open_reader(writer.handle, name="four", take_ahead=4) as four:
+                for i in range(10):
+                    await writer.put(i)
+                assert await one.get() == 0
+                assert await four.get() == 0
+                received = {info.name: info.received for info in writer.statistics().readers}
+                assert received == {"one": 1, "four": 4}
+                assert [await one.get() for _ in range(9)] == list(range(1, 10))
+        for bad in (0, -1, 1.5, True, "2"):
+            with pytest.raises(ValueError, match="take_ahead"):
+                await ab.open_reader(writer.handle, take_ahead=bad)  # type: ignore[arg-type]
+
+
+def test_take_ahead_is_a_blocking_open_reader_option() -> None:
+    with blocking.open_writer(capacity=64, slot_bytes=256) as writer:
+        with blocking.open_reader(writer.handle, name="one", take_ahead=1) as one:
+            for i in range(5):
+                writer.put(i)
+            assert one.get() == 0
+            (info,) = writer.statistics().readers
+            assert info.received == 1
+            assert [one.get() for _ in range(4)] == list(range(1, 5))
+        with pytest.raises(ValueError, match="take_ahead"):
+            blocking.open_reader(writer.handle, take_ahead=0)

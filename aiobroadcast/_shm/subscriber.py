@@ -63,13 +63,15 @@ class ShmSource:
         take_over: int | None = None,
         inbox: bool = True,
         reserved: bool = False,
+        take_ahead: int | None = None,
     ) -> None:
         """``take_over``: the pid of a dead reader whose place to take, cursor and all, if the
         writer has not dropped it yet (policy "block" only; see ``_take_over``). ``inbox=False``:
         no wake-up socket of its own (a fan-in collector's ring: the collector sleeps with
         ``announce_sleep``/``retract_sleep`` on its one inbox instead of ``sleep``); ``reserved``:
         ``take_over`` names the place a fan-in sender reserved for its collector (see
-        ``ReaderPlace.join``)."""
+        ``ReaderPlace.join``). ``take_ahead``: at most how many messages ``_take_ahead`` takes
+        at once (``None``: ``_tuning.AHEAD_MESSAGES``, read at each take)."""
         self._seg = seg
         self._handle = handle
         self._name = name
@@ -104,6 +106,7 @@ class ShmSource:
         #: a zero-copy message must keep its slot until the next get.
         self.ahead: deque[Any] = deque()
         self._ahead_ok = self._block and not self._hold_slot
+        self._ahead_max = take_ahead
         #: A message ``_take_ahead`` found undecodable after others (entry, message number, the
         #: error): still in the ring, reported by the get after those others.
         self._failed: tuple[int, int, Exception] | None = None
@@ -218,8 +221,8 @@ class ShmSource:
 
     def _take_ahead(self) -> Any:
         """Take the next message and the whole one-slot messages ready after it, up to
-        ``AHEAD_MESSAGES`` and about ``AHEAD_BYTES``: the first is returned, the others queued
-        in ``ahead``, decoded. ``_NOTHING`` if the next entry is not a whole message ready now
+        ``take_ahead`` (default ``AHEAD_MESSAGES``) and about ``AHEAD_BYTES``: the first is returned,
+        the others queued in ``ahead``, decoded. ``_NOTHING`` if the next entry is not a whole message ready now
         (``get_nowait``'s general path then decides).
 
         Nothing is taken until every one of them is decoded: a ``BaseException`` from decoding
@@ -254,7 +257,7 @@ class ShmSource:
             raise DeserializationError(msg, exc) from exc
         c += 1
         more = []
-        limit = c0 + _tuning.AHEAD_MESSAGES
+        limit = c0 + (self._ahead_max or _tuning.AHEAD_MESSAGES)
         budget = _tuning.AHEAD_BYTES - flen
         while c < limit and budget > 0:
             off = slot_offset(c)

@@ -24,8 +24,8 @@ import anyio.to_thread
 from . import _fork, _tuning
 from ._codec import Buffer, JsonCodec, PickleEncoder, SchemaCodec
 from ._exceptions import BroadcastError, InvalidArgument, MessageTooLarge
+from ._files import unlink_quietly
 from ._handle import Handle
-from ._shm import segment as _segment
 from ._shm.arena import ArenaWriter
 from ._shm.layout import CODECS, W_CODEC, W_WAIT_TARGET, holds_writer, wait_target
 from ._shm.publisher import Chunks, Encoded, Publisher
@@ -488,4 +488,4 @@ def _cleanup_files(owner: int, *paths: str) -> None:
     if os.getpid() != owner:
         return  # a fork child exiting: the files are its parent's
     for path in paths:
-        _segment._unlink_quiet(path)
+        unlink_quietly(path)

@@ -49,6 +49,7 @@ from ._exceptions import (
 )
 from ._fanin_deaths import SenderDeaths
 from ._fanin_remote import NoWatch, RemoteOptions, remote_spec, server_place
+from ._files import unlink_quietly
 from ._handle import (
     _UNIX_PATH_MAX,
     Codec,
@@ -433,7 +434,7 @@ class _Gather:
             return  # a remote sender: nothing of it here
         self._deaths.forget(f.name)
         for path in (f.ring.path, f.ring.path + "-w.sock", f.ring.path + "-r0.sock"):
-            _segment._unlink_quiet(path)
+            unlink_quietly(path)
         self._unlink_link(f.link, f.ring.name)
 
     def ready(self) -> bool:
@@ -499,11 +500,11 @@ class _Gather:
             ring = Handle.parse(card["ring"])
             pid = int(card["pid"])
         except (OSError, ValueError, KeyError, TypeError, InvalidHandle):
-            _segment._unlink_quiet(link)  # not a sender's card: nothing can attach with it
+            unlink_quietly(link)  # not a sender's card: nothing can attach with it
             return
         h = self.handle
         if ring.codec != h.codec or ring.max_readers != 1 or ring.directory != h.directory:
-            _segment._unlink_quiet(link)
+            unlink_quietly(link)
             return
         try:
             seg = _segment.attach_segment(ring.path, ring.token, ring.capacity, ring.slot_bytes, ring.max_readers)
@@ -565,7 +566,7 @@ class _Gather:
                     return
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        _segment._unlink_quiet(link)
+        unlink_quietly(link)
 
     # --- state -----------------------------------------------------------------------------
     def statistics(self, tasks_waiting: int) -> CollectorStatistics:
@@ -917,7 +918,7 @@ class Sender(Generic[T_contra]):
         orphan = _orphaned(self._words, self._active, self._collector)
         await self._w.aclose()
         if orphan:
-            _segment._unlink_quiet(self._w.handle.path)
+            unlink_quietly(self._w.handle.path)
 
     async def __aenter__(self) -> Sender[T_contra]:
         return self
@@ -1169,7 +1170,7 @@ class _SenderStart:
             self._claim()
         except BaseException:
             _close_channel(ch)
-            _segment._unlink_quiet(ch.handle.path)
+            unlink_quietly(ch.handle.path)
             raise
         knock(h.inbox_path)
 
@@ -1213,7 +1214,7 @@ class _SenderStart:
         except OSError as exc:
             raise BroadcastError(f"cannot announce sender {self.name!r} to the collector: {exc}") from exc
         finally:
-            _segment._unlink_quiet(tmp)
+            unlink_quietly(tmp)
 
 
 def _holder_alive(link: str) -> int | None:

@@ -27,9 +27,9 @@ from ._fanin import (
     _SenderStart,
 )
 from ._fanin_remote import RemoteOptions, blocking_channel, remote_spec
+from ._files import unlink_quietly
 from ._handle import CurveKeys, Handle, Policy, require
 from ._open import DEFAULT_DIRECTORY
-from ._shm import segment as _segment
 from ._shm.wake import poll_blocking, wait_readable
 
 T_co = TypeVar("T_co", covariant=True)
@@ -273,7 +273,7 @@ class BlockingSender(Generic[T_contra]):
         orphan = _orphaned(self._words, self._active, self._collector)
         self._w.close()
         if orphan:
-            _segment._unlink_quiet(self._w.handle.path)
+            unlink_quietly(self._w.handle.path)
 
     def __enter__(self) -> BlockingSender[T_contra]:
         return self

@@ -27,6 +27,7 @@ from ._codec import (
 )
 from ._constants import REKEY_BYTES, REKEY_BYTES_MAX, REKEY_MESSAGES, REKEY_MESSAGES_MAX
 from ._exceptions import BroadcastError, InvalidArgument, InvalidHandle
+from ._files import unlink_quietly
 from ._handle import CurveKeys, Handle, Policy, check_directory, check_endpoint, require
 from ._reader import Reader, Source
 from ._reader import _private as _reader_token
@@ -340,8 +341,8 @@ class _WriterSpec:
             return WriterChannel(seg, handle, encoder, self.max_message_bytes, handle.arena_bytes)
         except BaseException:
             seg.close()
-            _segment._unlink_quiet(seg.path)
-            _segment._unlink_quiet(arena_path(seg.path))
+            unlink_quietly(seg.path)
+            unlink_quietly(arena_path(seg.path))
             raise
 
 

@@ -36,7 +36,7 @@ from typing import Any
 from .. import _tuning
 from .._codec import _BYTES_KIND, Buffer, decode_pickle, decode_pickle_view, writable_twins
 from .._exceptions import BroadcastError, InsufficientSharedMemory, InvalidArgument
-from . import segment as _segment
+from .._files import unlink_quietly
 from .atomic import Words
 from .layout import fence
 from .segment import Segment
@@ -138,7 +138,7 @@ class ArenaWriter:
             self.mm = mmap.mmap(fd, size)
         except BaseException:
             os.close(fd)
-            _segment._unlink_quiet(self.path)
+            unlink_quietly(self.path)
             raise
         os.close(fd)
         self.words = Words(self.mm, 0, 1, self.pin0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 
+from .._files import unlink_quietly
 from .._stats import ReaderInfo
 from . import segment as _segment
 from .layout import JOINING, R_GENERATION, R_NAME_LEN, R_PID, R_RECEIVED, fence, has_room
@@ -89,7 +90,7 @@ class ReaderRecords:
                 host = seg.read_host(i)
                 seg.rec_active[i] = 0
                 seg.waiting[i] = 0
-                _segment._unlink_quiet(self.sock_paths[i])
+                unlink_quietly(self.sock_paths[i])
                 self._outbox.forget(self.sock_paths[i])
             finally:
                 _segment.unlock(fd, byte)

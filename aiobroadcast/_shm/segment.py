@@ -16,6 +16,7 @@ import time
 
 from .. import _fork, _tuning
 from .._exceptions import BroadcastError, InsufficientSharedMemory, InvalidHandle, os_error
+from .._files import unlink_quietly
 from .atomic import Words
 from .layout import (
     EMPTY,
@@ -371,8 +372,8 @@ def sweep_stale(directory: str) -> list[str]:
                 for extra in os.listdir(directory):
                     m = _ORPHAN_RE.match(extra)
                     if m is not None and m.group(1) == name:
-                        _unlink_quiet(os.path.join(directory, extra))
-                _unlink_quiet(path)
+                        unlink_quietly(os.path.join(directory, extra))
+                unlink_quietly(path)
                 removed.append(path)
         finally:
             os.close(fd)
@@ -430,13 +431,6 @@ def _sweep_orphan(directory: str, name: str) -> None:
     try:
         st = os.lstat(path)
         if st.st_uid == os.geteuid() and time.time() - st.st_mtime > _tuning.STALE_MIN_AGE_S:
-            _unlink_quiet(path)
-    except FileNotFoundError:
-        pass
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
+            unlink_quietly(path)
     except FileNotFoundError:
         pass

@@ -37,6 +37,7 @@ from .. import _seal as seal
 from .. import _tuning
 from .._constants import TCP_SERVER_READER_NAME
 from .._exceptions import BroadcastError, EndOfStream, ReaderLagged, TransportError, WouldBlock, WriterGone
+from .._files import unlink_quietly
 from .._handle import Handle
 from .._shm.arena import arena_path
 from .._shm.layout import W_NEXT_MSG
@@ -46,7 +47,7 @@ from . import wire
 from .errors import zmq_errors
 from .protocol import BUFFER_BYTES, Rejected, ServerConfig, ServerEvent, ServerProtocol, TimedOut
 from .sockets import send_parts
-from .supervisor import remove_quietly, stats_tmp_path
+from .supervisor import stats_tmp_path
 
 log = logging.getLogger("aiobroadcast")
 
@@ -337,7 +338,7 @@ class TcpServer:
                 json.dump(snapshot, f)
             os.replace(tmp, self._stats_path)
         except OSError as exc:
-            remove_quietly(tmp)
+            unlink_quietly(tmp)
             if not self._report_failing:
                 self._report_failing = True
                 log.warning(
@@ -363,8 +364,8 @@ class TcpServer:
             self._src.close()
             self._close_sockets()
             # Nobody is served from here on (a writer dropped without aclose leaves it to us).
-            remove_quietly(self._stats_path)
-            remove_quietly(stats_tmp_path(self._stats_path))
+            unlink_quietly(self._stats_path)
+            unlink_quietly(stats_tmp_path(self._stats_path))
         return True
 
     def _close_sockets(self) -> None:

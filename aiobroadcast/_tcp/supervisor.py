@@ -25,6 +25,7 @@ import threading
 import time
 from typing import Any
 
+from .._files import unlink_quietly
 from .._stats import ReaderInfo, TcpServerState
 
 log = logging.getLogger("aiobroadcast")
@@ -58,13 +59,6 @@ def stats_tmp_path(stats_path: str) -> str:
     """Where the server writes its report before it replaces the old one (``sweep_stale``
     recognises it as the channel's)."""
     return f"{stats_path}.tmp"
-
-
-def remove_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def read_answer(proc: subprocess.Popen[bytes], limit_s: float) -> dict[str, Any]:
@@ -234,8 +228,8 @@ class ServerProcess:
             self._thread.join()
         if proc is not None and proc.stdout is not None:
             proc.stdout.close()
-        remove_quietly(self.stats_path)
-        remove_quietly(stats_tmp_path(self.stats_path))
+        unlink_quietly(self.stats_path)
+        unlink_quietly(stats_tmp_path(self.stats_path))
 
     def finish(self, stopper: threading.Thread) -> None:
         """``stopper`` runs ``stop`` and its caller may not wait for it any longer (its close was
@@ -361,8 +355,8 @@ class ServerProcess:
                 served = len(snap.get("readers", ()))
             except (TypeError, ValueError):  # not a report this version writes
                 pass
-        remove_quietly(self.stats_path)
-        remove_quietly(stats_tmp_path(self.stats_path))
+        unlink_quietly(self.stats_path)
+        unlink_quietly(stats_tmp_path(self.stats_path))
         for f in (proc.stdin, proc.stdout):
             if f is not None:
                 try:

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import atexit
 import collections
-import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
@@ -30,8 +29,9 @@ from ._shm.arena import ArenaWriter
 from ._shm.layout import CODECS, W_CODEC, W_WAIT_TARGET, holds_writer, wait_target
 from ._shm.publisher import Chunks, Encoded, Publisher
 from ._shm.segment import Segment
-from ._shm.wake import Inbox, poll, poll_blocking
+from ._shm.wake import Inbox
 from ._stats import WriterStatistics
+from ._steps import Steps, poll_steps, run, run_blocking
 
 if TYPE_CHECKING:
     from ._tcp.supervisor import ServerProcess
@@ -209,46 +209,36 @@ class WriterChannel:
 
     # --- waiting for room ----------------------------------------------------------------------
     async def _wait_room(self, entries: int) -> None:
+        if not self.pub.room(entries):
+            await run(self.room_steps(entries), self._sleep)
+
+    async def _sleep(self, limit_s: float) -> bool:
+        try:
+            return await self.inbox.wait(limit_s)
+        except anyio.ClosedResourceError:
+            return False  # closed meanwhile: check_open raises
+
+    def wait_room_blocking(self, entries: int, sleep: Callable[[float], bool]) -> None:
+        """``_wait_room`` for a thread without an event loop (the blocking writer).
+        ``sleep(limit)`` blocks on the inbox for up to ``limit`` seconds and says whether a
+        wake-up came; it may raise instead (a deadline passed, the writer is closing)."""
+        if not self.pub.room(entries):
+            run_blocking(self.room_steps(entries), sleep)
+
+    def room_steps(self, entries: int) -> Steps[None]:
+        """The wait for room, written once for both drivers (``_steps``): polls a while if the
+        ring was full only briefly of late, then sleeps on the inbox. Returns once the slowest
+        live reader made room."""
         pub = self.pub
-        if pub.room(entries):
-            return
         if self.slept_ns < _tuning.DENSE_NS:
 
             def room() -> bool:
                 pub.check_open()
                 return pub.room(entries)
 
-            if await poll(room, _tuning.POLL_NS):
+            if (yield from poll_steps(room, _tuning.POLL_NS)):
                 self.slept_ns = 0
                 return
-        with contextlib.closing(self.room_steps(entries)) as steps:
-            limit = next(steps, None)
-            while limit is not None:
-                try:
-                    woken = await self.inbox.wait(limit)
-                except anyio.ClosedResourceError:
-                    woken = False  # closed meanwhile: check_open raises
-                limit = _resume(steps, woken)
-
-    def wait_room_blocking(self, entries: int, sleep: Callable[[float], bool]) -> None:
-        """``_wait_room`` for a thread without an event loop (the blocking writer).
-        ``sleep(limit)`` blocks on the inbox for up to ``limit`` seconds and says whether a
-        wake-up came; it may raise instead (a deadline passed, the writer is closing)."""
-        if self.pub.room(entries):
-            return
-        if self.slept_ns < _tuning.DENSE_NS and poll_blocking(lambda: self.pub.room(entries), _tuning.POLL_NS):
-            self.slept_ns = 0
-            return
-        with contextlib.closing(self.room_steps(entries)) as steps:
-            limit = next(steps, None)
-            while limit is not None:
-                limit = _resume(steps, sleep(limit))
-
-    def room_steps(self, entries: int) -> Generator[float, bool, None]:
-        """The wait for room once polling is over, written once for both drivers (async and
-        blocking): yields how long to sleep on the inbox, and is sent whether a wake-up came.
-        Returns once the slowest live reader made room. The driver must close it."""
-        pub = self.pub
         w = pub.seg.words
         cap = pub.layout.capacity
         # Hysteresis: a full ring makes the writer wait for a quarter of it to be free, not for
@@ -474,14 +464,6 @@ class Turns:
             self._waiters.popleft().set()  # handed over: still held, by the next task
         else:
             self._held = False
-
-
-def _resume(steps: Generator[float, bool, None], woken: bool) -> float | None:
-    """Send a wake-up result into ``room_steps``: the next sleep, or None once there is room."""
-    try:
-        return steps.send(woken)
-    except StopIteration:
-        return None
 
 
 def _cleanup_files(owner: int, *paths: str) -> None:

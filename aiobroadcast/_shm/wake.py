@@ -15,7 +15,6 @@ import select
 import socket
 import threading
 from collections.abc import Callable, Sequence
-from time import perf_counter_ns
 from typing import Any
 
 import anyio
@@ -23,6 +22,7 @@ import anyio.lowlevel
 
 from .. import _fork
 from .._exceptions import BroadcastError, os_error
+from .._steps import never_sleep, never_sleep_async, poll_steps, run, run_blocking
 
 _sniffed: Any
 try:
@@ -409,30 +409,14 @@ def knock(path: str) -> bool:
 
 
 async def poll(ready: Callable[[], bool], limit_ns: int) -> bool:
-    """Re-check ``ready`` for up to ``limit_ns`` instead of sleeping: one event-loop round at a
-    time (other tasks run meanwhile), yielding the CPU between rounds (so pollers on a busy host
-    leave it to the process they wait for). True once ``ready()`` is; False when time is up.
-    ``ready`` may raise to end the poll."""
-    deadline = perf_counter_ns() + limit_ns
-    while True:
-        await anyio.lowlevel.checkpoint()
-        if ready():
-            return True
-        if perf_counter_ns() >= deadline:
-            return False
-        os.sched_yield()
+    """Re-check ``ready`` for up to ``limit_ns`` instead of sleeping (``_steps.poll_steps``),
+    one event-loop round at a time. True once ``ready()`` is; False when time is up."""
+    return await run(poll_steps(ready, limit_ns), never_sleep_async)
 
 
 def poll_blocking(ready: Callable[[], bool], limit_ns: int) -> bool:
-    """``poll`` for a thread without an event loop: re-check ``ready`` for up to ``limit_ns``,
-    yielding the CPU between rounds."""
-    deadline = perf_counter_ns() + limit_ns
-    while True:
-        if ready():
-            return True
-        if perf_counter_ns() >= deadline:
-            return False
-        os.sched_yield()
+    """``poll`` for a thread without an event loop (the same ``_steps.poll_steps``)."""
+    return run_blocking(poll_steps(ready, limit_ns), never_sleep)
 
 
 def wait_readable(fds: Sequence[int], limit_s: float) -> bool:

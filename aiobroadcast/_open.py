@@ -35,6 +35,7 @@ from ._shm import layout as _layout
 from ._shm import segment as _segment
 from ._shm.arena import arena_path
 from ._shm.subscriber import ShmSource
+from ._tcp.settings import ServerSettings
 from ._tcp.supervisor import SERVER_START_S, ServerProcess, read_answer
 from ._writer import Writer
 from ._writer import _private as _writer_token
@@ -364,26 +365,8 @@ class _ServerStart:
         else:
             self._keys = spec.keys or CurveKeys.generate()
             self._hmac_key = None
-        k = self._keys
-        cfg = {
-            "handle": handle.model_dump(),
-            "endpoint": spec.tcp,
-            "insecure": spec.insecure,
-            "server_secret": k.server_secret if k else None,
-            "client_public": k.client_public if k else None,
-            "hmac_key": self._hmac_key,
-            "window": spec.tcp_window,
-            "buffer_max": max(spec.tcp_window, handle.capacity) * 2,
-            "hb_interval": spec.heartbeat_s,
-            "hb_timeout": 6 * spec.heartbeat_s,
-            "max_remote": spec.max_readers,
-            "sole_reader": spec.sole_reader,
-            "rekey_messages": spec.rekey_messages,
-            "rekey_bytes": spec.rekey_bytes,
-            "data_port": spec.data_port,
-            "stats_path": channel.seg.sock_path("tcp").removesuffix(".sock") + ".json",
-        }
-        self._server = ServerProcess(cfg, 12 * spec.heartbeat_s)
+        settings = ServerSettings.for_writer(spec, handle, spec.tcp, self._keys, self._hmac_key)
+        self._server = ServerProcess(settings)
         self.proc = self._server.spawn()
 
     def answer(self) -> dict[str, Any]:

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from aiobroadcast._constants import REKEY_BYTES, REKEY_MESSAGES
 from aiobroadcast._shm.segment import attach_segment
 from aiobroadcast._tcp import server as tcp_server
 from aiobroadcast._tcp.server import TcpServer
+from aiobroadcast._tcp.settings import ServerSettings
 from aiobroadcast.blocking import BlockingWriter, open_writer
 
 
@@ -23,22 +25,23 @@ def ring_and_server(tmp_path: Path) -> Iterator[tuple[BlockingWriter[object], Tc
         seg = attach_segment(handle.path, handle.token, handle.capacity, handle.slot_bytes, handle.max_readers)
         stop_r, stop_w = os.pipe()
         try:
-            server = TcpServer(
-                seg,
-                handle,
-                "tcp://127.0.0.1:0",
+            settings = ServerSettings(
+                handle=handle,
+                endpoint="tcp://127.0.0.1:0",
                 insecure=True,
-                server_secret=None,
-                client_public=None,
-                hmac_key=os.urandom(32),
+                hmac_key=os.urandom(32).hex(),
                 window=256,
                 buffer_max=512,
                 hb_interval=1.0,
                 hb_timeout=5.0,
                 max_remote=2,
-                stop_fd=stop_r,
-                stats_path=str(tmp_path / "stats.json"),
+                sole_reader=False,
+                rekey_messages=REKEY_MESSAGES,
+                rekey_bytes=REKEY_BYTES,
+                data_port=0,
+                report_path=str(tmp_path / "stats.json"),
             )
+            server = TcpServer(seg, settings, stop_fd=stop_r)
         except BaseException:
             seg.close()
             raise

@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import resource
-import secrets
 import select
 import signal
 import sys
@@ -32,13 +31,12 @@ from typing import Any, cast
 
 import zmq
 import zmq.auth.thread
+from pydantic import ValidationError
 
 from .. import _seal as seal
 from .. import _tuning
 from .._constants import TCP_SERVER_READER_NAME
 from .._exceptions import BroadcastError, EndOfStream, ReaderLagged, TransportError, WouldBlock, WriterGone
-from .._files import unlink_quietly
-from .._handle import Handle
 from .._shm.arena import arena_path
 from .._shm.layout import W_NEXT_MSG
 from .._shm.segment import Segment, attach_segment
@@ -46,8 +44,9 @@ from .._shm.subscriber import ShmSource
 from . import wire
 from .errors import zmq_errors
 from .protocol import BUFFER_BYTES, Rejected, ServerConfig, ServerEvent, ServerProtocol, TimedOut
+from .report import ServerReport, remove_report, write_report
+from .settings import ServerSettings
 from .sockets import send_parts
-from .supervisor import stats_tmp_path
 
 log = logging.getLogger("aiobroadcast")
 
@@ -182,43 +181,22 @@ class TcpServer:
     def __init__(
         self,
         seg: Segment,
-        handle: Handle,
-        endpoint: str,
+        settings: ServerSettings,
         *,
-        insecure: bool,
-        server_secret: bytes | None,
-        client_public: bytes | None,
-        hmac_key: bytes | None,
-        window: int,
-        buffer_max: int,
-        hb_interval: float,
-        hb_timeout: float,
-        max_remote: int,
         stop_fd: int,
-        stats_path: str,
-        take_over: int | None = None,
-        returning: int = 0,
-        rekey_messages: int = seal.REKEY_MESSAGES,
-        rekey_bytes: int = seal.REKEY_BYTES,
         buffer_bytes: int = BUFFER_BYTES,
-        data_port: int = 0,
-        data_token: str | None = None,
-        sole_reader: bool = False,
     ) -> None:
-        """``sole_reader``: a fan-in remote sender's server (``ServerConfig.sole_reader``).
-        ``take_over`` and ``returning``: this server replaces one that died (pid
-        ``take_over``), which served ``returning`` remote readers. ``rekey_messages`` and
-        ``rekey_bytes``: the data plane's rekey policy (``_seal.py``). ``buffer_bytes``: the
-        bytes of sealed bodies held for readers, at most (beside ``buffer_max`` messages).
-        ``data_port``: the data socket's port (0: a free one). ``data_token``: the password
-        of its PLAIN handshake, which WELCOME hands to admitted readers (None: a new one; the
-        supervisor keeps one for the servers it starts, so reconnecting readers get in at once)."""
-        self._stats_path = stats_path
-        self.drain_timeout = 2 * hb_timeout
+        """Serve ``settings.handle``'s ring, attached as ``seg``; ``stop_fd`` is readable when the
+        server is to drain and stop. ``buffer_bytes``: the bytes of sealed bodies held for
+        readers, at most (beside ``settings.buffer_max`` messages)."""
+        handle = settings.handle
+        insecure, hmac_key, data_port = settings.insecure, settings.key("hmac_key"), settings.data_port
+        self._report_path = settings.report_path
+        self.drain_timeout = 2 * settings.hb_timeout
         self._ring_words = seg.words
         self._ctx = zmq.Context()
         self._auth: _Zap | None = None
-        self.data_token = data_token or secrets.token_hex(16)
+        self.data_token = settings.data_token
         self._router = self._ctx.socket(zmq.ROUTER)
         # Sealed data frames (BATCH, LAGGED, END) go on a second socket without CurveZMQ: each
         # message is sealed once for every reader (_seal.py), instead of CurveZMQ encrypting it
@@ -232,8 +210,8 @@ class TcpServer:
         sealer = seal.Sealer(
             handle.token.encode(),
             secret=hmac_key if insecure else None,
-            rekey_messages=rekey_messages,
-            rekey_bytes=rekey_bytes,
+            rekey_messages=settings.rekey_messages,
+            rekey_bytes=settings.rekey_bytes,
             buffer=self._buffers.take,
         )
         self.rekey_requested = False  # SIGUSR1: a new key now
@@ -253,6 +231,7 @@ class TcpServer:
             self._auth = _Zap(self._ctx, log=logging.getLogger("aiobroadcast.zap"))
             self._auth.start()
             if not insecure:
+                server_secret, client_public = settings.key("server_secret"), settings.key("client_public")
                 assert server_secret is not None and client_public is not None
                 self._auth.configure_curve_callback(CONTROL_DOMAIN, credentials_provider=_Allow(client_public))
                 r.zap_domain = CONTROL_DOMAIN.encode()
@@ -265,8 +244,8 @@ class TcpServer:
                 self._auth.configure_plain(CONTROL_DOMAIN, {wire.PLAIN_USER.decode(): password})
                 r.zap_domain = CONTROL_DOMAIN.encode()
                 r.plain_server = True
-            with zmq_errors(TransportError, f"cannot bind {endpoint}"):
-                r.bind(_port_star(endpoint))
+            with zmq_errors(TransportError, f"cannot bind {settings.endpoint}"):
+                r.bind(_port_star(settings.endpoint))
             self.endpoint = r.getsockopt_string(zmq.LAST_ENDPOINT)
             d = self._data
             d.linger = 0
@@ -291,7 +270,7 @@ class TcpServer:
             self.data_port = int(d.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
             # hold: under policy "block" a body is a view of its slot until the next get_nowait,
             # so the protocol seals it straight out of the ring.
-            self._src = ShmSource(seg, handle, TCP_SERVER_READER_NAME, _view, hold=True, take_over=take_over)
+            self._src = ShmSource(seg, handle, TCP_SERVER_READER_NAME, _view, hold=True, take_over=settings.take_over)
             if handle.arena_bytes:  # arena bodies go out whole: their buffers copied in (one copy)
                 self._src.attach_arena(arena_path(handle.path), False)
         except BaseException:
@@ -302,22 +281,22 @@ class TcpServer:
         config = ServerConfig(
             policy=handle.policy,
             key=hmac_key if insecure else None,
-            window=window,
-            buffer_max=buffer_max,
-            hb_interval=hb_interval,
-            hb_timeout=hb_timeout,
-            max_remote=max_remote,
+            window=settings.window,
+            buffer_max=settings.buffer_max,
+            hb_interval=settings.hb_interval,
+            hb_timeout=settings.hb_timeout,
+            max_remote=settings.max_remote,
             channel=handle.token,
             data_port=self.data_port,
             data_token=self.data_token,
             buffer_bytes=buffer_bytes,
-            sole_reader=sole_reader,
+            sole_reader=settings.sole_reader,
         )
         self.protocol = ServerProtocol(
             config,
             start=self._src.next_msg,
             now=time.monotonic(),
-            returning=returning,
+            returning=settings.returning,
             sealer=sealer,
             large=_frame,
         )
@@ -331,27 +310,23 @@ class TcpServer:
         """Who is connected, for ``Writer.statistics()`` and ``aiobroadcast stats``. Only a
         report: if it cannot be written (a full /dev/shm), the last one stays and readers are
         served as before."""
-        snapshot = {"pid": os.getpid(), **self.protocol.report()}
-        tmp = stats_tmp_path(self._stats_path)
+        report = ServerReport.model_validate({"pid": os.getpid(), **self.protocol.report()})
         try:
-            with open(tmp, "w") as f:
-                json.dump(snapshot, f)
-            os.replace(tmp, self._stats_path)
+            write_report(self._report_path, report)
         except OSError as exc:
-            unlink_quietly(tmp)
             if not self._report_failing:
                 self._report_failing = True
                 log.warning(
                     "aiobroadcast: the TCP server cannot write its report %s (%s); connected remote readers "
                     "are served as before; statistics() shows the last report, and its tcp_server_health "
                     "why, until it can",
-                    self._stats_path,
+                    self._report_path,
                     exc.strerror or exc,
                 )
             return
         if self._report_failing:
             self._report_failing = False
-            log.warning("aiobroadcast: the TCP server writes its report %s again", self._stats_path)
+            log.warning("aiobroadcast: the TCP server writes its report %s again", self._report_path)
 
     def run(self) -> bool:
         """Serve until stopped; False if the server failed (a bug: the writer starts another)."""
@@ -364,8 +339,7 @@ class TcpServer:
             self._src.close()
             self._close_sockets()
             # Nobody is served from here on (a writer dropped without aclose leaves it to us).
-            unlink_quietly(self._stats_path)
-            unlink_quietly(stats_tmp_path(self._stats_path))
+            remove_report(self._report_path)
         return True
 
     def _close_sockets(self) -> None:
@@ -678,49 +652,25 @@ def _raise_descriptor_limit() -> None:
 
 
 def main() -> int:
-    """Entry point of the server process. Reads its configuration (with the keys: never on the
-    command line) as one JSON line on stdin, answers with one JSON line on stdout (the endpoint
-    it bound, or the error), then serves until stdin closes and remote readers have drained."""
+    """Entry point of the server process. Reads its settings (with the keys: never on the command
+    line) as one JSON line on stdin, answers with one JSON line on stdout (the endpoint it bound,
+    or the error), then serves until stdin closes and remote readers have drained."""
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     _keep_freed_memory()
     _raise_descriptor_limit()
     # A terminal's Ctrl-C is for the writer: it stops this server by closing our stdin, after
     # remote readers have drained.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    cfg = json.loads(sys.stdin.readline())
-    handle = Handle.model_validate(cfg["handle"])
-
-    def key(name: str) -> bytes | None:
-        value = cfg.get(name)
-        return value.encode() if value else None
-
+    try:
+        settings = ServerSettings.model_validate_json(sys.stdin.buffer.readline())
+    except ValidationError as exc:  # another version of the package, or not the writer
+        print(json.dumps({"error": f"bad settings on stdin: {_first_line(exc)}"}), flush=True)
+        return 2
+    handle = settings.handle
     try:
         seg = attach_segment(handle.path, handle.token, handle.capacity, handle.slot_bytes, handle.max_readers)
         try:
-            server = TcpServer(
-                seg,
-                handle,
-                cfg["endpoint"],
-                insecure=cfg["insecure"],
-                server_secret=key("server_secret"),
-                client_public=key("client_public"),
-                hmac_key=key("hmac_key"),
-                window=cfg["window"],
-                buffer_max=cfg["buffer_max"],
-                hb_interval=cfg["hb_interval"],
-                hb_timeout=cfg["hb_timeout"],
-                max_remote=cfg["max_remote"],
-                stop_fd=sys.stdin.fileno(),
-                stats_path=cfg["stats_path"],
-                take_over=cfg.get("take_over"),
-                returning=cfg.get("returning", 0),
-                rekey_messages=cfg.get("rekey_messages") or seal.REKEY_MESSAGES,
-                rekey_bytes=cfg.get("rekey_bytes") or seal.REKEY_BYTES,
-                buffer_bytes=cfg.get("buffer_bytes") or BUFFER_BYTES,
-                data_port=cfg.get("data_port") or 0,
-                data_token=cfg.get("data_token"),
-                sole_reader=bool(cfg.get("sole_reader")),
-            )
+            server = TcpServer(seg, settings, stop_fd=sys.stdin.fileno())
         except BaseException:
             seg.close()
             raise
@@ -735,6 +685,14 @@ def main() -> int:
     print(json.dumps({"endpoint": server.endpoint}), flush=True)
     server.write_stats()
     return 0 if server.run() else 1
+
+
+def _first_line(exc: ValidationError) -> str:
+    """What is wrong, in a line: the first error's field and message, and how many there are."""
+    first = exc.errors(include_url=False, include_input=False)[0]
+    where = ".".join(str(part) for part in first["loc"]) or "the line"
+    more = exc.error_count() - 1
+    return f"{where}: {first['msg']}" + (f" (and {more} more)" if more else "")
 
 
 if __name__ == "__main__":

@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
-import secrets
 import select
 import subprocess
 import sys
@@ -25,8 +23,9 @@ import threading
 import time
 from typing import Any
 
-from .._files import unlink_quietly
 from .._stats import ReaderInfo, TcpServerState
+from .report import Reports, health, remove_report
+from .settings import ServerSettings
 
 log = logging.getLogger("aiobroadcast")
 
@@ -41,24 +40,12 @@ RESTART_MAX_S = 5.0
 #: a server that ran this long before dying is restarted at once
 STABLE_S = 60.0
 
-#: the server is short of descriptors when fewer than this many of its limit are free (or a 64th of
-#: it, if more): it cannot accept new readers' connections, nor write its report, for long
-FD_SPARE = 8
-#: its report is stale (it cannot write it) when it is older than this many heartbeats, plus a second
-STALE_HEARTBEATS = 4
-
 #: how long a close that was cancelled still gives the server to hand remote readers the end of the
 #: stream (normally milliseconds) before it kills it; the event loop is blocked meanwhile
 CANCELLED_STOP_S = 1.0
 
 #: the directory that holds the ``aiobroadcast`` package this module belongs to
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def stats_tmp_path(stats_path: str) -> str:
-    """Where the server writes its report before it replaces the old one (``sweep_stale``
-    recognises it as the channel's)."""
-    return f"{stats_path}.tmp"
 
 
 def read_answer(proc: subprocess.Popen[bytes], limit_s: float) -> dict[str, Any]:
@@ -83,18 +70,46 @@ def read_answer(proc: subprocess.Popen[bytes], limit_s: float) -> dict[str, Any]
     return {"error": f"the TCP server process said {line[:200]!r}"}
 
 
+def spawn_server(settings: ServerSettings) -> subprocess.Popen[bytes]:
+    """Start a server process and hand it its settings on its stdin; it answers on its stdout."""
+    # The child imports this very package, from wherever it was imported here; -P: not from
+    # the working directory, which ``-m`` would put first (a source checkout there, without
+    # its compiled extension, would shadow the installed package).
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+    proc = subprocess.Popen(
+        [sys.executable, "-P", "-m", "aiobroadcast._tcp.server"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        close_fds=True,
+        env=env,
+    )
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(settings.model_dump_json().encode() + b"\n")
+        proc.stdin.flush()
+    except OSError:
+        pass  # it died at once: read_answer says so
+    return proc
+
+
+def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
+    for pipe in (proc.stdin, proc.stdout):
+        if pipe is not None:
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+
 class ServerProcess:
     """The TCP server process of one writer, kept running while the writer is open."""
 
-    def __init__(self, cfg: dict[str, Any], stop_s: float) -> None:
-        """``cfg``: the server's configuration (keys included: it goes to the process on its
-        stdin, never on the command line). ``stop_s``: how long ``stop`` waits for remote
-        readers to drain."""
-        # The data socket's password is kept for the servers started again: a reader's data
-        # connection, which reconnects by itself, gets in at once.
-        self._cfg = {"data_token": secrets.token_hex(16), **cfg}
-        self._stop_s = stop_s
-        self.stats_path: str = cfg["stats_path"]
+    def __init__(self, settings: ServerSettings) -> None:
+        """``settings``: the server's (keys included: they go to the process on its stdin, never
+        on the command line); the servers started again get them too, with their endpoint the
+        one the first bound."""
+        self._settings = settings
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._proc: subprocess.Popen[bytes] | None = None
@@ -108,37 +123,17 @@ class ServerProcess:
         self._served_at = time.monotonic()
         #: every server process this writer started (their ring places are named after them)
         self.pids: set[int] = set()
-        # What servers that died had counted, so the totals in statistics() do not go back.
-        self._dropped_before = 0
-        self._rejected_before = 0
+        self._reports = Reports(settings.report_path)
 
     # --- starting --------------------------------------------------------------------------
     def spawn(self) -> subprocess.Popen[bytes]:
-        """Start a server process and hand it its configuration; it answers on its stdout."""
-        # The child imports this very package, from wherever it was imported here; -P: not from
-        # the working directory, which ``-m`` would put first (a source checkout there, without
-        # its compiled extension, would shadow the installed package).
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
-        proc = subprocess.Popen(
-            [sys.executable, "-P", "-m", "aiobroadcast._tcp.server"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            close_fds=True,
-            env=env,
-        )
-        assert proc.stdin is not None
-        try:
-            proc.stdin.write(json.dumps(self._cfg).encode() + b"\n")
-            proc.stdin.flush()
-        except OSError:
-            pass  # it died at once: read_answer says so
-        return proc
+        """Start a server process with this writer's settings; it answers on its stdout."""
+        return spawn_server(self._settings)
 
     def serve(self, proc: subprocess.Popen[bytes], endpoint: str) -> None:
         """``proc`` answered that it serves ``endpoint``: watch it from now on. A server started
         again binds that same endpoint (the port that was read back, not port 0)."""
-        self._cfg = {**self._cfg, "endpoint": endpoint}
+        self._settings = self._settings.model_copy(update={"endpoint": endpoint})
         self._proc = proc
         self._served_at = time.monotonic()
         self.pids.add(proc.pid)
@@ -152,59 +147,17 @@ class ServerProcess:
         is read once (the watcher thread changes it): no remote reader is listed unless it says
         "running"."""
         state = self.state
-        dropped, rejected = self._dropped_before, self._rejected_before
         if state != "running":
-            return state, (), dropped, rejected
-        snap = self._read_report()
-        if snap is None:
-            return state, (), dropped, rejected
-        try:
-            infos = tuple(
-                ReaderInfo(
-                    place=-1,
-                    name=str(r["name"]),
-                    pid=int(r["pid"]),
-                    received=int(r["received"]),
-                    lag=int(r["lag"]),
-                    sleeping=False,
-                    transport="tcp",
-                    host=str(r.get("host", "")),
-                )
-                for r in snap.get("readers", ())
-            )
-            return state, infos, dropped + int(snap.get("dropped", 0)), rejected + int(snap.get("rejected_frames", 0))
-        except (AttributeError, KeyError, TypeError, ValueError):  # not a report this version writes
-            return state, (), dropped, rejected
+            return (state, (), *self._reports.totals())
+        return (state, *self._reports.read())
 
     def health(self) -> str:
-        """ "ok" if the running server can serve; else what stops it, as far as can be seen from
-        here: its descriptors (counted in /proc, as it may have none left to say so itself), or
-        a report it stopped writing. "" unless the state is "running"."""
-        proc = self._proc
+        """ "ok" if the running server can serve, else what stops it (``report.health``); ""
+        unless the state is "running"."""
+        proc, s = self._proc, self._settings
         if self.state != "running" or proc is None:
             return ""
-        used, limit = _descriptors(proc.pid)
-        if limit > 0 and limit - used < max(FD_SPARE, limit // 64):
-            return (
-                f"out of file descriptors: {used} of {limit} in use, so new connections of remote readers "
-                "fail (peers opening connections faster than the handshake limit closes them?)"
-            )
-        try:
-            age = time.time() - os.stat(self.stats_path).st_mtime
-        except OSError:
-            age = time.monotonic() - self._served_at
-        stale = STALE_HEARTBEATS * float(self._cfg.get("hb_interval", 1.0)) + 1.0
-        if age > stale:
-            return f"its report was last written {age:.1f} s ago: it cannot write it (/dev/shm full?)"
-        return "ok"
-
-    def _read_report(self) -> dict[str, Any] | None:
-        try:
-            with open(self.stats_path, encoding="utf-8") as f:
-                snap = json.load(f)
-        except (OSError, ValueError):
-            return None
-        return snap if isinstance(snap, dict) else None
+        return health(proc.pid, s.report_path, s.hb_interval, self._served_at)
 
     def restarting_from(self, pid: int) -> bool:
         """Whether ``pid`` is a server that died and is being replaced: the writer keeps its
@@ -216,11 +169,12 @@ class ServerProcess:
         """Ask the server to stop once remote readers have drained (it sees its stdin close),
         wait for it (killing it after ``stop_s``), and remove its report. Blocking."""
         proc = self._stopping = self._detach()
+        stop_s = self._settings.stop_s
         if proc is not None:
             try:
-                proc.wait(self._stop_s)
+                proc.wait(stop_s)
             except subprocess.TimeoutExpired:
-                log.warning("aiobroadcast: the TCP server did not stop in %.0f s; killed it", self._stop_s)
+                log.warning("aiobroadcast: the TCP server did not stop in %.0f s; killed it", stop_s)
                 proc.kill()
                 proc.wait()
             self.returncode = proc.returncode
@@ -228,8 +182,7 @@ class ServerProcess:
             self._thread.join()
         if proc is not None and proc.stdout is not None:
             proc.stdout.close()
-        unlink_quietly(self.stats_path)
-        unlink_quietly(stats_tmp_path(self.stats_path))
+        remove_report(self._reports.path)
 
     def finish(self, stopper: threading.Thread) -> None:
         """``stopper`` runs ``stop`` and its caller may not wait for it any longer (its close was
@@ -264,12 +217,7 @@ class ServerProcess:
         self._thread = None
         proc, self._proc = self._proc, None
         if proc is not None:
-            for pipe in (proc.stdin, proc.stdout):
-                if pipe is not None:
-                    try:
-                        pipe.close()
-                    except OSError:
-                        pass
+            _close_pipes(proc)
 
     def _detach(self) -> subprocess.Popen[bytes] | None:
         """Mark the server as stopping (the watcher restarts nothing from now on) and close its
@@ -301,7 +249,7 @@ class ServerProcess:
             log.error(
                 "aiobroadcast: watching the TCP server on %s failed (%r). Remote readers are NOT served any "
                 "more; shared-memory readers are. Close the writer and open a new one to serve them again",
-                self._cfg["endpoint"],
+                self._settings.endpoint,
                 exc,
             )
 
@@ -318,22 +266,20 @@ class ServerProcess:
                     return
                 self.state = "restarting"
                 self._proc = None
-            served = self._forget(proc)
+            _close_pipes(proc)
+            served = self._reports.forget()  # the dead server's readers: nobody serves them
             # The new server takes the dead one's ring place, where the writer keeps what it had
             # not taken yet, and keeps what it takes for the readers coming back (if the report
             # that counts them is gone, for as long as they may take).
-            self._cfg = {
-                **self._cfg,
-                "take_over": proc.pid,
-                "returning": self._cfg["max_remote"] if served is None else served,
-            }
+            returning = self._settings.max_remote if served is None else served
+            self._settings = self._settings.model_copy(update={"take_over": proc.pid, "returning": returning})
             how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
             log.warning(
                 "aiobroadcast: the TCP server (pid %d) %s after %.1f s; starting a new one on %s",
                 proc.pid,
                 how,
                 ran,
-                self._cfg["endpoint"],
+                self._settings.endpoint,
             )
             quick_deaths = 0 if ran >= STABLE_S else quick_deaths + 1
             delay = 0.0 if quick_deaths <= 1 else min(RESTART_MAX_S, RESTART_DELAY_S * 2 ** (quick_deaths - 2))
@@ -342,28 +288,6 @@ class ServerProcess:
                 return
             proc = new
             started = time.monotonic()
-
-    def _forget(self, proc: subprocess.Popen[bytes]) -> int | None:
-        """A server died: keep its counts, drop its report (it names readers nobody serves).
-        Returns how many readers it served, if its report says."""
-        snap = self._read_report()
-        served = None
-        if snap is not None:
-            try:
-                self._dropped_before += int(snap.get("dropped", 0))
-                self._rejected_before += int(snap.get("rejected_frames", 0))
-                served = len(snap.get("readers", ()))
-            except (TypeError, ValueError):  # not a report this version writes
-                pass
-        unlink_quietly(self.stats_path)
-        unlink_quietly(stats_tmp_path(self.stats_path))
-        for f in (proc.stdin, proc.stdout):
-            if f is not None:
-                try:
-                    f.close()
-                except OSError:
-                    pass
-        return served
 
     def _restart(self, delay: float) -> subprocess.Popen[bytes] | None:
         """Start a new server; the process, or None if the writer is stopping or it failed."""
@@ -394,7 +318,8 @@ class ServerProcess:
             error = str(answer["error"])
             proc.kill()
             proc.wait()
-            self._forget(proc)
+            _close_pipes(proc)
+            self._reports.forget()
             log.warning("aiobroadcast: the new TCP server did not start: %s", error)
             delay = max(RESTART_DELAY_S, min(RESTART_MAX_S, 2 * delay))
         with self._lock:
@@ -405,21 +330,8 @@ class ServerProcess:
             "aiobroadcast: the TCP server on %s could not be started again (%d attempts; last: %s). "
             "Remote readers are NOT served any more; shared-memory readers are. Close the writer "
             "and open a new one to serve them again",
-            self._cfg["endpoint"],
+            self._settings.endpoint,
             START_ATTEMPTS,
             error,
         )
         return None
-
-
-def _descriptors(pid: int) -> tuple[int, int]:
-    """The descriptors process ``pid`` holds and its soft limit; (0, 0) where /proc cannot say
-    (not Linux, or the process just ended)."""
-    try:
-        used = len(os.listdir(f"/proc/{pid}/fd"))
-        limit = resource.prlimit(pid, resource.RLIMIT_NOFILE)[0]
-    except OSError:
-        return 0, 0
-    if limit == resource.RLIM_INFINITY:
-        return 0, 0
-    return used, limit

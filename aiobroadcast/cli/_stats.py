@@ -14,7 +14,6 @@ reader is slow, and lists its remote readers in a file beside the segment
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass
@@ -37,6 +36,7 @@ from .._shm.layout import (
     W_WAIT_TARGET,
     W_WRITER_PID,
 )
+from .._tcp.report import read_report, report_path
 from ._common import EXIT_FAILED, EXIT_OK, fail, load_handle, run_sync
 
 
@@ -158,15 +158,10 @@ class SegmentView:
     def _remote(self) -> tuple[RemoteRow, ...] | None:
         if self.handle.tcp is None:
             return None
-        try:
-            with open(f"{self.handle.path}-tcp.json", encoding="utf-8") as f:
-                report = json.load(f)
-            return tuple(
-                RemoteRow(str(r["name"]), int(r["pid"]), str(r.get("host", "")), int(r["received"]), int(r["lag"]))
-                for r in report["readers"]
-            )
-        except (OSError, ValueError, KeyError, TypeError):
-            return None  # an older writer, or the report is being replaced: show what the ring says
+        report = read_report(report_path(self.handle.path))
+        if report is None:
+            return None  # an older writer, or no report yet: show what the ring says
+        return tuple(RemoteRow(r.name, r.pid, r.host, r.received, r.lag) for r in report.readers)
 
     def close(self) -> None:
         self._view.close()

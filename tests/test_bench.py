@@ -242,8 +242,8 @@ def test_blocking_api_cells(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_peer_drivers_run_in_an_interpreter_without_aiobroadcast() -> None:
     """benchmarks/peers.py runs in the peers' interpreter, which need not have aiobroadcast or its
-    dependencies: without site-packages (``-S``) it still loads the shared figures code by path
-    and reports the peer as unavailable, in the JSON line side_by_side.py reads."""
+    dependencies: without site-packages (``-S``) it still starts, and reports the peer as
+    unavailable, in the JSON line side_by_side.py reads."""
     proc = script(
         "-S", str(ROOT / "benchmarks" / "peers.py"), "pyzmq", "tput", "1", "64", "10", cwd=ROOT / "benchmarks"
     )

@@ -16,9 +16,12 @@ is one JSON object. If the peer cannot be imported the line is ``{"unavailable":
 ...}`` and the exit status is ``UNAVAILABLE_RC``.
 
 This file runs as a script in the peer's interpreter, which need not have aiobroadcast or its
-dependencies installed: it imports the standard library, the peer's own packages, and (by path,
-not as a package) ``aiobroadcast/cli/_bench_figures.py``, so that every system's figures are
-computed by the same code as aiobroadcast's.
+dependencies installed: it imports the standard library and the peer's own packages, nothing
+else. It measures and does not compute figures: its JSON line carries what the readers reported
+(``reader_results``, as ``aiobroadcast.cli._bench_figures.reader_result`` shapes them), the
+first send (``t0``) and the pause (``idle_s``), and ``side_by_side.py``, in aiobroadcast's
+interpreter, computes every system's figures with the same function
+(``aiobroadcast.cli._bench_figures.figures``).
 """
 
 from __future__ import annotations
@@ -27,17 +30,15 @@ import argparse
 import asyncio
 import contextlib
 import importlib
-import importlib.util
 import json
 import multiprocessing as mp
 import os
 import pickle
+import queue
 import sys
 import tempfile
 import time
-from pathlib import Path
-from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 PEERS = ("vllm", "pyzmq")
 #: Peers that run only when named (``--peer``).
@@ -45,25 +46,65 @@ EXTRA_PEERS = ("pyzmq-curve",)
 #: Exit status of a driver whose peer is not importable here.
 UNAVAILABLE_RC = 3
 VLLM_MODULE = "vllm.distributed.device_communicators.shm_broadcast"
-FIGURES_FILE = Path(__file__).resolve().parent.parent / "aiobroadcast" / "cli" / "_bench_figures.py"
+MODES = ("tput", "lat", "idle")
+#: Pacing of mode ``lat`` (seconds between messages), as aiobroadcast's driver.
+PACE_S = 0.001
+#: How long a reader or the writer waits for anything before giving up (seconds).
+STEP_TIMEOUT_S = 120.0
 
 
-def _load_figures() -> ModuleType:
-    """``aiobroadcast/cli/_bench_figures.py`` without importing the aiobroadcast package (whose
-    ``__init__`` needs anyio, pydantic and pyzmq, which a peer's interpreter may lack)."""
-    spec = importlib.util.spec_from_file_location("_aiobroadcast_bench_figures", FIGURES_FILE)
-    assert spec is not None and spec.loader is not None, FIGURES_FILE
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def reader_result(
+    rank: int,
+    t_end: int,
+    lats: list[int],
+    received: int,
+    in_order: bool,
+    idle_cpu_s: float | None = None,
+    wake_ns: int | None = None,
+) -> dict[str, Any]:
+    """What a reader process sends back to its writer (the fields ``figures`` reads)."""
+    return {
+        "rank": rank,
+        "t_end": t_end,
+        "lats": lats,
+        "received": received,
+        "in_order": in_order,
+        "idle_cpu_s": idle_cpu_s,
+        "wake_ns": wake_ns,
+    }
 
 
-if TYPE_CHECKING:
-    from aiobroadcast.cli import _bench_figures as fig
-else:
-    fig = _load_figures()
-MODES, PACE_S, STEP_TIMEOUT_S = fig.MODES, fig.PACE_S, fig.STEP_TIMEOUT_S
-reader_result, figures, _collect, _reap = fig.reader_result, fig.figures, fig.collect, fig.reap
+def _collect(q: Any, procs: list[Any]) -> list[dict[str, Any]]:
+    """One result per reader process; fails if a reader dies without one, or reports an error."""
+    results: list[dict[str, Any]] = []
+    deadline = time.monotonic() + STEP_TIMEOUT_S
+    while len(results) < len(procs):
+        try:
+            res = q.get(timeout=0.5)
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"reader processes failed (exit codes {dead})") from None
+            continue
+        if "error" in res:
+            raise RuntimeError(f"reader {res['rank']} failed: {res['error']}")
+        results.append(res)
+    return sorted(results, key=lambda r: int(r["rank"]))
+
+
+def _reap(procs: list[Any]) -> None:
+    """Join the reader processes; kill the ones that do not end within 10 s."""
+    for p in procs:
+        p.join(timeout=10)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+
+
+def _measured(t0: int, results: list[dict[str, Any]], idle_s: float) -> dict[str, Any]:
+    """What side_by_side.py computes the figures from."""
+    return {"t0": t0, "idle_s": idle_s, "reader_results": results}
 
 
 # --- vLLM MessageQueue ----------------------------------------------------------------------------
@@ -144,7 +185,7 @@ def run_vllm(mode: str, readers: int, size: int, count: int, idle_s: float, tran
         "max_chunk_bytes": chunk,
         "max_chunks": 10,
     }
-    out.update(figures(mode, count, size, t0, results, idle_s))
+    out.update(_measured(t0, results, idle_s))
     return out
 
 
@@ -276,7 +317,7 @@ def run_pyzmq(
     }
     if curve:
         out["security"] = "curve"
-    out.update(figures(mode, count, size, t0, results, idle_s))
+    out.update(_measured(t0, results, idle_s))
     return out
 
 
@@ -316,10 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         curve = args.peer == "pyzmq-curve"
         out.update(run_pyzmq(args.mode, args.readers, args.size, args.count, idle_s, args.transport, curve))
-    expected = fig.expected(args.mode, args.count)
+    expected = args.count + 1 if args.mode == "idle" else args.count  # one more after the pause
     print(json.dumps(out), flush=True)
-    if out["received"] != [expected] * args.readers or not out["in_order"]:
-        print(f"{args.peer}: readers received {out['received']} (expected {expected} each, in order)", file=sys.stderr)
+    received = [r["received"] for r in out["reader_results"]]
+    if received != [expected] * args.readers or not all(r["in_order"] for r in out["reader_results"]):
+        print(f"{args.peer}: readers received {received} (expected {expected} each, in order)", file=sys.stderr)
         return 1
     return 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -242,8 +243,8 @@ def test_blocking_api_cells(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_peer_drivers_run_in_an_interpreter_without_aiobroadcast() -> None:
     """benchmarks/peers.py runs in the peers' interpreter, which need not have aiobroadcast or its
-    dependencies: without site-packages (``-S``) it still loads the shared figures code by path
-    and reports the peer as unavailable, in the JSON line side_by_side.py reads."""
+    dependencies: without site-packages (``-S``) it still starts, and reports the peer as
+    unavailable, in the JSON line side_by_side.py reads."""
     proc = script(
         "-S", str(ROOT / "benchmarks" / "peers.py"), "pyzmq", "tput", "1", "64", "10", cwd=ROOT / "benchmarks"
     )
@@ -353,3 +354,20 @@ def test_call_cell_json() -> None:
     assert len(obj["reader_cpu_s"]) == 2
     wrong = bench("--mode", "call", "--transport", "tcp", "--size", "64", "--count", "10")
     assert wrong.returncode == 2 and "--mode call runs over shared memory" in wrong.stderr
+
+
+@pytest.mark.parametrize("mode", ["tput", "gather", "call"])
+def test_the_drivers_start_from_the_installed_package(mode: str) -> None:
+    """The drivers start as ``python -P -m aiobroadcast.cli._bench_...``: the package as installed
+    finds itself, so nothing puts a path of the source tree (built from ``__file__``) on their
+    PYTHONPATH; a wheel has no source tree to point at."""
+    p = argparse.ArgumentParser()
+    _bench.add_options(p)
+    args = p.parse_args(["--mode", mode, "--readers", "1", "--size", "64"])
+    assert _bench.check(args) is None
+    (cell,) = _bench.select_cells(args)
+    cmd, env = _bench.driver_command(cell, args)
+    assert cmd[:3] == [sys.executable, "-P", "-m"] and cmd[3].startswith("aiobroadcast.cli._bench_")
+    assert env.get("PYTHONPATH") == os.environ.get("PYTHONPATH")
+    for source in (ROOT / "aiobroadcast" / "cli").glob("_bench*.py"):
+        assert "__file__" not in source.read_text(), source

@@ -1,10 +1,12 @@
 """``aiobroadcast bench``: the broadcast benchmark protocol, measured on this machine.
 
-Every run is a fresh set of processes (``python -m aiobroadcast.cli._bench_driver``), which
-prints one JSON object; this module runs them, takes medians and prints the table.
-docs/performance.md explains the protocol and every figure. Comparing with peers (vLLM's
-MessageQueue, pyzmq) is not the library's business: the source tree's
-``benchmarks/side_by_side.py`` runs them A B A B with aiobroadcast through this module.
+Every run is a fresh set of processes (``python -P -m aiobroadcast.cli._bench_driver``: the
+package as installed), which prints one JSON object; this module runs them, takes medians and
+prints the table. docs/performance.md explains the protocol and every figure. One system only:
+comparing with peers (vLLM's MessageQueue, pyzmq) is not the library's business; the source
+tree's ``benchmarks/side_by_side.py`` does it, with the pieces of this module that the command
+itself runs on (``add_options``, ``check``, ``select_cells``, ``driver_command``, ``run_driver``,
+``aggregate``, ``figures_of``, ``format_table``).
 """
 
 from __future__ import annotations
@@ -18,9 +20,8 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ._bench_driver import default_loop, ring_for
@@ -29,7 +30,6 @@ from ._bench_gather import ring_for_gather
 from ._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 
 OURS = "aiobroadcast"
-PACKAGE_PARENT = str(Path(__file__).resolve().parents[2])
 
 
 @dataclass(frozen=True)
@@ -116,8 +116,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--senders", type=int, help="with --mode gather: sender processes (default 4)")
     p.add_argument("--size", type=int, help="only cells with this payload size (bytes)")
     p.add_argument("--count", type=int, help="messages per run (default: the protocol's count for the cell)")
-    p.add_argument("--repeat", type=int, default=3, help="runs per cell and system; medians are reported (default: 3)")
-    p.add_argument("--json", action="store_true", help="print one JSON object per cell and system on stdout")
+    p.add_argument("--repeat", type=int, default=3, help="runs per cell; medians are reported (default: 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object per cell on stdout")
     p.add_argument(
         "--transport",
         choices=("shm", "tcp"),
@@ -205,29 +205,22 @@ def select_cells(args: argparse.Namespace) -> list[Cell]:
 
 
 # --- running one driver ---------------------------------------------------------------------------
-class Unavailable(Exception):
-    """The system cannot run here (e.g. a peer its interpreter cannot import): it is skipped."""
-
-
 class RunFailed(Exception):
-    pass
+    """A run that did not end with a JSON object and exit status 0; ``result`` is its last JSON
+    object, if it printed one."""
+
+    def __init__(self, message: str, result: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.result = result
 
 
-#: Runs one cell of one system in fresh processes and returns the driver's JSON object.
-Runner = Callable[[Cell], dict[str, Any]]
-
-
-def our_runner(args: argparse.Namespace) -> Runner:
-    return lambda cell: run_driver(*our_command(cell, args), args.timeout)
-
-
-def our_command(cell: Cell, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
-    """The driver command of one aiobroadcast run, and its environment."""
+def driver_command(cell: Cell, args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """The driver command of one aiobroadcast run, and its environment. ``-P``: the package as
+    installed, never a checkout that happens to be the working directory (as the TCP server)."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
     if cell.mode in ("gather", CALL):
         driver = "aiobroadcast.cli._bench_gather" if cell.mode == "gather" else "aiobroadcast.cli._bench_call"
-        cmd = [sys.executable, "-P", "-m", driver, str(cell.readers), str(cell.size)]  # -P: as the TCP server
+        cmd = [sys.executable, "-P", "-m", driver, str(cell.readers), str(cell.size)]
         cmd += [str(cell.count), "--loop", args.loop]
         if args.capacity:
             cmd += ["--capacity", str(args.capacity)]
@@ -239,7 +232,7 @@ def our_command(cell: Cell, args: argparse.Namespace) -> tuple[list[str], dict[s
     env["IDLE_S"] = repr(args.idle_s)
     cmd = [
         sys.executable,
-        "-P",  # this package, not a checkout in the working directory (as the TCP server)
+        "-P",
         "-m",
         "aiobroadcast.cli._bench_driver",
         cell.mode,
@@ -265,7 +258,6 @@ def our_command(cell: Cell, args: argparse.Namespace) -> tuple[list[str], dict[s
         cmd += ["--batch", str(args.batch)]
     if args.insecure and args.transport == "tcp":
         cmd.append("--insecure")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (PACKAGE_PARENT, env.get("PYTHONPATH")) if p)
     return cmd, env
 
 
@@ -304,11 +296,9 @@ def run_driver(cmd: list[str], env: dict[str, str], timeout: float) -> dict[str,
             obj = json.loads(lines[-1])
         except json.JSONDecodeError:
             obj = None
-    if obj is not None and "unavailable" in obj:
-        raise Unavailable(str(obj.get("reason")))
     if proc.returncode != 0 or obj is None:
         tail = " | ".join(err.strip().splitlines()[-3:])
-        raise RunFailed(f"exit status {proc.returncode}: {tail or 'no output'}")
+        raise RunFailed(f"exit status {proc.returncode}: {tail or 'no output'}", obj)
     return obj
 
 
@@ -402,29 +392,6 @@ def fmt(v: float) -> str:
     return f"{v:.3g}" if v >= 0.01 else f"{v:.3f}"
 
 
-#: Results of a sitting: the aggregate of each cell and system.
-Results = dict[Cell, dict[str, dict[str, Any]]]
-#: One row of the table: the cell's label (on the cell's first row), the figure, its value by system.
-Row = tuple[str, str, dict[str, float]]
-
-
-def rows_of(cells: list[Cell], results: Results) -> list[Row]:
-    rows: list[Row] = []
-    for cell in cells:
-        by_sys = results.get(cell, {})
-        if not by_sys:
-            continue
-        names = figures_of(next(iter(by_sys.values())))
-        for k, (name, _) in enumerate(names):
-            rows.append((cell.label if k == 0 else "", name, {s: figures_of(a)[k][1] for s, a in by_sys.items()}))
-    return rows
-
-
-def values(vals: dict[str, float], systems: list[str]) -> list[str]:
-    """The table cells of one row's values, one per system ("-" for a system without a result)."""
-    return [fmt(vals[s]) if s in vals else "-" for s in systems]
-
-
 def format_table(head: list[str], rows: list[list[str]]) -> str:
     """Columns aligned: the first two to the left (cell, figure), numbers to the right."""
     widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
@@ -436,13 +403,19 @@ def format_table(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def table(cells: list[Cell], results: Results, systems: list[str]) -> str:
-    rows = [[label, name, *values(vals, systems)] for label, name, vals in rows_of(cells, results)]
-    return format_table(["cell", "figure", *systems], rows)
+def table(cells: list[Cell], results: dict[Cell, dict[str, Any]]) -> str:
+    """The table of ``aiobroadcast bench``: each cell's figures, one row each."""
+    rows = [
+        [cell.label if k == 0 else "", name, fmt(value)]
+        for cell in cells
+        if cell in results
+        for k, (name, value) in enumerate(figures_of(results[cell]))
+    ]
+    return format_table(["cell", "figure", OURS], rows)
 
 
 # --- the command ----------------------------------------------------------------------------------
-class _Progress:
+class Progress:
     def __init__(self) -> None:
         self.tty = sys.stderr.isatty()
         self.width = 0
@@ -466,7 +439,7 @@ class _Progress:
         sys.stderr.flush()
 
 
-def _headline(cell: Cell, res: dict[str, Any]) -> str:
+def headline(cell: Cell, res: dict[str, Any]) -> str:
     if cell.mode in ("tput", "gather"):
         return f"{res['msgs_per_s']:,} msgs/s {res['MB_per_s']} MB/s"
     if cell.mode in ("lat", CALL):
@@ -497,98 +470,70 @@ def check(args: argparse.Namespace) -> str | None:
     return None
 
 
+def introduce(progress: Progress, args: argparse.Namespace, cells: list[Cell], systems: list[str]) -> None:
+    """The first lines of a sitting: what runs, on what, and aiobroadcast's ring for each size."""
+    security = ""
+    if args.transport == "tcp":
+        security = " (insecure: GMAC)" if args.insecure else " (AES-256-GCM sealed)"
+    progress.say(
+        f"aiobroadcast bench: {len(cells)} cell(s) x {args.repeat} run(s) of {', '.join(systems)}; "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}, aiobroadcast over {args.transport}"
+        f"{security} on {'the blocking API' if args.blocking else args.loop}"
+    )
+    for size, senders in dict.fromkeys((c.size, c.readers if c.mode in MANY_TO_ONE else 0) for c in cells):
+        cap, slot = ring_for_gather(size, senders) if senders else ring_for(size)
+        cap, slot = args.capacity or cap, args.slot_bytes or slot
+        each = f"each of {senders} senders' " if senders else ""
+        progress.say(
+            f"  {each}ring for {fmt_size(size)} messages: capacity {cap} x slot_bytes {slot} "
+            f"({fmt_size(cap * slot) if cap * slot % 1024 == 0 else f'{cap * slot} B'})"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
-    """``aiobroadcast bench``: aiobroadcast's own cells."""
-    return Sitting(args, {OURS: our_runner(args)}).run(table)
-
-
-@dataclass
-class Sitting:
-    """The cells of ``args``, each ``--repeat`` times, running every system in turn (A B A B ...),
-    so that a drift of the machine falls on every system alike. ``runners`` maps a system's name
-    to how it runs one cell; aiobroadcast's comes first."""
-
-    args: argparse.Namespace
-    runners: dict[str, Runner]
-    progress: _Progress = field(default_factory=_Progress)
-    skipped: dict[str, str] = field(default_factory=dict)
-    failures: list[str] = field(default_factory=list)
-
-    def run(self, render: Callable[[list[Cell], Results, list[str]], str]) -> int:
-        """Run the sitting and print ``render(cells, results, systems)``; the exit code."""
-        problem = check(self.args)
-        if problem is not None:
-            print(f"aiobroadcast bench: {problem}", file=sys.stderr)
-            return EXIT_USAGE
-        cells = select_cells(self.args)
-        self._introduce(cells)
-        results: Results = {
-            cell: self._cell(cell, k * self.args.repeat * len(self.runners), len(cells)) for k, cell in enumerate(cells)
-        }
-        out = sys.stderr if self.args.json else sys.stdout
-        print(render(cells, results, [s for s in self.runners if s not in self.skipped]), file=out, flush=True)
-        for system, reason in self.skipped.items():
-            print(f"skipped {system}: {reason}", file=out)
-        if self.failures:
-            print(f"{len(self.failures)} run(s) failed:", file=sys.stderr)
-            for f in self.failures:
-                print(f"  {f}", file=sys.stderr)
-            return EXIT_FAILED
-        return EXIT_OK
-
-    def _introduce(self, cells: list[Cell]) -> None:
-        args = self.args
-        security = ""
-        if args.transport == "tcp":
-            security = " (insecure: GMAC)" if args.insecure else " (AES-256-GCM sealed)"
-        self.progress.say(
-            f"aiobroadcast bench: {len(cells)} cell(s) x {args.repeat} run(s) of {', '.join(self.runners)}; "
-            f"{os.cpu_count()} CPUs, Python {platform.python_version()}, aiobroadcast over {args.transport}"
-            f"{security} on {'the blocking API' if args.blocking else args.loop}"
-        )
-        for size, senders in dict.fromkeys((c.size, c.readers if c.mode in MANY_TO_ONE else 0) for c in cells):
-            cap, slot = ring_for_gather(size, senders) if senders else ring_for(size)
-            cap, slot = args.capacity or cap, args.slot_bytes or slot
-            each = f"each of {senders} senders' " if senders else ""
-            self.progress.say(
-                f"  {each}ring for {fmt_size(size)} messages: capacity {cap} x slot_bytes {slot} "
-                f"({fmt_size(cap * slot) if cap * slot % 1024 == 0 else f'{cap * slot} B'})"
-            )
-
-    def _cell(self, cell: Cell, step: int, n_cells: int) -> dict[str, dict[str, Any]]:
-        """The runs of one cell; the aggregates by system (printed with ``--json``)."""
-        args, total = self.args, n_cells * self.args.repeat * len(self.runners)
-        runs: dict[str, list[dict[str, Any]]] = {s: [] for s in self.runners}
+    """``aiobroadcast bench``: every selected cell ``--repeat`` times, one run after the other;
+    the medians (one JSON object per cell with ``--json``) and the table."""
+    problem = check(args)
+    if problem is not None:
+        print(f"aiobroadcast bench: {problem}", file=sys.stderr)
+        return EXIT_USAGE
+    cells = select_cells(args)
+    progress = Progress()
+    introduce(progress, args, cells, [OURS])
+    results: dict[Cell, dict[str, Any]] = {}
+    failures: list[str] = []
+    step, total = 0, len(cells) * args.repeat
+    for cell in cells:
+        runs: list[dict[str, Any]] = []
         for rep in range(args.repeat):
-            for system, runner in self.runners.items():
-                step += 1
-                if system in self.skipped:
-                    continue
-                where = f"[{step}/{total}] {cell.label}"
-                self.progress.show(
-                    f"{where} count={cell.count} run {rep + 1}/{args.repeat}: {system} ...", transient=True
-                )
-                try:
-                    res = runner(cell)
-                except Unavailable as exc:
-                    self.skipped[system] = str(exc)
-                    self.progress.say(f"skipping {system}: {exc}")
-                    continue
-                except RunFailed as exc:
-                    self.failures.append(f"{cell.label} {system}: {exc}")
-                    self.progress.say(f"{cell.label} run {rep + 1}: {system} FAILED: {exc}")
-                    continue
-                runs[system].append(res)
-                self.progress.show(f"{where} run {rep + 1}/{args.repeat}: {system}: {_headline(cell, res)}")
-                if args.gap_s > 0:
-                    time.sleep(args.gap_s)
-        aggregates = {system: aggregate(cell, system, r) for system, r in runs.items() if r}
+            step += 1
+            where = f"[{step}/{total}] {cell.label}"
+            progress.show(f"{where} count={cell.count} run {rep + 1}/{args.repeat} ...", transient=True)
+            try:
+                res = run_driver(*driver_command(cell, args), args.timeout)
+            except RunFailed as exc:
+                failures.append(f"{cell.label}: {exc}")
+                progress.say(f"{cell.label} run {rep + 1}: FAILED: {exc}")
+                continue
+            runs.append(res)
+            progress.show(f"{where} run {rep + 1}/{args.repeat}: {headline(cell, res)}")
+            if args.gap_s > 0:
+                time.sleep(args.gap_s)
+        if not runs:
+            continue
+        results[cell] = agg = aggregate(cell, OURS, runs)
         if args.json:
-            for agg in aggregates.values():
-                print(json.dumps(agg), flush=True)
-        self.progress.say(
-            f"{cell.label}: "
-            + "; ".join(f"{s} {_headline(cell, a)}" for s, a in aggregates.items())
-            + f" (medians of {args.repeat})"
-        )
-        return aggregates
+            print(json.dumps(agg), flush=True)
+        progress.say(f"{cell.label}: {headline(cell, agg)} (medians of {len(runs)})")
+    return finish(args, table(cells, results), failures)
+
+
+def finish(args: argparse.Namespace, rendered: str, failures: list[str]) -> int:
+    """Print the table (stdout; stderr with ``--json``) and the failed runs; the exit code."""
+    print(rendered, file=sys.stderr if args.json else sys.stdout, flush=True)
+    if failures:
+        print(f"{len(failures)} run(s) failed:", file=sys.stderr)
+        for f in failures:
+            print(f"  {f}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK

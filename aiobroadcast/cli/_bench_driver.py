@@ -5,8 +5,8 @@
         [--blocking] [--batch N]
 
 ``aiobroadcast bench`` runs it once per run. The protocol is docs/performance.md's; the figures
-come from ``_bench_figures`` (as the peer drivers' in the source tree's ``benchmarks/peers.py``
-do). Prints one JSON object on its last line. ``IDLE_S`` (environment, default 5) is the pause
+come from ``_bench_figures`` (the peers' too, in the source tree's ``benchmarks/side_by_side.py``).
+Prints one JSON object on its last line. ``IDLE_S`` (environment, default 5) is the pause
 of mode ``idle``. Writer and readers use the public async API (``await writer.put``,
 ``await reader.get``) on their own event loops, or with ``--blocking`` the blocking API
 (``aiobroadcast.blocking``: ``writer.put``, ``reader.get``, no event loop anywhere). Over TCP
@@ -111,22 +111,29 @@ def _reader_process(
     results.put(res)
 
 
+# The async and the blocking roles below are twins, line for line: the same loop, with and
+# without ``await``. That loop is what the benchmark measures, so it is not shared through a
+# callback or a generator, which would add a call per message to one API and not to the other;
+# what is around it (options, results) is shared.
+def _reader_opts(transport: str) -> dict[str, Any]:
+    return {"transport": "tcp"} if transport == "tcp" else {}
+
+
 async def _reader_main(
     handle: str, rank: int, mode: str, count: int, transport: str, opts: dict[str, Any], ready: Any
 ) -> dict[str, Any]:
     from .. import open_reader
 
-    extra: dict[str, Any] = {"transport": "tcp"} if transport == "tcp" else {}
-    async with open_reader(handle, name=f"bench-reader-{rank}", **opts, **extra) as reader:
+    async with open_reader(handle, name=f"bench-reader-{rank}", **opts, **_reader_opts(transport)) as reader:
         ready.set()
         lats: list[int] = []
         last = 0
         in_order = True
         lat = mode == "lat"
         get = reader.get
-        _payload: object = None
+        payload: object = None
         for _ in range(count):
-            ts, _payload = await get()
+            ts, payload = await get()
             if lat:
                 lats.append(time.perf_counter_ns() - ts)
             if ts < last:
@@ -136,9 +143,39 @@ async def _reader_main(
         idle = None
         if mode == "idle":
             c0 = time.process_time()
-            ts, _payload = await get()
+            ts, payload = await get()
             idle = (time.process_time() - c0, time.perf_counter_ns() - ts)
-    return _reader_result(rank, t_end, lats, count, in_order, idle, _payload)
+    return _reader_result(rank, t_end, lats, count, in_order, idle, payload)
+
+
+def _reader_blocking(
+    handle: str, rank: int, mode: str, count: int, transport: str, opts: dict[str, Any], ready: Any
+) -> dict[str, Any]:
+    """``_reader_main`` with the blocking API: ``reader.get()`` blocks this thread."""
+    from ..blocking import open_reader
+
+    with open_reader(handle, name=f"bench-reader-{rank}", **opts, **_reader_opts(transport)) as reader:
+        ready.set()
+        lats: list[int] = []
+        last = 0
+        in_order = True
+        lat = mode == "lat"
+        get = reader.get
+        payload: object = None
+        for _ in range(count):
+            ts, payload = get()
+            if lat:
+                lats.append(time.perf_counter_ns() - ts)
+            if ts < last:
+                in_order = False
+            last = ts
+        t_end = time.perf_counter_ns()
+        idle = None
+        if mode == "idle":
+            c0 = time.process_time()
+            ts, payload = get()
+            idle = (time.process_time() - c0, time.perf_counter_ns() - ts)
+    return _reader_result(rank, t_end, lats, count, in_order, idle, payload)
 
 
 def _reader_result(
@@ -151,37 +188,11 @@ def _reader_result(
     return res
 
 
-def _reader_blocking(
-    handle: str, rank: int, mode: str, count: int, transport: str, opts: dict[str, Any], ready: Any
-) -> dict[str, Any]:
-    """``_reader_main`` with the blocking API: ``reader.get()`` blocks this thread."""
-    from ..blocking import open_reader
-
-    extra: dict[str, Any] = {"transport": "tcp"} if transport == "tcp" else {}
-    with open_reader(handle, name=f"bench-reader-{rank}", **opts, **extra) as reader:
-        ready.set()
-        lats: list[int] = []
-        last = 0
-        in_order = True
-        lat = mode == "lat"
-        get = reader.get
-        payload: object = None
-        for _ in range(count):
-            ts, payload = get()
-            if lat:
-                lats.append(time.perf_counter_ns() - ts)
-            in_order = in_order and ts >= last
-            last = ts
-        t_end = time.perf_counter_ns()
-        idle = None
-        if mode == "idle":
-            c0 = time.process_time()
-            ts, payload = get()
-            idle = (time.process_time() - c0, time.perf_counter_ns() - ts)
-    return _reader_result(rank, t_end, lats, count, in_order, idle, payload)
-
-
 # --- the writer -----------------------------------------------------------------------------------
+def _writer_opts(transport: str, insecure: bool) -> dict[str, Any]:
+    return {"tcp": "tcp://127.0.0.1:0", "insecure": insecure} if transport == "tcp" else {}
+
+
 async def _writer_main(
     mode: str,
     readers: int,
@@ -199,7 +210,7 @@ async def _writer_main(
 ) -> dict[str, Any]:
     from .. import open_writer
 
-    extra: dict[str, Any] = {"tcp": "tcp://127.0.0.1:0", "insecure": insecure} if transport == "tcp" else {}
+    extra = _writer_opts(transport, insecure)
     async with open_writer(capacity=capacity, slot_bytes=slot_bytes, max_readers=readers, **extra) as writer:
         run = _Readers(writer.handle.to_json(), readers, mode, count, transport, loop, spin_us, zero_copy)
         try:
@@ -246,26 +257,28 @@ def _writer_blocking(
     """``_writer_main`` with the blocking API: ``writer.put()`` blocks this thread."""
     from ..blocking import open_writer
 
-    extra: dict[str, Any] = {"tcp": "tcp://127.0.0.1:0", "insecure": insecure} if transport == "tcp" else {}
+    extra = _writer_opts(transport, insecure)
     with open_writer(capacity=capacity, slot_bytes=slot_bytes, max_readers=readers, **extra) as writer:
         run = _Readers(writer.handle.to_json(), readers, mode, count, transport, loop, spin_us, zero_copy)
         try:
             payload = b"x" * size
             put = writer.put
-            pace = PACE_S if mode == "lat" else 0.0
             t0 = time.perf_counter_ns()
-            if batch > 1 and not pace:
+            if mode == "lat":
+                for _ in range(count):
+                    time.sleep(PACE_S)
+                    put((time.perf_counter_ns(), payload))
+            elif batch > 1:
                 put_many = writer.put_many
                 for i in range(0, count, batch):
                     put_many([(time.perf_counter_ns(), payload) for _ in range(min(batch, count - i))])
             else:
                 for _ in range(count):
-                    if pace:
-                        time.sleep(pace)
                     put((time.perf_counter_ns(), payload))
             if mode == "idle":
                 time.sleep(idle_s)
                 put((time.perf_counter_ns(), payload))
+            # Collected in this thread, as the async writer does.
             results = run.collect()
         finally:
             run.join()

@@ -1,8 +1,8 @@
 """The benchmark protocol's figures, computed by the same code for every system measured.
 
-Standard library only: ``aiobroadcast bench``'s driver imports it, and the peer drivers in the
-source tree's ``benchmarks/peers.py`` load this file by path in the peer's own interpreter,
-which need not have aiobroadcast or its dependencies installed.
+``aiobroadcast bench``'s driver computes its figures with ``figures``; the source tree's
+``benchmarks/side_by_side.py`` imports it to compute the peers' figures from what their drivers
+(``benchmarks/peers.py``, in the peers' own interpreter) measured.
 """
 
 from __future__ import annotations

@@ -77,6 +77,107 @@ class _Opening(Generic[R]):
         await self._obj.aclose()
 
 
+@dataclass(frozen=True, kw_only=True)
+class _WriterSpec:
+    """``open_writer``'s arguments, checked, and the channel's creation: shared by the async and
+    the blocking factories (``aiobroadcast.blocking``). The defaults are written here only:
+    ``open_writer``'s signature reads them from this class."""
+
+    capacity: int = 64
+    slot_bytes: int = 1 << 16
+    max_readers: int = 16
+    policy: Policy = "block"
+    schema: type[BaseModel] | None = None
+    codec: Literal["pickle", "json"] = "pickle"
+    max_message_bytes: int | None = None
+    directory: str = DEFAULT_DIRECTORY
+    tcp: str | None = None
+    insecure: bool = False
+    advertise: str | None = None
+    keys: CurveKeys | None = None
+    heartbeat_s: float = 0.5
+    tcp_window: int = 256
+    rekey_messages: int = REKEY_MESSAGES
+    rekey_bytes: int = REKEY_BYTES
+    data_port: int = 0
+    #: a fan-in remote sender's ring: its TCP server serves one reader, the collector
+    #: (``ServerConfig.sole_reader``); set by ``open_sender(tcp=...)``, not an ``open_writer`` option
+    sole_reader: bool = field(default=False, metadata={"internal": True})
+    arena_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if self.capacity < 2:
+            raise InvalidArgument("capacity must be at least 2")
+        if self.max_readers < 1:
+            raise InvalidArgument("max_readers must be at least 1")
+        if self.slot_bytes < 64:
+            raise InvalidArgument("slot_bytes must be at least 64")
+        if self.policy not in _layout.POLICIES:
+            raise InvalidArgument(f"policy must be one of {_layout.POLICIES}, not {self.policy!r}")
+        if self.codec not in ("pickle", "json"):
+            raise InvalidArgument(f"codec must be 'pickle' or 'json', not {self.codec!r}")
+        if self.tcp is not None:
+            require(check_endpoint(self.tcp, bind=True))
+        for name, value, most in (
+            ("rekey_messages", self.rekey_messages, REKEY_MESSAGES_MAX),
+            ("rekey_bytes", self.rekey_bytes, REKEY_BYTES_MAX),
+        ):
+            if type(value) is not int or not 1 <= value <= most:
+                raise InvalidArgument(f"{name} must be an integer from 1 to {most}, not {value!r}")
+        if type(self.data_port) is not int or not 0 <= self.data_port <= 65535:
+            raise InvalidArgument(f"data_port must be a port number (0: any free port), not {self.data_port!r}")
+        if type(self.arena_bytes) is not int or self.arena_bytes < 0:
+            raise InvalidArgument(f"arena_bytes must be 0 (no arena) or a size in bytes, not {self.arena_bytes!r}")
+        if self.arena_bytes and (self.policy != "block" or self.codec != "pickle" or self.schema is not None):
+            raise InvalidArgument('an arena (arena_bytes) needs policy "block" and the pickle codec without schema')
+        require(check_directory(self.directory, self.ring_readers))
+        object.__setattr__(self, "slot_bytes", (self.slot_bytes + 63) // 64 * 64)
+
+    @property
+    def ring_readers(self) -> int:
+        return self.max_readers + (1 if self.tcp else 0)  # a place for the TCP server
+
+    def create(self) -> WriterChannel:
+        """Create the segment and the channel's writing side (without the TCP server)."""
+        _segment.sweep_stale(self.directory)
+        token = secrets.token_hex(16)
+        encoder: PickleEncoder | SchemaCodec | JsonCodec
+        if self.schema is not None:
+            encoder, channel_codec = SchemaCodec(self.schema), "pydantic-json"
+        elif self.codec == "json":
+            encoder, channel_codec = JsonCodec(), "json"
+        else:
+            encoder, channel_codec = PickleEncoder(arena=self.arena_bytes > 0), "pickle"
+        seg = _segment.create_segment(
+            self.directory,
+            token,
+            self.capacity,
+            self.slot_bytes,
+            self.ring_readers,
+            _layout.POLICIES.index(self.policy),
+            _layout.CODECS.index(channel_codec),
+        )
+        try:
+            handle = Handle(
+                directory=self.directory,
+                name=f"aiobroadcast-{token}",
+                capacity=self.capacity,
+                slot_bytes=self.slot_bytes,
+                max_readers=self.ring_readers,
+                policy=self.policy,
+                codec=channel_codec,  # type: ignore[arg-type]
+                schema_path=schema_path(self.schema) if self.schema is not None else None,
+                writer_pid=os.getpid(),
+                arena_bytes=(self.arena_bytes + 63) // 64 * 64,
+            )
+            return WriterChannel(seg, handle, encoder, self.max_message_bytes, handle.arena_bytes)
+        except BaseException:
+            seg.close()
+            unlink_quietly(seg.path)
+            unlink_quietly(arena_path(seg.path))
+            raise
+
+
 @overload
 def open_writer(
     *,
@@ -123,24 +224,24 @@ def open_writer(
 ) -> _Opening[Writer[M]]: ...
 def open_writer(
     *,
-    capacity: int = 64,
-    slot_bytes: int = 1 << 16,
-    max_readers: int = 16,
-    policy: Policy = "block",
+    capacity: int = _WriterSpec.capacity,
+    slot_bytes: int = _WriterSpec.slot_bytes,
+    max_readers: int = _WriterSpec.max_readers,
+    policy: Policy = _WriterSpec.policy,
     schema: type[BaseModel] | None = None,
-    codec: Literal["pickle", "json"] = "pickle",
-    max_message_bytes: int | None = None,
-    directory: str = DEFAULT_DIRECTORY,
-    tcp: str | None = None,
-    insecure: bool = False,
-    advertise: str | None = None,
-    keys: CurveKeys | None = None,
-    heartbeat_s: float = 0.5,
-    tcp_window: int = 256,
-    rekey_messages: int = REKEY_MESSAGES,
-    rekey_bytes: int = REKEY_BYTES,
-    data_port: int = 0,
-    arena_bytes: int = 0,
+    codec: Literal["pickle", "json"] = _WriterSpec.codec,
+    max_message_bytes: int | None = _WriterSpec.max_message_bytes,
+    directory: str = _WriterSpec.directory,
+    tcp: str | None = _WriterSpec.tcp,
+    insecure: bool = _WriterSpec.insecure,
+    advertise: str | None = _WriterSpec.advertise,
+    keys: CurveKeys | None = _WriterSpec.keys,
+    heartbeat_s: float = _WriterSpec.heartbeat_s,
+    tcp_window: int = _WriterSpec.tcp_window,
+    rekey_messages: int = _WriterSpec.rekey_messages,
+    rekey_bytes: int = _WriterSpec.rekey_bytes,
+    data_port: int = _WriterSpec.data_port,
+    arena_bytes: int = _WriterSpec.arena_bytes,
 ) -> _Opening[Writer[Any]]:
     """Create a channel in shared memory and return its writer.
 
@@ -245,106 +346,6 @@ class WriterOptions(TypedDict, total=False):
     rekey_bytes: int
     data_port: int
     arena_bytes: int
-
-
-@dataclass(frozen=True, kw_only=True)
-class _WriterSpec:
-    """``open_writer``'s arguments (defaults as documented there), checked, and the channel's
-    creation: shared by the async and the blocking factories (``aiobroadcast.blocking``)."""
-
-    capacity: int = 64
-    slot_bytes: int = 1 << 16
-    max_readers: int = 16
-    policy: Policy = "block"
-    schema: type[BaseModel] | None = None
-    codec: Literal["pickle", "json"] = "pickle"
-    max_message_bytes: int | None = None
-    directory: str = DEFAULT_DIRECTORY
-    tcp: str | None = None
-    insecure: bool = False
-    advertise: str | None = None
-    keys: CurveKeys | None = None
-    heartbeat_s: float = 0.5
-    tcp_window: int = 256
-    rekey_messages: int = REKEY_MESSAGES
-    rekey_bytes: int = REKEY_BYTES
-    data_port: int = 0
-    #: a fan-in remote sender's ring: its TCP server serves one reader, the collector
-    #: (``ServerConfig.sole_reader``); set by ``open_sender(tcp=...)``, not an ``open_writer`` option
-    sole_reader: bool = field(default=False, metadata={"internal": True})
-    arena_bytes: int = 0
-
-    def __post_init__(self) -> None:
-        if self.capacity < 2:
-            raise InvalidArgument("capacity must be at least 2")
-        if self.max_readers < 1:
-            raise InvalidArgument("max_readers must be at least 1")
-        if self.slot_bytes < 64:
-            raise InvalidArgument("slot_bytes must be at least 64")
-        if self.policy not in _layout.POLICIES:
-            raise InvalidArgument(f"policy must be one of {_layout.POLICIES}, not {self.policy!r}")
-        if self.codec not in ("pickle", "json"):
-            raise InvalidArgument(f"codec must be 'pickle' or 'json', not {self.codec!r}")
-        if self.tcp is not None:
-            require(check_endpoint(self.tcp, bind=True))
-        for name, value, most in (
-            ("rekey_messages", self.rekey_messages, REKEY_MESSAGES_MAX),
-            ("rekey_bytes", self.rekey_bytes, REKEY_BYTES_MAX),
-        ):
-            if type(value) is not int or not 1 <= value <= most:
-                raise InvalidArgument(f"{name} must be an integer from 1 to {most}, not {value!r}")
-        if type(self.data_port) is not int or not 0 <= self.data_port <= 65535:
-            raise InvalidArgument(f"data_port must be a port number (0: any free port), not {self.data_port!r}")
-        if type(self.arena_bytes) is not int or self.arena_bytes < 0:
-            raise InvalidArgument(f"arena_bytes must be 0 (no arena) or a size in bytes, not {self.arena_bytes!r}")
-        if self.arena_bytes and (self.policy != "block" or self.codec != "pickle" or self.schema is not None):
-            raise InvalidArgument('an arena (arena_bytes) needs policy "block" and the pickle codec without schema')
-        require(check_directory(self.directory, self.ring_readers))
-        object.__setattr__(self, "slot_bytes", (self.slot_bytes + 63) // 64 * 64)
-
-    @property
-    def ring_readers(self) -> int:
-        return self.max_readers + (1 if self.tcp else 0)  # a place for the TCP server
-
-    def create(self) -> WriterChannel:
-        """Create the segment and the channel's writing side (without the TCP server)."""
-        _segment.sweep_stale(self.directory)
-        token = secrets.token_hex(16)
-        encoder: PickleEncoder | SchemaCodec | JsonCodec
-        if self.schema is not None:
-            encoder, channel_codec = SchemaCodec(self.schema), "pydantic-json"
-        elif self.codec == "json":
-            encoder, channel_codec = JsonCodec(), "json"
-        else:
-            encoder, channel_codec = PickleEncoder(arena=self.arena_bytes > 0), "pickle"
-        seg = _segment.create_segment(
-            self.directory,
-            token,
-            self.capacity,
-            self.slot_bytes,
-            self.ring_readers,
-            _layout.POLICIES.index(self.policy),
-            _layout.CODECS.index(channel_codec),
-        )
-        try:
-            handle = Handle(
-                directory=self.directory,
-                name=f"aiobroadcast-{token}",
-                capacity=self.capacity,
-                slot_bytes=self.slot_bytes,
-                max_readers=self.ring_readers,
-                policy=self.policy,
-                codec=channel_codec,  # type: ignore[arg-type]
-                schema_path=schema_path(self.schema) if self.schema is not None else None,
-                writer_pid=os.getpid(),
-                arena_bytes=(self.arena_bytes + 63) // 64 * 64,
-            )
-            return WriterChannel(seg, handle, encoder, self.max_message_bytes, handle.arena_bytes)
-        except BaseException:
-            seg.close()
-            unlink_quietly(seg.path)
-            unlink_quietly(arena_path(seg.path))
-            raise
 
 
 class _ServerStart:

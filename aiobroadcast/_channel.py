@@ -355,6 +355,13 @@ class WriterChannel:
                 "from another thread use put_nowait(), or anyio.from_thread.run(writer.put, obj)"
             )
 
+    def close_blocking(self) -> None:
+        """``aclose`` for a thread (or a channel without a server yet): the same steps, waiting
+        for the TCP server here."""
+        self.mark_closed()
+        self.stop_server_blocking()
+        self.release()
+
     def mark_closed(self) -> None:
         """The first step of a close: readers drain what was published, then ``EndOfStream``."""
         self.pub.mark_closed()

@@ -308,22 +308,46 @@ def open_writer(
     return _Opening(make)
 
 
-async def _open_channel(spec: _WriterSpec) -> WriterChannel:
-    """Create the channel, and start its TCP server if ``spec`` asks for one."""
+#: Opening a channel (``channel_steps``): yields the TCP server's start, whose answer the front
+#: end waits for (in a worker thread, or here) and sends in, or throws what stopped the wait.
+ChannelSteps = Generator["_ServerStart", dict[str, Any], WriterChannel]
+
+
+def channel_steps(spec: _WriterSpec) -> ChannelSteps:
+    """Create the channel, and start its TCP server if ``spec`` asks for one: the logic of both
+    factories, which differ only in how they wait for the server's answer. On failure (an error
+    or a cancellation thrown in) nothing is left open: the server killed, the channel closed
+    (it has no server yet, so closing it does not wait)."""
     channel = spec.create()
-    if spec.tcp is not None:
-        try:
+    try:
+        if spec.tcp is not None:
             start = _ServerStart(channel, spec)
             try:
-                answer = await anyio.to_thread.run_sync(start.answer, abandon_on_cancel=True)
+                answer = yield start
             except BaseException:
                 start.kill()
                 raise
             start.finish(answer)
-        except BaseException:
-            await channel.aclose()
-            raise
+    except BaseException:
+        channel.close_blocking()
+        raise
     return channel
+
+
+async def _open_channel(spec: _WriterSpec) -> WriterChannel:
+    """``channel_steps`` in a task: the server's answer is waited for in a worker thread."""
+    steps = channel_steps(spec)
+    try:
+        start = next(steps)
+        while True:
+            try:
+                answer = await anyio.to_thread.run_sync(start.answer, abandon_on_cancel=True)
+            except BaseException as e:
+                start = steps.throw(e)
+            else:
+                start = steps.send(answer)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
 
 
 class WriterOptions(TypedDict, total=False):

@@ -59,9 +59,9 @@ from ._open import (
     WriterOptions,
     _over_tcp,
     _ReaderSpec,
-    _ServerStart,
     _shm_source,
     _WriterSpec,
+    channel_steps,
 )
 from ._reader import poll_budget
 from ._shm.publisher import Chunks
@@ -325,9 +325,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
 
 def _close_writer(w: WriterChannel) -> None:
     """``WriterChannel.aclose`` for a thread: the same steps, waiting for the TCP server here."""
-    w.mark_closed()
-    w.stop_server_blocking()
-    w.release()
+    w.close_blocking()
 
 
 # --- the reader --------------------------------------------------------------------------------
@@ -541,22 +539,19 @@ def open_writer(*, schema: type[BaseModel] | None = None, **options: Unpack[Writ
 
 
 def _blocking_channel(spec: _WriterSpec) -> WriterChannel:
-    """The channel of ``spec``, and its TCP server started (waited for in this thread) if it
-    serves TCP; on failure nothing is left open."""
-    channel = spec.create()
-    if spec.tcp is not None:
-        try:
-            start = _ServerStart(channel, spec)
+    """``channel_steps`` in this thread: the server's answer is waited for here."""
+    steps = channel_steps(spec)
+    try:
+        start = next(steps)
+        while True:
             try:
                 answer = start.answer()
-            except BaseException:
-                start.kill()
-                raise
-            start.finish(answer)
-        except BaseException:
-            _close_writer(channel)
-            raise
-    return channel
+            except BaseException as e:
+                start = steps.throw(e)
+            else:
+                start = steps.send(answer)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
 
 
 @overload

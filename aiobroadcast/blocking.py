@@ -43,7 +43,7 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from threading import get_ident
-from time import monotonic, perf_counter_ns
+from time import monotonic
 from types import TracebackType
 from typing import Any, Generic, Protocol, Self, TypeVar, Unpack, final, overload
 
@@ -63,10 +63,11 @@ from ._open import (
     _shm_source,
     _WriterSpec,
 )
-from ._reader import poll_budget
+from ._reader import poll_budget, wait_steps
 from ._shm.publisher import Chunks
-from ._shm.wake import poll_blocking, wait_readable
+from ._shm.wake import wait_readable
 from ._stats import ReaderStatistics, WriterStatistics
+from ._steps import run_blocking
 
 __all__ = [
     "BlockingCaller",
@@ -476,6 +477,20 @@ class BlockingReader(_Closable, Generic[T_co]):
                 raise exc
             self._wait(deadline, stop, stop_every_s, poll_ns)
 
+    def _sleep(self, limit_s: float) -> bool:
+        """The blocking driver's sleep for ``wait_steps``: announce, re-check, wait on the
+        source's socket, end the sleep. Whether a wake-up came."""
+        src = self._src
+        if src.begin_sleep():
+            return False
+        woken = False
+        try:
+            wait_readable((src.inbox_fd,), limit_s)
+            woken = src.drain_inbox()
+        finally:
+            src.end_sleep(woken)
+        return woken
+
     def _interrupt(self) -> None:
         """Wake the thread sleeping in ``get`` (from another thread): it looks again, and asks
         its ``stop``. Nothing once closed."""
@@ -505,25 +520,16 @@ class BlockingReader(_Closable, Generic[T_co]):
             def ready() -> bool:
                 return self._closing or src.ready() or (stop is not None and stop() is not None)
 
-            if spin and poll_blocking(ready, spin):
-                self._slept_ns = 0
-                return
-            limit = src.sleep_limit_s
-            left = _left(deadline)  # again: the poll took some of it
-            if left is not None:
-                limit = min(limit, left)
-            if stop_every_s is not None:
-                limit = min(limit, stop_every_s)
-            start = perf_counter_ns()
-            if src.begin_sleep():
-                return
-            woken = False
-            try:
-                wait_readable((src.inbox_fd,), limit)
-                woken = src.drain_inbox()
-            finally:
-                src.end_sleep(woken)
-            self._slept_ns = perf_counter_ns() - start
+            def limit_s() -> float:
+                limit = src.sleep_limit_s
+                left = _left(deadline)  # asked after the poll, which took some of it
+                if left is not None:
+                    limit = min(limit, left)
+                if stop_every_s is not None:
+                    limit = min(limit, stop_every_s)
+                return limit
+
+            self._slept_ns = run_blocking(wait_steps(spin, ready, limit_s), self._sleep)
         finally:
             self._sleep_lock.release()
 

@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from threading import get_ident
 from time import monotonic
 from types import TracebackType
-from typing import Any, Generic, Protocol, Self, TypeVar, Unpack, final, overload
+from typing import Any, Generic, Self, TypeVar, Unpack, final, overload
 
 from pydantic import BaseModel
 
@@ -57,13 +57,13 @@ from ._handle import Handle
 from ._open import (
     ReaderOptions,
     WriterOptions,
-    _over_tcp,
+    _make_source,
     _ReaderSpec,
     _ServerStart,
     _shm_source,
     _WriterSpec,
 )
-from ._reader import poll_budget, wait_steps
+from ._reader import Source, poll_budget, wait_steps
 from ._shm.publisher import Chunks
 from ._shm.wake import wait_readable
 from ._stats import ReaderStatistics, WriterStatistics
@@ -332,22 +332,8 @@ def _close_writer(w: WriterChannel) -> None:
 
 
 # --- the reader --------------------------------------------------------------------------------
-class _Source(Protocol):
-    """What ``ShmSource`` and ``TcpSource`` offer a caller outside an event loop."""
-
-    def get_nowait(self) -> Any: ...
-    def ready(self) -> bool: ...
-    def begin_sleep(self) -> bool: ...
-    def end_sleep(self, woken: bool) -> None: ...
-    @property
-    def sleep_limit_s(self) -> float: ...
-    @property
-    def inbox_fd(self) -> int: ...
-    def drain_inbox(self) -> bool: ...
-    def interrupt(self) -> None: ...
-    def statistics(self, tasks_waiting: int) -> ReaderStatistics: ...
-    def describe(self) -> str: ...
-    def close(self) -> None: ...
+#: What ``ShmSource`` and ``TcpSource`` offer both reader front ends (one protocol).
+_Source = Source
 
 
 @final
@@ -580,15 +566,11 @@ def open_reader(
     h = Handle.parse(handle)
     spec = _ReaderSpec(schema=schema, **options)
     reader_name, decode = spec.decoder(h)
-    source: _Source
-    if _over_tcp(h, spec.transport):
-        from ._tcp.client import TcpSource
-
-        tcp_source = TcpSource(h, reader_name, decode)
-        tcp_source.wait_welcome_blocking(spec.connect_timeout)
-        source = tcp_source
-    else:
-        source = _shm_source(h, reader_name, decode, decode is decode_pickle_view, take_ahead=spec.take_ahead)
+    source, welcome = _make_source(
+        h, reader_name, decode, spec.transport, hold=decode is decode_pickle_view, take_ahead=spec.take_ahead
+    )
+    if welcome is not None:
+        welcome.wait_welcome_blocking(spec.connect_timeout)
     return BlockingReader(_private, source, h, reader_name, spec.spin_us)
 
 

@@ -8,7 +8,7 @@ import secrets
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Generic, Literal, Protocol, TypedDict, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypedDict, TypeVar, overload
 
 import anyio
 import anyio.to_thread
@@ -39,6 +39,9 @@ from ._tcp.settings import ServerSettings
 from ._tcp.supervisor import SERVER_START_S, ServerProcess, read_answer
 from ._writer import Writer
 from ._writer import _private as _writer_token
+
+if TYPE_CHECKING:
+    from ._tcp.client import TcpSource
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -596,14 +599,31 @@ async def _open_source(
     hold: bool = False,
     take_ahead: int | None = None,
 ) -> Source:
-    """The transport's side of a reader: the ring when asked for or reachable, else TCP."""
+    """The transport's side of a reader (``_make_source``), its TCP welcome awaited."""
+    source, welcome = _make_source(h, name, decode, transport, hold=hold, take_ahead=take_ahead)
+    if welcome is not None:
+        await welcome.wait_welcome(connect_timeout)
+    return source
+
+
+def _make_source(
+    h: Handle,
+    name: str,
+    decode: Callable[[Any, bool], Any],
+    transport: Transport,
+    *,
+    hold: bool = False,
+    take_ahead: int | None = None,
+) -> tuple[Source, TcpSource | None]:
+    """The transport's side of a reader, built once for both front ends: the ring when asked
+    for or reachable, else TCP. A TCP source comes back a second time: the caller waits for its
+    welcome (``wait_welcome`` in a task, ``wait_welcome_blocking`` in a thread) before use."""
     if _over_tcp(h, transport):
         from ._tcp.client import TcpSource
 
         tcp_source = TcpSource(h, name, decode)
-        await tcp_source.wait_welcome(connect_timeout)
-        return tcp_source
-    return _shm_source(h, name, decode, hold, take_ahead=take_ahead)
+        return tcp_source, tcp_source
+    return _shm_source(h, name, decode, hold, take_ahead=take_ahead), None
 
 
 def _over_tcp(h: Handle, transport: Transport) -> bool:

@@ -6,6 +6,7 @@ import os
 import threading
 import warnings
 from collections import deque
+from collections.abc import Callable
 from threading import get_ident as _get_ident
 from time import perf_counter_ns
 from types import TracebackType
@@ -17,8 +18,8 @@ import anyio.lowlevel
 from . import _fork, _tuning
 from ._exceptions import BroadcastError, ClosedResourceError, EndOfStream, WouldBlock
 from ._handle import Handle
-from ._shm.wake import poll
 from ._stats import ReaderStatistics
+from ._steps import Steps, poll_steps, run
 
 T_co = TypeVar("T_co", covariant=True)
 
@@ -36,16 +37,39 @@ def poll_budget(spin_ns: int | None, slept_ns: int) -> int:
     return spin_ns
 
 
+def wait_steps(spin_ns: int, ready: Callable[[], bool], limit_s: Callable[[], float]) -> Steps[int]:
+    """A waiting reader's wait, written once for ``Reader`` and ``BlockingReader`` (``_steps``):
+    polls ``ready`` for ``spin_ns`` (``poll_budget``), then sleeps once on the source for up to
+    ``limit_s()`` (asked after the poll, which took some time). Returns how long it slept, in ns
+    (0 if the poll found the source ready): the next ``poll_budget`` depends on it."""
+    if spin_ns and (yield from poll_steps(ready, spin_ns)):
+        return 0
+    start = perf_counter_ns()
+    yield limit_s()
+    return perf_counter_ns() - start
+
+
 class Source(Protocol):
-    """What a transport provides to ``Reader`` (shared memory today). ``ahead``: messages the
-    source took and decoded already, in order, which ``get_nowait`` hands out before anything
-    else; ``Reader`` takes them from it directly."""
+    """What a transport (``ShmSource``, ``TcpSource``) provides to both reader front ends.
+    ``ahead``: messages the source took and decoded already, in order, which ``get_nowait``
+    hands out before anything else; ``Reader`` takes them from it directly. ``sleep`` is the
+    async front end's sleep; ``begin_sleep``/``end_sleep`` around a wait on ``inbox_fd``
+    (then ``drain_inbox``) the blocking front end's, and ``interrupt`` wakes that sleeper from
+    another thread."""
 
     ahead: deque[Any]
 
     def get_nowait(self) -> Any: ...
     def ready(self) -> bool: ...
     async def sleep(self) -> bool | None: ...
+    def begin_sleep(self) -> bool: ...
+    def end_sleep(self, woken: bool) -> None: ...
+    @property
+    def sleep_limit_s(self) -> float: ...
+    @property
+    def inbox_fd(self) -> int: ...
+    def drain_inbox(self) -> bool: ...
+    def interrupt(self) -> None: ...
     def statistics(self, tasks_waiting: int) -> ReaderStatistics: ...
     def describe(self) -> str: ...
     def close(self) -> None: ...
@@ -242,11 +266,14 @@ class Reader(Generic[T_co]):
             else:
                 self._leading = True
                 try:
-                    spin = poll_budget(self._spin_ns, self._slept_ns)
-                    if not spin or not await self._poll(spin):
-                        start = perf_counter_ns()
-                        await self._src.sleep()
-                        self._slept_ns = perf_counter_ns() - start
+                    src = self._src
+                    ready = src.ready
+
+                    def woke() -> bool:
+                        return self._closed or ready()
+
+                    steps = wait_steps(poll_budget(self._spin_ns, self._slept_ns), woke, _no_limit)
+                    self._slept_ns = await run(steps, self._sleep)
                 finally:
                     self._leading = False
                     followers = self._followers
@@ -258,11 +285,12 @@ class Reader(Generic[T_co]):
         if self._closed:
             raise ClosedResourceError(self._refusal or "this reader was closed while waiting")
 
-    async def _poll(self, spin: int) -> bool:
-        """Poll the source for up to ``spin`` ns before sleeping (see ``_tuning.POLL_NS``). True
-        if it became ready (or the reader was closed meanwhile)."""
-        ready = self._src.ready
-        if await poll(lambda: self._closed or ready(), spin):
-            self._slept_ns = 0
-            return True
-        return False
+    async def _sleep(self, limit_s: float) -> bool:
+        """The async driver's sleep for ``wait_steps``: the source bounds the sleep itself."""
+        await self._src.sleep()
+        return True
+
+
+def _no_limit() -> float:
+    """``Reader``'s limit for ``wait_steps``: its source's ``sleep`` applies its own."""
+    return 0.0

@@ -43,9 +43,9 @@ import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from threading import get_ident
-from time import monotonic, perf_counter_ns
+from time import monotonic
 from types import TracebackType
-from typing import Any, Generic, Protocol, Self, TypeVar, Unpack, final, overload
+from typing import Any, Generic, Self, TypeVar, Unpack, final, overload
 
 from pydantic import BaseModel
 
@@ -57,16 +57,17 @@ from ._handle import Handle
 from ._open import (
     ReaderOptions,
     WriterOptions,
-    _over_tcp,
+    _make_source,
     _ReaderSpec,
     _shm_source,
     _WriterSpec,
     channel_steps,
 )
-from ._reader import poll_budget
+from ._reader import Source, poll_budget, wait_steps
 from ._shm.publisher import Chunks
-from ._shm.wake import poll_blocking, wait_readable
+from ._shm.wake import wait_readable
 from ._stats import ReaderStatistics, WriterStatistics
+from ._steps import run_blocking
 
 __all__ = [
     "BlockingCaller",
@@ -329,22 +330,8 @@ def _close_writer(w: WriterChannel) -> None:
 
 
 # --- the reader --------------------------------------------------------------------------------
-class _Source(Protocol):
-    """What ``ShmSource`` and ``TcpSource`` offer a caller outside an event loop."""
-
-    def get_nowait(self) -> Any: ...
-    def ready(self) -> bool: ...
-    def begin_sleep(self) -> bool: ...
-    def end_sleep(self, woken: bool) -> None: ...
-    @property
-    def sleep_limit_s(self) -> float: ...
-    @property
-    def inbox_fd(self) -> int: ...
-    def drain_inbox(self) -> bool: ...
-    def interrupt(self) -> None: ...
-    def statistics(self, tasks_waiting: int) -> ReaderStatistics: ...
-    def describe(self) -> str: ...
-    def close(self) -> None: ...
+#: What ``ShmSource`` and ``TcpSource`` offer both reader front ends (one protocol).
+_Source = Source
 
 
 @final
@@ -474,6 +461,20 @@ class BlockingReader(_Closable, Generic[T_co]):
                 raise exc
             self._wait(deadline, stop, stop_every_s, poll_ns)
 
+    def _sleep(self, limit_s: float) -> bool:
+        """The blocking driver's sleep for ``wait_steps``: announce, re-check, wait on the
+        source's socket, end the sleep. Whether a wake-up came."""
+        src = self._src
+        if src.begin_sleep():
+            return False
+        woken = False
+        try:
+            wait_readable((src.inbox_fd,), limit_s)
+            woken = src.drain_inbox()
+        finally:
+            src.end_sleep(woken)
+        return woken
+
     def _interrupt(self) -> None:
         """Wake the thread sleeping in ``get`` (from another thread): it looks again, and asks
         its ``stop``. Nothing once closed."""
@@ -503,25 +504,16 @@ class BlockingReader(_Closable, Generic[T_co]):
             def ready() -> bool:
                 return self._closing or src.ready() or (stop is not None and stop() is not None)
 
-            if spin and poll_blocking(ready, spin):
-                self._slept_ns = 0
-                return
-            limit = src.sleep_limit_s
-            left = _left(deadline)  # again: the poll took some of it
-            if left is not None:
-                limit = min(limit, left)
-            if stop_every_s is not None:
-                limit = min(limit, stop_every_s)
-            start = perf_counter_ns()
-            if src.begin_sleep():
-                return
-            woken = False
-            try:
-                wait_readable((src.inbox_fd,), limit)
-                woken = src.drain_inbox()
-            finally:
-                src.end_sleep(woken)
-            self._slept_ns = perf_counter_ns() - start
+            def limit_s() -> float:
+                limit = src.sleep_limit_s
+                left = _left(deadline)  # asked after the poll, which took some of it
+                if left is not None:
+                    limit = min(limit, left)
+                if stop_every_s is not None:
+                    limit = min(limit, stop_every_s)
+                return limit
+
+            self._slept_ns = run_blocking(wait_steps(spin, ready, limit_s), self._sleep)
         finally:
             self._sleep_lock.release()
 
@@ -569,15 +561,11 @@ def open_reader(
     h = Handle.parse(handle)
     spec = _ReaderSpec(schema=schema, **options)
     reader_name, decode = spec.decoder(h)
-    source: _Source
-    if _over_tcp(h, spec.transport):
-        from ._tcp.client import TcpSource
-
-        tcp_source = TcpSource(h, reader_name, decode)
-        tcp_source.wait_welcome_blocking(spec.connect_timeout)
-        source = tcp_source
-    else:
-        source = _shm_source(h, reader_name, decode, decode is decode_pickle_view, take_ahead=spec.take_ahead)
+    source, welcome = _make_source(
+        h, reader_name, decode, spec.transport, hold=decode is decode_pickle_view, take_ahead=spec.take_ahead
+    )
+    if welcome is not None:
+        welcome.wait_welcome_blocking(spec.connect_timeout)
     return BlockingReader(_private, source, h, reader_name, spec.spin_us)
 
 

@@ -19,7 +19,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from threading import get_ident as _get_ident
 from time import monotonic, perf_counter_ns
@@ -66,7 +66,8 @@ from ._shm import segment as _segment
 from ._shm.atomic import Words
 from ._shm.layout import R_ACTIVE, R_CURSOR, R_PID, fence
 from ._shm.subscriber import ShmSource
-from ._shm.wake import Inbox, Outbox, knock, poll
+from ._shm.wake import Inbox, Outbox, knock
+from ._steps import Steps, poll_steps, run
 from ._writer import Writer
 from ._writer import _private as _writer_token
 
@@ -823,19 +824,43 @@ class Collector(Generic[T_co]):
 
     async def _sleep(self) -> None:
         g = self._g
-        if self._slept_ns < _tuning.DENSE_NS and await poll(lambda: g.closed or g.ready(), _tuning.POLL_NS):
-            self._slept_ns = 0
-            return
-        if g.begin_sleep():
-            return
-        start = perf_counter_ns()
+        self._slept_ns = await run(sleep_steps(g, self._slept_ns, lambda: g.closed, _no_deadline), self._sleep_inbox)
+
+    async def _sleep_inbox(self, limit_s: float) -> bool:
         try:
-            await g.inbox.wait(g.sleep_limit_s)
+            return await self._g.inbox.wait(limit_s)
         except anyio.ClosedResourceError:
-            return
-        finally:
-            g.end_sleep()
-        self._slept_ns = perf_counter_ns() - start
+            return False
+
+
+def _no_deadline() -> float | None:
+    return None
+
+
+def sleep_steps(g: _Gather, slept_ns: int, stop: Callable[[], bool], left_s: Callable[[], float | None]) -> Steps[int]:
+    """A collector's one sleeper, waiting for an item (both front ends): poll for a while when
+    items came densely (it was woken recently), else sleep on the inbox, that every sender's
+    ring knocks, for up to ``g.sleep_limit_s`` (or what ``left_s`` says is left of a deadline;
+    ``left_s`` raises once it passed). ``stop``: the collector is closing. Returns the new
+    ``slept_ns`` (how long the last sleep took: 0 after a poll that found an item)."""
+    spin = _tuning.POLL_NS if slept_ns < _tuning.DENSE_NS else 0
+    left = left_s()
+    if left is not None:
+        spin = min(spin, int(left * 1e9))
+    if spin and (yield from poll_steps(lambda: stop() or g.ready(), spin)):
+        return 0
+    limit = g.sleep_limit_s
+    left = left_s()
+    if left is not None:
+        limit = min(limit, left)
+    if g.begin_sleep():
+        return slept_ns
+    start = perf_counter_ns()
+    try:
+        yield limit
+    finally:
+        g.end_sleep()
+    return perf_counter_ns() - start
 
 
 # --- the sender (async) ---------------------------------------------------------------------------

@@ -706,14 +706,13 @@ class Collector(Generic[T_co]):
         parked ``get`` uses no CPU: it sleeps on one socket that every sender's ring wakes."""
         if _get_ident() != self._thread:
             self._check_thread()
+        if self._since_yield >= _tuning.YIELD_EVERY:
+            await self._yield_turn()
         g = self._g
         while True:
             obj = g.take()
             if obj is not _NOTHING:
                 self._since_yield += 1
-                if self._since_yield >= _tuning.YIELD_EVERY:
-                    self._since_yield = 0
-                    await anyio.lowlevel.cancel_shielded_checkpoint()
                 return obj  # type: ignore[no-any-return]
             await self._wait()
 
@@ -797,6 +796,13 @@ class Collector(Generic[T_co]):
                 "this collector's get() and aclose() belong to the thread whose event loop opened it; "
                 "from another thread use get_nowait(), or anyio.from_thread.run(collector.get)"
             )
+
+    async def _yield_turn(self) -> None:
+        # As the reader's get: a collector that never has to wait still lets other tasks run
+        # once in YIELD_EVERY gets. Before the take, and cancellable: a cancellation here has
+        # taken nothing; once an item is taken, get returns it without another await.
+        self._since_yield = 0
+        await anyio.lowlevel.checkpoint()
 
     async def _wait(self) -> None:
         self._tasks_waiting += 1

@@ -277,7 +277,111 @@ class _Feed:
         self.link = link
 
 
-class _Gather:
+class _Senders:
+    """The collector's senders: finding the ones that announced themselves in the rendezvous
+    directory and attaching their rings, and checking and adding remote ones. ``_Gather`` takes
+    from what this attaches."""
+
+    handle: CollectorHandle
+    feeds: list[_Feed]
+    closed: bool
+    refusal: str | None
+    _dir: str
+    _schema: type[BaseModel] | None
+    _known: set[str]
+    _deaths: SenderDeaths
+
+    def rescan(self) -> None:
+        """Attach every sender that announced itself in the directory and is not attached yet."""
+        try:
+            entries = os.listdir(self._dir)
+        except OSError:
+            return
+        for entry in entries:
+            if entry.startswith(".") or not entry.endswith(".json"):
+                continue
+            name = entry[:-5]
+            if name in self._known or _name_problem(name) is not None:
+                continue
+            self._attach(name, os.path.join(self._dir, entry))
+
+    def _attach(self, name: str, link: str) -> None:
+        try:
+            with open(link, "rb") as f:
+                card = json.loads(f.read())
+            ring = Handle.parse(card["ring"])
+            pid = int(card["pid"])
+        except (OSError, ValueError, KeyError, TypeError, InvalidHandle):
+            unlink_quietly(link)  # not a sender's card: nothing can attach with it
+            return
+        h = self.handle
+        if ring.codec != h.codec or ring.max_readers != 1 or ring.directory != h.directory:
+            unlink_quietly(link)
+            return
+        try:
+            seg = _segment.attach_segment(ring.path, ring.token, ring.capacity, ring.slot_bytes, ring.max_readers)
+            try:
+                # The place the sender reserved for us at cursor 0: nothing it put is missed.
+                src = ShmSource(
+                    seg,
+                    ring,
+                    "collector",
+                    _decoder(ring, self._schema),
+                    inbox=False,
+                    take_over=os.getpid(),
+                    reserved=True,
+                )
+            except BaseException:
+                seg.close()
+                raise
+        except (InvalidHandle, TooManyReaders):
+            # Its sender closed, died or gave up before we came: it never joined.
+            self._unlink_link(link, ring.name)
+            return
+        self.feeds.append(_Feed(name, pid, ring, src, link))
+        self._known.add(name)
+        self._deaths.watch(name, seg)
+
+    def remote_source(self, handle: Handle | str, name: str) -> tuple[Handle, Any]:
+        """Check a remote sender's handle and name, and start its ``TcpSource`` (not yet welcomed)."""
+        from ._tcp.client import TcpSource
+
+        if self.closed:
+            raise ClosedResourceError(self.refusal or "this collector is closed")
+        require(_name_problem(name))
+        if name in self._known:
+            raise InvalidArgument(f"a sender named {name!r} is already attached to this collector")
+        h = Handle.parse(handle)
+        if h.tcp is None:
+            raise InvalidHandle("this channel serves no TCP endpoint: a remote sender opens open_writer(tcp=...)")
+        if h.codec != self.handle.codec:
+            raise InvalidHandle(f"this channel sends {h.codec}; the collector takes {self.handle.codec}")
+        return h, TcpSource(h, "collector", _decoder(h, self._schema))
+
+    def add_remote(self, name: str, h: Handle, src: Any) -> None:
+        """The remote sender ``name`` was welcomed: read it in turn with the others."""
+        if self.closed or name in self._known:
+            src.close()
+            raise (
+                ClosedResourceError("this collector is closed")
+                if self.closed
+                else InvalidArgument(f"a sender named {name!r} is already attached to this collector")
+            )
+        self.feeds.append(_Feed(name, h.writer_pid, None, _RemoteSource(src, self.handle.inbox_path), None))
+        self._known.add(name)
+
+    def _unlink_link(self, link: str, ring_name: str) -> None:
+        """Remove a sender's card if it still names ``ring_name`` (its name is free again)."""
+        try:
+            with open(link, "rb") as f:
+                if json.loads(f.read())["ring"]["name"] != ring_name:
+                    return
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        unlink_quietly(link)
+
+
+class _Gather(_Senders):
     """The collector's state: the rendezvous directory, its one inbox, the senders' rings and
     the turns among them. Shared by ``Collector`` and ``BlockingCollector``; one taker at a time
     (the facades make sure)."""
@@ -479,95 +583,6 @@ class _Gather:
         for f in self.feeds:
             f.src.check_writer()
         self.rescan()
-
-    def rescan(self) -> None:
-        """Attach every sender that announced itself in the directory and is not attached yet."""
-        try:
-            entries = os.listdir(self._dir)
-        except OSError:
-            return
-        for entry in entries:
-            if entry.startswith(".") or not entry.endswith(".json"):
-                continue
-            name = entry[:-5]
-            if name in self._known or _name_problem(name) is not None:
-                continue
-            self._attach(name, os.path.join(self._dir, entry))
-
-    def _attach(self, name: str, link: str) -> None:
-        try:
-            with open(link, "rb") as f:
-                card = json.loads(f.read())
-            ring = Handle.parse(card["ring"])
-            pid = int(card["pid"])
-        except (OSError, ValueError, KeyError, TypeError, InvalidHandle):
-            unlink_quietly(link)  # not a sender's card: nothing can attach with it
-            return
-        h = self.handle
-        if ring.codec != h.codec or ring.max_readers != 1 or ring.directory != h.directory:
-            unlink_quietly(link)
-            return
-        try:
-            seg = _segment.attach_segment(ring.path, ring.token, ring.capacity, ring.slot_bytes, ring.max_readers)
-            try:
-                # The place the sender reserved for us at cursor 0: nothing it put is missed.
-                src = ShmSource(
-                    seg,
-                    ring,
-                    "collector",
-                    _decoder(ring, self._schema),
-                    inbox=False,
-                    take_over=os.getpid(),
-                    reserved=True,
-                )
-            except BaseException:
-                seg.close()
-                raise
-        except (InvalidHandle, TooManyReaders):
-            # Its sender closed, died or gave up before we came: it never joined.
-            self._unlink_link(link, ring.name)
-            return
-        self.feeds.append(_Feed(name, pid, ring, src, link))
-        self._known.add(name)
-        self._deaths.watch(name, seg)
-
-    def remote_source(self, handle: Handle | str, name: str) -> tuple[Handle, Any]:
-        """Check a remote sender's handle and name, and start its ``TcpSource`` (not yet welcomed)."""
-        from ._tcp.client import TcpSource
-
-        if self.closed:
-            raise ClosedResourceError(self.refusal or "this collector is closed")
-        require(_name_problem(name))
-        if name in self._known:
-            raise InvalidArgument(f"a sender named {name!r} is already attached to this collector")
-        h = Handle.parse(handle)
-        if h.tcp is None:
-            raise InvalidHandle("this channel serves no TCP endpoint: a remote sender opens open_writer(tcp=...)")
-        if h.codec != self.handle.codec:
-            raise InvalidHandle(f"this channel sends {h.codec}; the collector takes {self.handle.codec}")
-        return h, TcpSource(h, "collector", _decoder(h, self._schema))
-
-    def add_remote(self, name: str, h: Handle, src: Any) -> None:
-        """The remote sender ``name`` was welcomed: read it in turn with the others."""
-        if self.closed or name in self._known:
-            src.close()
-            raise (
-                ClosedResourceError("this collector is closed")
-                if self.closed
-                else InvalidArgument(f"a sender named {name!r} is already attached to this collector")
-            )
-        self.feeds.append(_Feed(name, h.writer_pid, None, _RemoteSource(src, self.handle.inbox_path), None))
-        self._known.add(name)
-
-    def _unlink_link(self, link: str, ring_name: str) -> None:
-        """Remove a sender's card if it still names ``ring_name`` (its name is free again)."""
-        try:
-            with open(link, "rb") as f:
-                if json.loads(f.read())["ring"]["name"] != ring_name:
-                    return
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        unlink_quietly(link)
 
     # --- state -----------------------------------------------------------------------------
     def statistics(self, tasks_waiting: int) -> CollectorStatistics:

@@ -923,10 +923,16 @@ class Sender(Generic[T_contra]):
 
     def _check(self) -> None:
         pub = self._pub
-        if pub.closed:
-            raise ClosedResourceError(_sender_refusal(self._w._ch.owner) if pub.refusal else "this sender is closed")
-        if not self._words[self._active] or self._watch.dead():
-            raise CollectorGone(self._collector.collector_pid, self._name)
+        check_sender(
+            pub.closed,
+            pub.refusal,
+            lambda: self._w._ch.owner,
+            self._words,
+            self._active,
+            self._watch,
+            self._collector,
+            self._name,
+        )
 
     def put_nowait(self, obj: T_contra) -> None:
         """Send ``obj`` now, or raise ``WouldBlock`` if the ring is full. Raises like
@@ -1284,6 +1290,25 @@ def _sender_refusal(owner: int) -> str:
         f"this sender belongs to process {owner}; a fork child inherits no role: "
         "open your own with open_sender(sender.handle, name=...) under a name of its own"
     )
+
+
+def check_sender(
+    closed: bool,
+    refusal: object,
+    owner: Callable[[], Any],
+    words: Words,
+    active: int,
+    watch: CollectorWatch | NoWatch,
+    collector: CollectorHandle,
+    name: str,
+) -> None:
+    """A sender's check before and after a put (both front ends): ``ClosedResourceError`` once
+    it is closed (``refusal``: a fork child's, said so with ``owner()``), ``CollectorGone`` once
+    its collector left its place (``words[active]`` is 0) or died. Nothing more is read once closed."""
+    if closed:
+        raise ClosedResourceError(_sender_refusal(owner()) if refusal else "this sender is closed")
+    if not words[active] or watch.dead():
+        raise CollectorGone(collector.collector_pid, name)
 
 
 def _orphaned(words: Words, active: int, collector: CollectorHandle) -> bool:

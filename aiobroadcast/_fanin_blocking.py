@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, fina
 from pydantic import BaseModel
 
 from . import _tuning
-from ._exceptions import BroadcastError, ClosedResourceError, CollectorGone, EndOfStream, WouldBlock
+from ._exceptions import BroadcastError, ClosedResourceError, EndOfStream, WouldBlock
 from ._fanin import (
     _NOTHING,
     CollectorHandle,
@@ -22,8 +22,8 @@ from ._fanin import (
     _guard,
     _name_problem,
     _orphaned,
-    _sender_refusal,
     _SenderStart,
+    check_sender,
     sleep_steps,
 )
 from ._fanin_remote import RemoteOptions, blocking_channel, remote_spec
@@ -228,11 +228,18 @@ class BlockingSender(Generic[T_contra]):
         return self._remote
 
     def _check(self) -> None:
-        if self._w._closing or self._pub.closed:
-            pub = self._pub
-            raise ClosedResourceError(_sender_refusal(self._w._w.owner) if pub.refusal else "this sender is closed")
-        if not self._words[self._active] or self._watch.dead():
-            raise CollectorGone(self._collector.collector_pid, self._name)
+        pub = self._pub
+        closed = self._w._closing or pub.closed
+        check_sender(
+            closed,
+            pub.refusal,
+            lambda: self._w._w.owner,
+            self._words,
+            self._active,
+            self._watch,
+            self._collector,
+            self._name,
+        )
 
     def put_nowait(self, obj: T_contra) -> None:
         """Send ``obj`` now, or ``WouldBlock``. Raises like ``BlockingWriter.put_nowait``, and

@@ -19,7 +19,7 @@ import threading
 import time
 import warnings
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from threading import get_ident as _get_ident
 from time import monotonic, perf_counter_ns
@@ -66,7 +66,8 @@ from ._shm import segment as _segment
 from ._shm.atomic import Words
 from ._shm.layout import R_ACTIVE, R_CURSOR, R_PID, fence
 from ._shm.subscriber import ShmSource
-from ._shm.wake import Inbox, Outbox, knock, poll
+from ._shm.wake import Inbox, Outbox, knock
+from ._steps import Steps, poll_steps, run
 from ._writer import Writer
 from ._writer import _private as _writer_token
 
@@ -276,7 +277,111 @@ class _Feed:
         self.link = link
 
 
-class _Gather:
+class _Senders:
+    """The collector's senders: finding the ones that announced themselves in the rendezvous
+    directory and attaching their rings, and checking and adding remote ones. ``_Gather`` takes
+    from what this attaches."""
+
+    handle: CollectorHandle
+    feeds: list[_Feed]
+    closed: bool
+    refusal: str | None
+    _dir: str
+    _schema: type[BaseModel] | None
+    _known: set[str]
+    _deaths: SenderDeaths
+
+    def rescan(self) -> None:
+        """Attach every sender that announced itself in the directory and is not attached yet."""
+        try:
+            entries = os.listdir(self._dir)
+        except OSError:
+            return
+        for entry in entries:
+            if entry.startswith(".") or not entry.endswith(".json"):
+                continue
+            name = entry[:-5]
+            if name in self._known or _name_problem(name) is not None:
+                continue
+            self._attach(name, os.path.join(self._dir, entry))
+
+    def _attach(self, name: str, link: str) -> None:
+        try:
+            with open(link, "rb") as f:
+                card = json.loads(f.read())
+            ring = Handle.parse(card["ring"])
+            pid = int(card["pid"])
+        except (OSError, ValueError, KeyError, TypeError, InvalidHandle):
+            unlink_quietly(link)  # not a sender's card: nothing can attach with it
+            return
+        h = self.handle
+        if ring.codec != h.codec or ring.max_readers != 1 or ring.directory != h.directory:
+            unlink_quietly(link)
+            return
+        try:
+            seg = _segment.attach_segment(ring.path, ring.token, ring.capacity, ring.slot_bytes, ring.max_readers)
+            try:
+                # The place the sender reserved for us at cursor 0: nothing it put is missed.
+                src = ShmSource(
+                    seg,
+                    ring,
+                    "collector",
+                    _decoder(ring, self._schema),
+                    inbox=False,
+                    take_over=os.getpid(),
+                    reserved=True,
+                )
+            except BaseException:
+                seg.close()
+                raise
+        except (InvalidHandle, TooManyReaders):
+            # Its sender closed, died or gave up before we came: it never joined.
+            self._unlink_link(link, ring.name)
+            return
+        self.feeds.append(_Feed(name, pid, ring, src, link))
+        self._known.add(name)
+        self._deaths.watch(name, seg)
+
+    def remote_source(self, handle: Handle | str, name: str) -> tuple[Handle, Any]:
+        """Check a remote sender's handle and name, and start its ``TcpSource`` (not yet welcomed)."""
+        from ._tcp.client import TcpSource
+
+        if self.closed:
+            raise ClosedResourceError(self.refusal or "this collector is closed")
+        require(_name_problem(name))
+        if name in self._known:
+            raise InvalidArgument(f"a sender named {name!r} is already attached to this collector")
+        h = Handle.parse(handle)
+        if h.tcp is None:
+            raise InvalidHandle("this channel serves no TCP endpoint: a remote sender opens open_writer(tcp=...)")
+        if h.codec != self.handle.codec:
+            raise InvalidHandle(f"this channel sends {h.codec}; the collector takes {self.handle.codec}")
+        return h, TcpSource(h, "collector", _decoder(h, self._schema))
+
+    def add_remote(self, name: str, h: Handle, src: Any) -> None:
+        """The remote sender ``name`` was welcomed: read it in turn with the others."""
+        if self.closed or name in self._known:
+            src.close()
+            raise (
+                ClosedResourceError("this collector is closed")
+                if self.closed
+                else InvalidArgument(f"a sender named {name!r} is already attached to this collector")
+            )
+        self.feeds.append(_Feed(name, h.writer_pid, None, _RemoteSource(src, self.handle.inbox_path), None))
+        self._known.add(name)
+
+    def _unlink_link(self, link: str, ring_name: str) -> None:
+        """Remove a sender's card if it still names ``ring_name`` (its name is free again)."""
+        try:
+            with open(link, "rb") as f:
+                if json.loads(f.read())["ring"]["name"] != ring_name:
+                    return
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        unlink_quietly(link)
+
+
+class _Gather(_Senders):
     """The collector's state: the rendezvous directory, its one inbox, the senders' rings and
     the turns among them. Shared by ``Collector`` and ``BlockingCollector``; one taker at a time
     (the facades make sure)."""
@@ -479,95 +584,6 @@ class _Gather:
             f.src.check_writer()
         self.rescan()
 
-    def rescan(self) -> None:
-        """Attach every sender that announced itself in the directory and is not attached yet."""
-        try:
-            entries = os.listdir(self._dir)
-        except OSError:
-            return
-        for entry in entries:
-            if entry.startswith(".") or not entry.endswith(".json"):
-                continue
-            name = entry[:-5]
-            if name in self._known or _name_problem(name) is not None:
-                continue
-            self._attach(name, os.path.join(self._dir, entry))
-
-    def _attach(self, name: str, link: str) -> None:
-        try:
-            with open(link, "rb") as f:
-                card = json.loads(f.read())
-            ring = Handle.parse(card["ring"])
-            pid = int(card["pid"])
-        except (OSError, ValueError, KeyError, TypeError, InvalidHandle):
-            unlink_quietly(link)  # not a sender's card: nothing can attach with it
-            return
-        h = self.handle
-        if ring.codec != h.codec or ring.max_readers != 1 or ring.directory != h.directory:
-            unlink_quietly(link)
-            return
-        try:
-            seg = _segment.attach_segment(ring.path, ring.token, ring.capacity, ring.slot_bytes, ring.max_readers)
-            try:
-                # The place the sender reserved for us at cursor 0: nothing it put is missed.
-                src = ShmSource(
-                    seg,
-                    ring,
-                    "collector",
-                    _decoder(ring, self._schema),
-                    inbox=False,
-                    take_over=os.getpid(),
-                    reserved=True,
-                )
-            except BaseException:
-                seg.close()
-                raise
-        except (InvalidHandle, TooManyReaders):
-            # Its sender closed, died or gave up before we came: it never joined.
-            self._unlink_link(link, ring.name)
-            return
-        self.feeds.append(_Feed(name, pid, ring, src, link))
-        self._known.add(name)
-        self._deaths.watch(name, seg)
-
-    def remote_source(self, handle: Handle | str, name: str) -> tuple[Handle, Any]:
-        """Check a remote sender's handle and name, and start its ``TcpSource`` (not yet welcomed)."""
-        from ._tcp.client import TcpSource
-
-        if self.closed:
-            raise ClosedResourceError(self.refusal or "this collector is closed")
-        require(_name_problem(name))
-        if name in self._known:
-            raise InvalidArgument(f"a sender named {name!r} is already attached to this collector")
-        h = Handle.parse(handle)
-        if h.tcp is None:
-            raise InvalidHandle("this channel serves no TCP endpoint: a remote sender opens open_writer(tcp=...)")
-        if h.codec != self.handle.codec:
-            raise InvalidHandle(f"this channel sends {h.codec}; the collector takes {self.handle.codec}")
-        return h, TcpSource(h, "collector", _decoder(h, self._schema))
-
-    def add_remote(self, name: str, h: Handle, src: Any) -> None:
-        """The remote sender ``name`` was welcomed: read it in turn with the others."""
-        if self.closed or name in self._known:
-            src.close()
-            raise (
-                ClosedResourceError("this collector is closed")
-                if self.closed
-                else InvalidArgument(f"a sender named {name!r} is already attached to this collector")
-            )
-        self.feeds.append(_Feed(name, h.writer_pid, None, _RemoteSource(src, self.handle.inbox_path), None))
-        self._known.add(name)
-
-    def _unlink_link(self, link: str, ring_name: str) -> None:
-        """Remove a sender's card if it still names ``ring_name`` (its name is free again)."""
-        try:
-            with open(link, "rb") as f:
-                if json.loads(f.read())["ring"]["name"] != ring_name:
-                    return
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-        unlink_quietly(link)
-
     # --- state -----------------------------------------------------------------------------
     def statistics(self, tasks_waiting: int) -> CollectorStatistics:
         if self.closed:
@@ -705,14 +721,13 @@ class Collector(Generic[T_co]):
         parked ``get`` uses no CPU: it sleeps on one socket that every sender's ring wakes."""
         if _get_ident() != self._thread:
             self._check_thread()
+        if self._since_yield >= _tuning.YIELD_EVERY:
+            await self._yield_turn()
         g = self._g
         while True:
             obj = g.take()
             if obj is not _NOTHING:
                 self._since_yield += 1
-                if self._since_yield >= _tuning.YIELD_EVERY:
-                    self._since_yield = 0
-                    await anyio.lowlevel.cancel_shielded_checkpoint()
                 return obj  # type: ignore[no-any-return]
             await self._wait()
 
@@ -797,6 +812,13 @@ class Collector(Generic[T_co]):
                 "from another thread use get_nowait(), or anyio.from_thread.run(collector.get)"
             )
 
+    async def _yield_turn(self) -> None:
+        # As the reader's get: a collector that never has to wait still lets other tasks run
+        # once in YIELD_EVERY gets. Before the take, and cancellable: a cancellation here has
+        # taken nothing; once an item is taken, get returns it without another await.
+        self._since_yield = 0
+        await anyio.lowlevel.checkpoint()
+
     async def _wait(self) -> None:
         self._tasks_waiting += 1
         try:
@@ -823,19 +845,43 @@ class Collector(Generic[T_co]):
 
     async def _sleep(self) -> None:
         g = self._g
-        if self._slept_ns < _tuning.DENSE_NS and await poll(lambda: g.closed or g.ready(), _tuning.POLL_NS):
-            self._slept_ns = 0
-            return
-        if g.begin_sleep():
-            return
-        start = perf_counter_ns()
+        self._slept_ns = await run(sleep_steps(g, self._slept_ns, lambda: g.closed, _no_deadline), self._sleep_inbox)
+
+    async def _sleep_inbox(self, limit_s: float) -> bool:
         try:
-            await g.inbox.wait(g.sleep_limit_s)
+            return await self._g.inbox.wait(limit_s)
         except anyio.ClosedResourceError:
-            return
-        finally:
-            g.end_sleep()
-        self._slept_ns = perf_counter_ns() - start
+            return False
+
+
+def _no_deadline() -> float | None:
+    return None
+
+
+def sleep_steps(g: _Gather, slept_ns: int, stop: Callable[[], bool], left_s: Callable[[], float | None]) -> Steps[int]:
+    """A collector's one sleeper, waiting for an item (both front ends): poll for a while when
+    items came densely (it was woken recently), else sleep on the inbox, that every sender's
+    ring knocks, for up to ``g.sleep_limit_s`` (or what ``left_s`` says is left of a deadline;
+    ``left_s`` raises once it passed). ``stop``: the collector is closing. Returns the new
+    ``slept_ns`` (how long the last sleep took: 0 after a poll that found an item)."""
+    spin = _tuning.POLL_NS if slept_ns < _tuning.DENSE_NS else 0
+    left = left_s()
+    if left is not None:
+        spin = min(spin, int(left * 1e9))
+    if spin and (yield from poll_steps(lambda: stop() or g.ready(), spin)):
+        return 0
+    limit = g.sleep_limit_s
+    left = left_s()
+    if left is not None:
+        limit = min(limit, left)
+    if g.begin_sleep():
+        return slept_ns
+    start = perf_counter_ns()
+    try:
+        yield limit
+    finally:
+        g.end_sleep()
+    return perf_counter_ns() - start
 
 
 # --- the sender (async) ---------------------------------------------------------------------------
@@ -877,10 +923,16 @@ class Sender(Generic[T_contra]):
 
     def _check(self) -> None:
         pub = self._pub
-        if pub.closed:
-            raise ClosedResourceError(_sender_refusal(self._w._ch.owner) if pub.refusal else "this sender is closed")
-        if not self._words[self._active] or self._watch.dead():
-            raise CollectorGone(self._collector.collector_pid, self._name)
+        check_sender(
+            pub.closed,
+            pub.refusal,
+            lambda: self._w._ch.owner,
+            self._words,
+            self._active,
+            self._watch,
+            self._collector,
+            self._name,
+        )
 
     def put_nowait(self, obj: T_contra) -> None:
         """Send ``obj`` now, or raise ``WouldBlock`` if the ring is full. Raises like
@@ -1238,6 +1290,25 @@ def _sender_refusal(owner: int) -> str:
         f"this sender belongs to process {owner}; a fork child inherits no role: "
         "open your own with open_sender(sender.handle, name=...) under a name of its own"
     )
+
+
+def check_sender(
+    closed: bool,
+    refusal: object,
+    owner: Callable[[], Any],
+    words: Words,
+    active: int,
+    watch: CollectorWatch | NoWatch,
+    collector: CollectorHandle,
+    name: str,
+) -> None:
+    """A sender's check before and after a put (both front ends): ``ClosedResourceError`` once
+    it is closed (``refusal``: a fork child's, said so with ``owner()``), ``CollectorGone`` once
+    its collector left its place (``words[active]`` is 0) or died. Nothing more is read once closed."""
+    if closed:
+        raise ClosedResourceError(_sender_refusal(owner()) if refusal else "this sender is closed")
+    if not words[active] or watch.dead():
+        raise CollectorGone(collector.collector_pid, name)
 
 
 def _orphaned(words: Words, active: int, collector: CollectorHandle) -> bool:

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from threading import get_ident
-from time import perf_counter_ns
 from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, final, overload
 
 from pydantic import BaseModel
 
 from . import _tuning
-from ._exceptions import BroadcastError, ClosedResourceError, CollectorGone, EndOfStream, WouldBlock
+from ._exceptions import BroadcastError, ClosedResourceError, EndOfStream, WouldBlock
 from ._fanin import (
     _NOTHING,
     CollectorHandle,
@@ -23,14 +22,16 @@ from ._fanin import (
     _guard,
     _name_problem,
     _orphaned,
-    _sender_refusal,
     _SenderStart,
+    check_sender,
+    sleep_steps,
 )
 from ._fanin_remote import RemoteOptions, blocking_channel, remote_spec
 from ._files import unlink_quietly
 from ._handle import CurveKeys, Handle, Policy, require
 from ._open import DEFAULT_DIRECTORY
-from ._shm.wake import poll_blocking, wait_readable
+from ._shm.wake import wait_readable
+from ._steps import run_blocking
 
 T_co = TypeVar("T_co", covariant=True)
 T_contra = TypeVar("T_contra", contravariant=True)
@@ -184,28 +185,16 @@ class BlockingCollector(Generic[T_co]):
         try:
             if self._closing or g.closed:
                 return
-            left = b._left(deadline)
-            spin = _tuning.POLL_NS if self._slept_ns < _tuning.DENSE_NS else 0
-            if left is not None:
-                spin = min(spin, int(left * 1e9))
-            if spin and poll_blocking(lambda: self._closing or g.ready(), spin):
-                self._slept_ns = 0
-                return
-            limit = g.sleep_limit_s
-            left = b._left(deadline)
-            if left is not None:
-                limit = min(limit, left)
-            start = perf_counter_ns()
-            if g.begin_sleep():
-                return
-            try:
-                wait_readable((g.inbox.fileno(),), limit)
-                g.inbox.drain()
-            finally:
-                g.end_sleep()
-            self._slept_ns = perf_counter_ns() - start
+            steps = sleep_steps(g, self._slept_ns, lambda: self._closing, lambda: b._left(deadline))
+            self._slept_ns = run_blocking(steps, self._sleep_inbox)
         finally:
             self._sleep_lock.release()
+
+    def _sleep_inbox(self, limit_s: float) -> bool:
+        inbox = self._g.inbox
+        woken = wait_readable((inbox.fileno(),), limit_s)
+        inbox.drain()
+        return woken
 
 
 @final
@@ -239,11 +228,18 @@ class BlockingSender(Generic[T_contra]):
         return self._remote
 
     def _check(self) -> None:
-        if self._w._closing or self._pub.closed:
-            pub = self._pub
-            raise ClosedResourceError(_sender_refusal(self._w._w.owner) if pub.refusal else "this sender is closed")
-        if not self._words[self._active] or self._watch.dead():
-            raise CollectorGone(self._collector.collector_pid, self._name)
+        pub = self._pub
+        closed = self._w._closing or pub.closed
+        check_sender(
+            closed,
+            pub.refusal,
+            lambda: self._w._w.owner,
+            self._words,
+            self._active,
+            self._watch,
+            self._collector,
+            self._name,
+        )
 
     def put_nowait(self, obj: T_contra) -> None:
         """Send ``obj`` now, or ``WouldBlock``. Raises like ``BlockingWriter.put_nowait``, and

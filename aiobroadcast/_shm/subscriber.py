@@ -1,56 +1,30 @@
-"""A reader's shared-memory side: joining the ring, taking entries, sleeping."""
+"""A reader's shared-memory side: joining the ring, sleeping, statistics; taking entries is in
+``taking.py`` and ``cursor.py``, the bases of ``ShmSource``."""
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import anyio
 
 from .. import _tuning
-from .._exceptions import (
-    DeserializationError,
-    EndOfStream,
-    ReaderLagged,
-    WouldBlock,
-    WriterGone,
-)
 from .._handle import Handle
 from .._stats import ReaderStatistics
 from . import segment as _segment
 from .arena import ArenaReader
-from .atomic import fence_acquire
-from .layout import (
-    BUSY,
-    EMPTY,
-    F_FIRST,
-    F_GAP,
-    F_LAST,
-    F_OOB,
-    F_WHOLE,
-    SLOT_HEADER_BYTES,
-    SLOT_REST,
-    SLOT_REST_OFFSET,
-    W_CLOSED,
-    W_HEAD,
-    W_WAIT_TARGET,
-    W_WRITER_PID,
-    crossed,
-    fence,
-)
+from .layout import BUSY, EMPTY, W_CLOSED, W_HEAD, W_WRITER_PID, fence
 from .place import ReaderPlace
 from .segment import Segment
+from .taking import Decoder, MessageTaking
 from .wake import Inbox, Outbox
 
-_NOTHING: Any = object()  # what _take_ahead returns when the next entry is not a whole message
 
-Decoder = Callable[[memoryview | bytes | bytearray, bool], Any]
-
-
-class ShmSource:
+class ShmSource(MessageTaking):
     """Takes entries from the ring for one reader place. Used by one ``Reader``; only one task
-    at a time calls ``sleep``."""
+    at a time calls ``sleep``. Taking messages (``get_nowait``) is ``MessageTaking``'s
+    (taking.py); moving the cursor, giving slots back and catching up after a lag are
+    ``ReaderCursor``'s (cursor.py); this class joins and leaves the ring, sleeps, and reports."""
 
     def __init__(
         self,
@@ -133,155 +107,6 @@ class ShmSource:
         self.arena = ArenaReader(path, self._place.index)
         self._decode = self.arena.decoder(self._decode, views)
 
-    # --- what Reader calls -------------------------------------------------------------
-    def get_nowait(self) -> Any:
-        """Take the next message or raise (see ``Reader.get_nowait``)."""
-        ahead = self.ahead
-        if ahead:
-            return ahead.popleft()
-        if self._held:
-            self._release()
-        if self._pending is not None:
-            return self._deliver_assembled(*self._pending)
-        if self._ahead_ok and self._partial is None:
-            obj = self._take_ahead()
-            if obj is not _NOTHING:
-                return obj
-        w = self._words
-        buf = self._buf
-        while True:
-            c = self._cursor
-            off = self._slot_offset(c)
-            seq = w[off >> 3]
-            if seq != c:
-                self._not_ready(c, seq)  # raises, or returns after resynchronising
-                continue
-            msg, flen, flags, total = SLOT_REST.unpack_from(buf, off + SLOT_REST_OFFSET)
-            at = off + SLOT_HEADER_BYTES  # the payload
-            if flags & F_WHOLE == F_WHOLE and self._partial is None:
-                if flags & F_GAP:  # a relay lost messages upstream
-                    if not self._block:  # the header may be torn: re-check after reading it
-                        fence_acquire()
-                        if w[off >> 3] != c:
-                            continue
-                    self._moved(c, c + 1, 0)
-                    self._next_msg = msg + total  # the lost messages have their numbers
-                    self._lagged_total += total
-                    raise ReaderLagged(total)
-                if self._block:
-                    body: memoryview | bytes = buf[at : at + flen]
-                else:
-                    body = bytes(buf[at : at + flen])
-                    fence_acquire()  # the copy's loads before the re-check (docs/design.md, step 6)
-                    if w[off >> 3] != c:  # overwritten while we copied
-                        continue
-                # The one-slot message, written out: what ``_deliver`` and ``_take`` do.
-                try:
-                    obj = self._decode(body, flags & F_OOB != 0)
-                except Exception as exc:
-                    self._next_msg = msg + 1
-                    self._take(c)  # consumed: the next get returns the next message
-                    raise DeserializationError(msg, exc) from exc
-                # Any other BaseException propagates before the take: the entry stays in the ring.
-                self._next_msg = msg + 1
-                if self._hold_slot:
-                    self._hold(c)
-                    return obj
-                self._moved(c, c + 1, 1)
-                return obj
-            # A fragment of a larger message. Under policy "lag" the header may be torn (the
-            # writer zeroes it before filling it in): check that the entry is still ours before
-            # acting on it, and again after copying its payload.
-            if not self._block:
-                fence_acquire()
-                if w[off >> 3] != c:
-                    continue
-            if flags & F_FIRST:
-                self._partial = bytearray(total)
-                self._partial_msg = msg
-                self._partial_fill = 0
-                self._partial_flags = flags
-                self._next_msg = msg
-            elif self._partial is None or msg != self._partial_msg:
-                self._moved(c, c + 1, 0)  # the rest of a message we joined or lagged in the middle of
-                continue
-            partial = self._partial
-            assert partial is not None
-            fill = self._partial_fill
-            partial[fill : fill + flen] = buf[at : at + flen]
-            if not self._block:
-                fence_acquire()
-                if w[off >> 3] != c:
-                    continue
-            self._partial_fill = fill + flen
-            self._moved(c, c + 1, 0)
-            if flags & F_LAST:
-                self._partial = None
-                return self._deliver_assembled(msg, partial, self._partial_flags & F_OOB)
-
-    def _take_ahead(self) -> Any:
-        """Take the next message and the whole one-slot messages ready after it, up to
-        ``take_ahead`` (default ``AHEAD_MESSAGES``) and about ``AHEAD_BYTES``: the first is returned,
-        the others queued in ``ahead``, decoded. ``_NOTHING`` if the next entry is not a whole message ready now
-        (``get_nowait``'s general path then decides).
-
-        Nothing is taken until every one of them is decoded: a ``BaseException`` from decoding
-        (Ctrl-C, SystemExit, a cancellation raised in ``__setstate__``) leaves them all in the
-        ring for the next get. An undecodable message is consumed and raises
-        ``DeserializationError`` when it comes first; after others, it stays in the ring and the
-        get after them reports it (``_failed``), so it is decoded once."""
-        w = self._words
-        buf = self._buf
-        c0 = c = self._cursor
-        failed = self._failed
-        if failed is not None:
-            self._failed = None
-            _entry, msg, exc = failed
-            self._next_msg = msg + 1
-            self._moved(c, c + 1, 1)
-            raise DeserializationError(msg, exc) from exc
-        slot_offset = self._slot_offset
-        off = slot_offset(c)
-        if w[off >> 3] != c:
-            return _NOTHING
-        msg, flen, flags, _total = SLOT_REST.unpack_from(buf, off + SLOT_REST_OFFSET)
-        if flags & (F_WHOLE | F_GAP) != F_WHOLE:
-            return _NOTHING  # a fragment, or a relay's gap marker
-        decode = self._decode
-        try:
-            at = off + SLOT_HEADER_BYTES
-            first = decode(buf[at : at + flen], flags & F_OOB != 0)
-        except Exception as exc:
-            self._next_msg = msg + 1
-            self._moved(c, c + 1, 1)  # consumed: the next get returns the next message
-            raise DeserializationError(msg, exc) from exc
-        c += 1
-        more = []
-        limit = c0 + (self._ahead_max or _tuning.AHEAD_MESSAGES)
-        budget = _tuning.AHEAD_BYTES - flen
-        while c < limit and budget > 0:
-            off = slot_offset(c)
-            if w[off >> 3] != c:
-                break
-            number, flen, flags, _total = SLOT_REST.unpack_from(buf, off + SLOT_REST_OFFSET)
-            if flags & (F_WHOLE | F_GAP) != F_WHOLE:
-                break
-            try:
-                at = off + SLOT_HEADER_BYTES
-                more.append(decode(buf[at : at + flen], flags & F_OOB != 0))
-            except Exception as exc:
-                self._failed = (c, number, exc)
-                break
-            msg = number
-            budget -= flen
-            c += 1
-        # Taken: entries c0 .. c-1, with one store of the cursor and one look at the writer.
-        self._next_msg = msg + 1
-        if more:
-            self.ahead.extend(more)
-        self._moved(c0, c, c - c0)
-        return first
-
     def statistics(self, tasks_waiting: int) -> ReaderStatistics:
         w = self._words
         waiting = len(self.ahead)  # taken out of the ring, not handed out yet
@@ -309,117 +134,6 @@ class ShmSource:
         self._place.leave()
         self._outbox.close()
         self._seg.close()
-
-    # --- internals -----------------------------------------------------------------------
-    def _deliver(self, msg: int, body: memoryview | bytes | bytearray, oob: int) -> Any:
-        """Decode message ``msg``. ``Exception`` becomes ``DeserializationError`` (the message
-        counts as taken); any other ``BaseException`` propagates with nothing taken."""
-        try:
-            obj = self._decode(body, bool(oob))
-        except Exception as exc:
-            self._next_msg = msg + 1
-            raise DeserializationError(msg, exc) from exc
-        self._next_msg = msg + 1
-        return obj
-
-    def _take(self, c: int) -> None:
-        """Entry ``c`` (a whole message) is delivered: release its slot, or hold it (zero-copy)."""
-        if self._hold_slot:
-            self._hold(c)
-        else:
-            self._moved(c, c + 1, 1)
-
-    def _deliver_assembled(self, msg: int, body: bytearray, oob: int) -> Any:
-        """Deliver a message assembled from fragments (already released from the ring). Kept as
-        ``_pending`` until it is delivered or found undecodable."""
-        self._pending = (msg, body, oob)
-        try:
-            obj = self._deliver(msg, body, oob)
-        except DeserializationError:
-            self._pending = None
-            self._count_delivery()
-            raise
-        self._pending = None
-        self._count_delivery()
-        return obj
-
-    def _count_delivery(self) -> None:
-        self._received += 1
-        self._words[self._recv_word] = self._received
-
-    def _moved(self, old: int, new: int, delivered: int) -> None:
-        """Release entries ``old .. new-1``, of which ``delivered`` messages were handed out: store
-        the cursor (and the count), fence, and wake the writer if this move reached the room it
-        waits for (``crossed``). The one place a reader gives slots back (docs/design.md,
-        "Memory ordering", steps 3 and 5)."""
-        w = self._words
-        self._cursor = new
-        w[self._cur_word] = new
-        if delivered:
-            self._received = received = self._received + delivered
-            w[self._recv_word] = received
-        if self._block:
-            fence()
-            target = w[W_WAIT_TARGET]
-            if target and crossed(old, new, target):
-                self._outbox.wake(self._writer_sock)
-
-    def _hold(self, c: int) -> None:
-        """Take entry ``c`` but keep its slot: the shared cursor stays at ``c``, so the writer does
-        not reuse the slot while the message handed out has views of it (zero-copy reads)."""
-        self._cursor = c + 1
-        self._held = True
-        self._received += 1
-        self._words[self._recv_word] = self._received
-
-    def _release(self) -> None:
-        """Give back the slot ``_hold`` kept, as ``_moved`` would have."""
-        self._held = False
-        self._cursor -= 1
-        self._moved(self._cursor, self._cursor + 1, 0)
-
-    def _not_ready(self, c: int, seq: int) -> None:
-        """Entry ``c`` is not in its slot: raise what that means, or resynchronise and return."""
-        w = self._words
-        if (seq != EMPTY and seq != BUSY and seq > c) or (not self._block and w[W_HEAD] - c >= self._cap):
-            self._resync_after_lag(c)
-            return
-        if w[W_CLOSED] or self._writer_gone:
-            # The writer stored every entry before `closed`; look once more now that we saw it.
-            if w[self._slot_offset(c) >> 3] == c:
-                return
-            self._partial = None
-            if w[W_CLOSED]:
-                raise EndOfStream
-            raise WriterGone(w[W_WRITER_PID])
-        raise WouldBlock
-
-    def _resync_after_lag(self, c: int) -> None:
-        """Policy "lag": the writer overwrote entries we had not read. Skip to the oldest
-        entry still held and report exactly how many messages were lost (docs/design.md,
-        "Catching up after a lag").
-
-        The count comes only from the header of an intact entry, read under the seqlock. ``head``
-        only says where to start looking: it may be stale by the time the slots are read, and
-        ``next_msg`` (which the writer stores just before ``head``) cannot be paired with it, so
-        neither bounds the search nor gives the count.
-        """
-        w = self._words
-        e, first_kept = oldest_intact(w, self._buf, self._slot_offset, max(c, w[W_HEAD] - self._cap))
-        if e == c:
-            # The head we loaded was a full ring ahead, but entry c is intact (the writer had not
-            # started to overwrite it). Nothing was lost: read it.
-            return
-        missed = first_kept - self._next_msg
-        self._partial = None
-        self._cursor = e
-        w[self._cur_word] = e
-        if missed <= 0:
-            # Only fragments of a message already given up (counted, or begun before we joined).
-            return
-        self._next_msg = first_kept
-        self._lagged_total += missed
-        raise ReaderLagged(missed)
 
     def ready(self) -> bool:
         """Whether ``get_nowait`` would do anything but raise ``WouldBlock``."""
@@ -519,24 +233,3 @@ class ShmSource:
     def drain_inbox(self) -> bool:
         assert self._inbox is not None
         return self._inbox.drain()
-
-
-def oldest_intact(w: Any, buf: memoryview, slot_offset: Callable[[int], int], e: int) -> tuple[int, int]:
-    """The first entry from ``e`` on that is intact in its slot, read under the seqlock, and the
-    number of the first message whose start it holds (policy "lag", after a reader was lapped).
-
-    ``e`` must have been published before the caller loaded it (true of ``head - capacity``,
-    below the head it loaded). Entries before ``head - capacity`` are overwritten (or being
-    overwritten) for sure, so that is where the caller starts."""
-    while True:
-        # Entry e was published before this load (true of the first e; and we pass e only after
-        # seeing its slot reused, which the writer does after publishing e+1). So its slot holds
-        # e, or a later entry, or BUSY for one.
-        off = slot_offset(e)
-        if w[off >> 3] == e:
-            msg, _flen, flags, _total = SLOT_REST.unpack_from(buf, off + SLOT_REST_OFFSET)
-            fence_acquire()
-            if w[off >> 3] == e:  # the header was read whole: the entry was not being rewritten
-                return e, msg if flags & F_FIRST else msg + 1
-        else:
-            e += 1

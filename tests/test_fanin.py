@@ -376,7 +376,13 @@ async def test_bad_items_raise_in_the_sender_and_nothing_accepted_is_lost() -> N
 #: locks are left alone, as tests/test_faults.py does for a writer).
 _PUBLISHING = {"_check", "publish", "publish_many", "_write_fragments", "copy_into", "wake_readers", "wake_sleepers"}
 _PUBLISHING_FILES = {
-    sys.modules[m].__file__ for m in ("aiobroadcast._fanin", "aiobroadcast._shm.publisher", "aiobroadcast._shm.records")
+    sys.modules[m].__file__
+    for m in (
+        "aiobroadcast._fanin",
+        "aiobroadcast._shm.publisher",
+        "aiobroadcast._shm.fragments",
+        "aiobroadcast._shm.records",
+    )
 }
 
 

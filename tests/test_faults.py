@@ -376,7 +376,10 @@ async def _throw_at(call: Callable[[], Any], n: int, exc: BaseException) -> bool
     pytest.fail(f"the call swallowed {exc!r} thrown at its suspension {n}")
 
 
-_PUBLISHING_FILES = {sys.modules[m].__file__ for m in ("aiobroadcast._shm.publisher", "aiobroadcast._shm.records")}
+_PUBLISHING_FILES = {
+    sys.modules[m].__file__
+    for m in ("aiobroadcast._shm.publisher", "aiobroadcast._shm.fragments", "aiobroadcast._shm.records")
+}
 
 
 #: What runs while a message is copied into the ring and published (the put's own bookkeeping

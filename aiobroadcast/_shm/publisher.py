@@ -19,6 +19,8 @@ from .._exceptions import ClosedResourceError
 from . import segment as _segment
 from .arena import ArenaHead
 from .atomic import fence_release
+from .fragments import Chunks as Chunks  # the writer's channel makes them for stream_some
+from .fragments import FragmentWrites
 from .layout import (
     BUSY,
     F_FIRST,
@@ -33,7 +35,6 @@ from .layout import (
     W_HEAD,
     W_NEXT_MSG,
     fence,
-    free_entries,
     has_room,
 )
 from .records import ReaderRecords
@@ -44,9 +45,10 @@ from .wake import Outbox
 Encoded = tuple[Sequence[Buffer], int, bool, int]
 
 
-class Publisher:
+class Publisher(FragmentWrites):
     """Writes messages into one channel's ring. ``head`` is the next entry, ``msg`` the next
-    message number; both are also stored in the segment for readers to see."""
+    message number; both are also stored in the segment for readers to see. A message over
+    several slots, and a streamed one, are written by ``FragmentWrites`` (fragments.py)."""
 
     def __init__(self, seg: Segment, block: bool) -> None:
         self.seg = seg
@@ -237,67 +239,6 @@ class Publisher:
         w[W_HEAD] = head
         self.wake_all_readers()
 
-    def _write_fragments(
-        self, chunks: Chunks, total: int, base_flags: int, seq: int, count: int, *, first: bool
-    ) -> int:
-        w = self._words
-        buf = self._buf
-        msg = self.msg
-        lay = self.layout
-        payload = lay.payload_bytes
-        for k in range(count):
-            off = self._slot_offset(seq)
-            if not self.block:
-                w[off >> 3] = BUSY
-                fence_release()
-            n = chunks.copy_into(buf, off + SLOT_HEADER_BYTES, payload)
-            flags = base_flags
-            if first and k == 0:
-                flags |= F_FIRST
-            if chunks.done:
-                flags |= F_LAST
-            SLOT_REST.pack_into(buf, off + SLOT_REST_OFFSET, msg, n, flags, total)
-            w[off >> 3] = seq
-            seq += 1
-        return seq
-
-    def stream_some(self, chunks: Chunks, total: int, oob: bool, msg: int) -> bool:
-        """Publish the next fragments of streamed message ``msg`` (larger than the ring) into the
-        room there is now. False if another thread holds the mutex (the caller holds the
-        writer's turn, so no other put starts now; one may still be finishing): call again."""
-        if not self.mutex.acquire(blocking=False):
-            return False
-        try:
-            self.check_open()
-            # Another thread's put_nowait may have taken some of the room since the caller saw it.
-            free = free_entries(self.head, self.records.min_cursor, self.layout.capacity)
-            n = min(free, self.layout.entries_for(total - chunks.pos))
-            if n <= 0:
-                return True
-            first = chunks.pos == 0
-            self.head = self._write_fragments(chunks, total, F_OOB if oob else 0, self.head, n, first=first)
-            if first:
-                self._words[W_NEXT_MSG] = msg + 1
-            self._words[W_HEAD] = self.head
-            if chunks.done and type(chunks.first) is ArenaHead:
-                chunks.first.committed(self.head)
-            self.wake_readers()
-            return True
-        except BaseException:
-            self.recover()
-            raise
-        finally:
-            self.mutex.release()
-
-    def end_stream(self, chunks: Chunks, msg: int) -> None:
-        """After a streamed message, whole or cut short (cancelled, interrupted, timed out) once
-        its FIRST fragment went out: its number is used either way (readers drop a message whose
-        LAST never comes, and it does not count as sent)."""
-        if chunks.pos and self.msg == msg:
-            self.msg = msg + 1
-            if not chunks.done:
-                self.aborted += 1
-
     def wake_readers(self) -> None:
         """Wake the readers that announced they sleep (and only once per sleep)."""
         fence()
@@ -338,32 +279,3 @@ class Publisher:
             self.closed = True
         _segment.unlock(self.seg.fd, _segment.WRITER_LOCK_BYTE)
         self.wake_all_readers()  # sleepers find the lock free on waking
-
-
-class Chunks:
-    """Walks a list of buffers, copying them into consecutive slots."""
-
-    def __init__(self, parts: Sequence[Buffer]) -> None:
-        self._parts = [memoryview(p).cast("B") for p in parts]
-        self.first = parts[0] if parts else None
-        self._i = 0
-        self._off = 0
-        self.pos = 0
-        self.done = not any(p.nbytes for p in self._parts)
-
-    def copy_into(self, buf: memoryview, at: int, room: int) -> int:
-        written = 0
-        parts = self._parts
-        while room and self._i < len(parts):
-            part = parts[self._i]
-            n = min(room, part.nbytes - self._off)
-            buf[at + written : at + written + n] = part[self._off : self._off + n]
-            written += n
-            room -= n
-            self._off += n
-            if self._off == part.nbytes:
-                self._i += 1
-                self._off = 0
-        self.pos += written
-        self.done = self._i >= len(parts)
-        return written

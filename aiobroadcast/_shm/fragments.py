@@ -1,0 +1,140 @@
+"""A message over several slots: its fragments written all at once (``Publisher.publish``, for a
+message the ring holds whole) or as room comes (``stream_some``, for a streamed message larger
+than the ring), and ``Chunks``, which walks the message's buffers into the slots."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from .._codec import Buffer
+from .arena import ArenaHead
+from .atomic import Words, fence_release
+from .layout import (
+    BUSY,
+    F_FIRST,
+    F_LAST,
+    F_OOB,
+    SLOT_HEADER_BYTES,
+    SLOT_REST,
+    SLOT_REST_OFFSET,
+    W_HEAD,
+    W_NEXT_MSG,
+    Layout,
+    free_entries,
+)
+from .records import ReaderRecords
+
+
+class FragmentWrites:
+    """Writing a message fragment by fragment; a base of ``Publisher``, which sets these
+    attributes (see its ``__init__``) and provides ``check_open``, ``recover`` and
+    ``wake_readers``."""
+
+    layout: Layout
+    block: bool
+    records: ReaderRecords
+    mutex: threading.Lock
+    head: int
+    msg: int
+    aborted: int
+    _words: Words
+    _buf: memoryview
+    _slot_offset: Callable[[int], int]
+
+    if TYPE_CHECKING:
+
+        def check_open(self) -> None: ...
+        def recover(self) -> None: ...
+        def wake_readers(self) -> None: ...
+
+    def _write_fragments(
+        self, chunks: Chunks, total: int, base_flags: int, seq: int, count: int, *, first: bool
+    ) -> int:
+        w = self._words
+        buf = self._buf
+        msg = self.msg
+        lay = self.layout
+        payload = lay.payload_bytes
+        for k in range(count):
+            off = self._slot_offset(seq)
+            if not self.block:
+                w[off >> 3] = BUSY
+                fence_release()
+            n = chunks.copy_into(buf, off + SLOT_HEADER_BYTES, payload)
+            flags = base_flags
+            if first and k == 0:
+                flags |= F_FIRST
+            if chunks.done:
+                flags |= F_LAST
+            SLOT_REST.pack_into(buf, off + SLOT_REST_OFFSET, msg, n, flags, total)
+            w[off >> 3] = seq
+            seq += 1
+        return seq
+
+    def stream_some(self, chunks: Chunks, total: int, oob: bool, msg: int) -> bool:
+        """Publish the next fragments of streamed message ``msg`` (larger than the ring) into the
+        room there is now. False if another thread holds the mutex (the caller holds the
+        writer's turn, so no other put starts now; one may still be finishing): call again."""
+        if not self.mutex.acquire(blocking=False):
+            return False
+        try:
+            self.check_open()
+            # Another thread's put_nowait may have taken some of the room since the caller saw it.
+            free = free_entries(self.head, self.records.min_cursor, self.layout.capacity)
+            n = min(free, self.layout.entries_for(total - chunks.pos))
+            if n <= 0:
+                return True
+            first = chunks.pos == 0
+            self.head = self._write_fragments(chunks, total, F_OOB if oob else 0, self.head, n, first=first)
+            if first:
+                self._words[W_NEXT_MSG] = msg + 1
+            self._words[W_HEAD] = self.head
+            if chunks.done and type(chunks.first) is ArenaHead:
+                chunks.first.committed(self.head)
+            self.wake_readers()
+            return True
+        except BaseException:
+            self.recover()
+            raise
+        finally:
+            self.mutex.release()
+
+    def end_stream(self, chunks: Chunks, msg: int) -> None:
+        """After a streamed message, whole or cut short (cancelled, interrupted, timed out) once
+        its FIRST fragment went out: its number is used either way (readers drop a message whose
+        LAST never comes, and it does not count as sent)."""
+        if chunks.pos and self.msg == msg:
+            self.msg = msg + 1
+            if not chunks.done:
+                self.aborted += 1
+
+
+class Chunks:
+    """Walks a list of buffers, copying them into consecutive slots."""
+
+    def __init__(self, parts: Sequence[Buffer]) -> None:
+        self._parts = [memoryview(p).cast("B") for p in parts]
+        self.first = parts[0] if parts else None
+        self._i = 0
+        self._off = 0
+        self.pos = 0
+        self.done = not any(p.nbytes for p in self._parts)
+
+    def copy_into(self, buf: memoryview, at: int, room: int) -> int:
+        written = 0
+        parts = self._parts
+        while room and self._i < len(parts):
+            part = parts[self._i]
+            n = min(room, part.nbytes - self._off)
+            buf[at + written : at + written + n] = part[self._off : self._off + n]
+            written += n
+            room -= n
+            self._off += n
+            if self._off == part.nbytes:
+                self._i += 1
+                self._off = 0
+        self.pos += written
+        self.done = self._i >= len(parts)
+        return written

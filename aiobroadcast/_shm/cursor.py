@@ -21,6 +21,7 @@ from .layout import (
     W_WRITER_PID,
     crossed,
     fence,
+    has_room,
 )
 from .wake import Outbox
 
@@ -92,7 +93,8 @@ class ReaderCursor:
     def _not_ready(self, c: int, seq: int) -> None:
         """Entry ``c`` is not in its slot: raise what that means, or resynchronise and return."""
         w = self._words
-        if (seq != EMPTY and seq != BUSY and seq > c) or (not self._block and w[W_HEAD] - c >= self._cap):
+        # Policy "lag": a writer with no room for its next entry short of entry c overwrites c.
+        if (seq != EMPTY and seq != BUSY and seq > c) or (not self._block and not has_room(w[W_HEAD], c, 1, self._cap)):
             self._resync_after_lag(c)
             return
         if w[W_CLOSED] or self._writer_gone:

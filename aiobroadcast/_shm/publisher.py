@@ -222,10 +222,8 @@ class Publisher(FragmentWrites):
         head = self.head
         msg = self.msg
         whole = True
-        while w[self._slot_offset(head) >> 3] == head:
-            number, _length, flags, _total = SLOT_REST.unpack_from(
-                self._buf, self._slot_offset(head) + SLOT_REST_OFFSET
-            )
+        while w[(off := self._slot_offset(head)) >> 3] == head:
+            number, _length, flags, _total = SLOT_REST.unpack_from(self._buf, off + SLOT_REST_OFFSET)
             msg = number + 1
             whole = bool(flags & F_LAST)
             head += 1

@@ -18,11 +18,16 @@ import anyio.lowlevel
 from . import _fork, _tuning
 from ._exceptions import BroadcastError, ClosedResourceError, EndOfStream, WouldBlock
 from ._handle import Handle
-from ._shm.wake import wait_readable
+from ._shm.wake import serve_event_loops, wait_readable
 from ._stats import ReaderStatistics
 from ._steps import Steps, poll_steps, run, run_blocking
+from ._wakeup import LoopWaiter
 
 T_co = TypeVar("T_co", covariant=True)
+
+# A task sleeps on an inbox (a reader's, a writer's, a collector's) through its event-loop side:
+# _shm has none of its own (docs/design.md, "Layers").
+serve_event_loops(LoopWaiter)
 
 _private = object()
 _NOTHING: Any = object()  # what _take returns when no message is ready

@@ -6,7 +6,7 @@ import os
 import threading
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from threading import get_ident as _get_ident
 from time import perf_counter_ns
 from types import TracebackType
@@ -18,10 +18,16 @@ import anyio.lowlevel
 from . import _fork, _tuning
 from ._exceptions import BroadcastError, ClosedResourceError, EndOfStream, WouldBlock
 from ._handle import Handle
+from ._shm.wake import serve_event_loops, wait_readable
 from ._stats import ReaderStatistics
-from ._steps import Steps, poll_steps, run
+from ._steps import Steps, poll_steps, run, run_blocking
+from ._wakeup import LoopWaiter
 
 T_co = TypeVar("T_co", covariant=True)
+
+# A task sleeps on an inbox (a reader's, a writer's, a collector's) through its event-loop side:
+# _shm has none of its own (docs/design.md, "Layers").
+serve_event_loops(LoopWaiter)
 
 _private = object()
 _NOTHING: Any = object()  # what _take returns when no message is ready
@@ -49,19 +55,59 @@ def wait_steps(spin_ns: int, ready: Callable[[], bool], limit_s: Callable[[], fl
     return perf_counter_ns() - start
 
 
+def sleep_steps(src: Source, limit_s: float) -> Steps[bool]:
+    """One sleep of a reader on its source's inbox, written once for both front ends (``_steps``):
+    announce the sleep (``begin_sleep``: from now on a new message wakes the inbox), re-check
+    (done by ``begin_sleep``: if something came meanwhile, no sleep), wait for a wake-up for up to
+    ``limit_s``, end the sleep (``end_sleep``: on a quiet end, the source checks the writer is
+    alive). In that order, so no wake-up is lost: a message published before the announcement
+    is seen by the re-check, one after it wakes the inbox. The wait is the one step a front end
+    does its own way (``sleep_async``, ``sleep_blocking``); ``end_sleep`` runs on every way out of
+    it (cancellation, a close). True if a wake-up came."""
+    if src.begin_sleep():
+        return False
+    woken = False
+    try:
+        woken = yield limit_s
+    finally:
+        src.end_sleep(woken)
+    return woken
+
+
+async def sleep_async(src: Source, limit_s: float) -> bool:
+    """``sleep_steps`` in a task: the wait is the source's own in the running event loop. A close
+    meanwhile ends it quietly (the caller looks at its own closed state)."""
+    try:
+        return await run(sleep_steps(src, limit_s), src.sleep)
+    except anyio.ClosedResourceError:
+        return False  # closed by aclose() meanwhile (the sleep is ended): Reader raises ClosedResourceError
+
+
+def sleep_blocking(src: Source, limit_s: float) -> bool:
+    """``sleep_steps`` in a thread without an event loop: the wait is a ``poll()`` on the inbox's
+    descriptor, then the wake-ups in it are taken. Nobody closes the source meanwhile (the
+    blocking reader makes sure)."""
+
+    def wait(limit_s: float) -> bool:
+        wait_readable((src.inbox_fd,), limit_s)
+        return src.drain_inbox()
+
+    return run_blocking(sleep_steps(src, limit_s), wait)
+
+
 class Source(Protocol):
     """What a transport (``ShmSource``, ``TcpSource``) provides to both reader front ends.
     ``ahead``: messages the source took and decoded already, in order, which ``get_nowait``
-    hands out before anything else; ``Reader`` takes them from it directly. ``sleep`` is the
-    async front end's sleep; ``begin_sleep``/``end_sleep`` around a wait on ``inbox_fd``
-    (then ``drain_inbox``) the blocking front end's, and ``interrupt`` wakes that sleeper from
-    another thread."""
+    hands out before anything else; ``Reader`` takes them from it directly. A sleep is
+    ``sleep_steps`` over ``begin_sleep``/``end_sleep``; its wait is ``sleep`` in a task (raises
+    ``anyio.ClosedResourceError`` if the source is closed meanwhile), and in a thread a wait on
+    ``inbox_fd`` then ``drain_inbox``; ``interrupt`` wakes a sleeper from another thread."""
 
     ahead: deque[Any]
 
     def get_nowait(self) -> Any: ...
     def ready(self) -> bool: ...
-    async def sleep(self) -> bool | None: ...
+    def sleep(self, limit_s: float) -> Awaitable[bool]: ...
     def begin_sleep(self) -> bool: ...
     def end_sleep(self, woken: bool) -> None: ...
     @property
@@ -272,7 +318,10 @@ class Reader(Generic[T_co]):
                     def woke() -> bool:
                         return self._closed or ready()
 
-                    steps = wait_steps(poll_budget(self._spin_ns, self._slept_ns), woke, _no_limit)
+                    def limit_s() -> float:
+                        return src.sleep_limit_s
+
+                    steps = wait_steps(poll_budget(self._spin_ns, self._slept_ns), woke, limit_s)
                     self._slept_ns = await run(steps, self._sleep)
                 finally:
                     self._leading = False
@@ -286,11 +335,5 @@ class Reader(Generic[T_co]):
             raise ClosedResourceError(self._refusal or "this reader was closed while waiting")
 
     async def _sleep(self, limit_s: float) -> bool:
-        """The async driver's sleep for ``wait_steps``: the source bounds the sleep itself."""
-        await self._src.sleep()
-        return True
-
-
-def _no_limit() -> float:
-    """``Reader``'s limit for ``wait_steps``: its source's ``sleep`` applies its own."""
-    return 0.0
+        """The async driver's sleep for ``wait_steps``: one ``sleep_steps`` on the source."""
+        return await sleep_async(self._src, limit_s)

@@ -63,9 +63,8 @@ from ._open import (
     _WriterSpec,
     channel_steps,
 )
-from ._reader import Source, poll_budget, wait_steps
+from ._reader import Source, poll_budget, sleep_blocking, wait_steps
 from ._shm.publisher import Chunks
-from ._shm.wake import wait_readable
 from ._stats import ReaderStatistics, WriterStatistics
 from ._steps import run_blocking
 
@@ -462,18 +461,8 @@ class BlockingReader(_Closable, Generic[T_co]):
             self._wait(deadline, stop, stop_every_s, poll_ns)
 
     def _sleep(self, limit_s: float) -> bool:
-        """The blocking driver's sleep for ``wait_steps``: announce, re-check, wait on the
-        source's socket, end the sleep. Whether a wake-up came."""
-        src = self._src
-        if src.begin_sleep():
-            return False
-        woken = False
-        try:
-            wait_readable((src.inbox_fd,), limit_s)
-            woken = src.drain_inbox()
-        finally:
-            src.end_sleep(woken)
-        return woken
+        """The blocking driver's sleep for ``wait_steps``: one ``sleep_steps`` on the source."""
+        return sleep_blocking(self._src, limit_s)
 
     def _interrupt(self) -> None:
         """Wake the thread sleeping in ``get`` (from another thread): it looks again, and asks

@@ -26,6 +26,7 @@ import pytest
 import aiobroadcast as ab
 from aiobroadcast import _tuning
 from aiobroadcast._shm import wake as _wake
+from aiobroadcast._wakeup import LoopWaiter
 
 pytestmark = pytest.mark.anyio
 
@@ -88,7 +89,8 @@ async def test_a_reader_woken_many_times_is_registered_once_and_wakes_every_time
                 await _wake_once(writer, reader, i)
             if on_asyncio():
                 inbox = inbox_of(reader)
-                assert inbox._loop is asyncio.get_running_loop()  # stayed registered between sleeps
+                assert isinstance(inbox.side, LoopWaiter)
+                assert inbox.side._loop is asyncio.get_running_loop()  # stayed registered between sleeps
                 fd = inbox.sock.fileno()
         if on_asyncio():
             assert not fd_is_watched(fd)  # aclose took it out of the loop before closing it
@@ -471,3 +473,23 @@ async def test_one_timer_ends_each_sleep_at_its_own_limit(tmp_path: Any) -> None
     finally:
         inbox.close()
         out.close()
+
+
+def test_the_shared_memory_layer_knows_no_event_loop() -> None:
+    """``_shm`` (the ring, its wake-up sockets) imports no event-loop module: a task's sleep on an
+    inbox is the reader layer's (``aiobroadcast._wakeup``), given to ``_shm`` from above."""
+    import ast
+    import pathlib
+
+    loops = {"asyncio", "anyio", "sniffio", "trio", "uvloop"}
+    found = {}
+    for path in sorted((pathlib.Path(ab.__file__).parent / "_shm").rglob("*.py")):
+        names: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names.add(node.module.split(".")[0])
+        if names & loops:
+            found[path.name] = sorted(names & loops)
+    assert found == {}

@@ -4,9 +4,8 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Awaitable
 from typing import Any
-
-import anyio
 
 from .. import _tuning
 from .._handle import Handle
@@ -149,23 +148,13 @@ class ShmSource(MessageTaking):
             or self._writer_gone
         )
 
-    async def sleep(self) -> bool:
-        """Park until the ring may have changed (one task at a time). Announces the sleep,
-        re-checks, then waits on the socket; on a quiet timeout, checks the writer is alive.
-        True if a wake-up came (the writer wakes sleepers as a put begins: the message may be
-        a few microseconds from the ring)."""
-        if self.begin_sleep():
-            return False
-        woken = False
-        try:
-            assert self._inbox is not None
-            try:
-                woken = await self._inbox.wait(self.sleep_limit_s)
-            except anyio.ClosedResourceError:
-                return False  # closed by aclose() meanwhile: Reader raises ClosedResourceError
-        finally:
-            self.end_sleep(woken)
-        return woken
+    def sleep(self, limit_s: float) -> Awaitable[bool]:
+        """A task's wait for a wake-up on this reader's inbox, for up to ``limit_s`` (the wait of
+        ``_reader.sleep_steps``, which announces the sleep and re-checks the ring first). True if
+        one came (the writer wakes sleepers as a put begins: the message may be a few
+        microseconds from the ring). Raises ``anyio.ClosedResourceError`` once closed."""
+        assert self._inbox is not None
+        return self._inbox.wait(limit_s)
 
     def begin_sleep(self) -> bool:
         """Announce that this reader sleeps. True if it need not: the ring changed meanwhile

@@ -7,41 +7,47 @@ writer's IPC namespace) reach each other even from another network namespace.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import os
 import select
 import socket
 import threading
-from collections.abc import Callable, Sequence
-from typing import Any
-
-import anyio
-import anyio.lowlevel
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
 from .. import _fork
 from .._exceptions import BroadcastError, os_error
-from .._steps import never_sleep, never_sleep_async, poll_steps, run, run_blocking
 
-_sniffed: Any
-try:
-    from sniffio import thread_local as _sniffed
-except ImportError:  # then trio is not installed either (it needs sniffio): asyncio is the only loop
-    _sniffed = None
+
+class EventLoopSide(Protocol):
+    """How tasks sleep on an inbox (``aiobroadcast._wakeup.LoopWaiter``): ``_shm`` knows nothing
+    of event loops, the layer above gives it this (``serve_event_loops``)."""
+
+    def wait(self, limit_s: float) -> Awaitable[bool]: ...
+    def closing(self) -> None: ...
+    def forget(self) -> None: ...
+
+
+#: Makes an inbox's event-loop side, at its first ``wait``: given by ``serve_event_loops``.
+_event_loop_side: Callable[[Inbox], EventLoopSide] | None = None
+
+
+def serve_event_loops(make: Callable[[Inbox], EventLoopSide]) -> None:
+    """Give inboxes their event-loop side (called once by the reader layer, which imports
+    ``aiobroadcast._wakeup``: ``_shm`` may not)."""
+    global _event_loop_side
+    _event_loop_side = make
 
 
 class Inbox:
     """The socket a sleeper waits on; and, if given, a file descriptor it watches as well (the
     writer's pidfd: readable once the writer's process has exited).
 
-    Under asyncio both are registered with the running event loop once, at the first sleep, and
-    stay registered: a sleep is then one future (one timer, armed again only when it fires, ends
-    sleeps at their limit). Registering and unregistering per
-    sleep (``anyio.wait_readable``) cost two ``epoll_ctl`` calls and a cancel scope per message,
-    and the event loop woke on an epoll instance that itself woke on the socket. Elsewhere (trio,
-    and callers outside an event loop through ``fileno``) both are waited on through one epoll
-    instance, itself a readable file descriptor."""
+    A task waits through ``wait``, which its event-loop side does (``EventLoopSide``); a thread
+    without an event loop through ``wait_blocking`` (or its own wait on ``fileno``, then
+    ``drain``). With a watch, both descriptors are waited on through one epoll instance, itself a
+    readable file descriptor (``waitable``)."""
 
     def __init__(self, path: str, watch: int | None = None) -> None:
         """``watch`` is owned by the inbox from now on (closed by ``close``)."""
@@ -71,173 +77,31 @@ class Inbox:
             raise
         self.sock.setblocking(False)
         #: What to wait on for readability: the epoll instance if there is a watch, else the socket.
-        self._waitable: socket.socket | select.epoll = self.sock if self._epoll is None else self._epoll
+        self.waitable: socket.socket | select.epoll = self.sock if self._epoll is None else self._epoll
         self._forgotten = False
-        #: The asyncio event loop our descriptors are registered with (None: none is).
-        self._loop: asyncio.AbstractEventLoop | None = None
-        #: The future the task asleep in ``wait`` awaits, under asyncio: True for a datagram.
-        self._waiter: asyncio.Future[bool] | None = None
-        #: The watch fired (under asyncio): it is no longer registered, and is dropped at the end
-        #: of the current or next sleep.
-        self._watch_fired = False
-        #: A sleeper was woken by the datagram still in the socket (see ``_on_datagram``).
-        self._owed = False
+        #: How tasks sleep on this inbox: made at the first ``wait``.
+        self.side: EventLoopSide | None = None
+        #: A sleeper was woken by the datagram still in the socket, which an event loop's reader
+        #: callback takes in its next round (``_wakeup.LoopWaiter._on_datagram``).
+        self.owed = False
         #: A datagram other than a wake-up came (a fan-in sender's knock, ``knock``): the owner
         #: looks for new senders and clears it.
         self.knocked = False
-        #: The timer that ends sleeps at their limit (under asyncio), and the current limit.
-        self._timer: asyncio.TimerHandle | None = None
-        self._deadline = 0.0
         _fork.track(self)
 
     def fileno(self) -> int:
-        return self._waitable.fileno()
+        return self.waitable.fileno()
 
-    async def wait(self, limit_s: float) -> bool:
-        """Sleep until a datagram arrives, the watch fires or ``limit_s`` seconds pass. True if
-        a datagram came. Raises ``anyio.ClosedResourceError`` if ``close`` is called meanwhile.
-        One task at a time."""
-        if _sniffed is not None and _sniffed.name is not None:
-            # Trio, even as a guest on a running asyncio loop: its tasks cannot await a future.
-            return await self._wait_generic(limit_s)
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # not asyncio
-            return await self._wait_generic(limit_s)
-        if self.sock.fileno() < 0:
-            raise anyio.ClosedResourceError
-        if self._waiter is not None:
-            raise anyio.BusyResourceError("waiting on")
-        if loop is not self._loop and not self._register(loop):
-            return await self._wait_generic(limit_s)
-        if self._watch_fired:
-            self._drop_watch()
-            return False
-        waiter = self._waiter = loop.create_future()
-        # The sleep's time limit. One timer serves every sleep: arming and cancelling one per
-        # sleep cost about 3 us per message under uvloop (a timer handle made and closed each
-        # time). A timer that fires before the current sleep's limit arms itself again for it.
-        self._deadline = loop.time() + limit_s
-        timer = self._timer
-        if timer is None or timer.when() > self._deadline + 0.002:
-            # None armed, or armed for a longer limit than this sleep's (the limit changed: the
-            # writer's pidfd fired, or a test shortened it): arm one for this sleep.
-            if timer is not None:
-                timer.cancel()
-            self._timer = loop.call_at(self._deadline, self._on_timer)
-        try:
-            # Cancellation (anyio cancel scopes cancel the task) raises here. A datagram taken for
-            # a sleep that is cancelled is lost, which is harmless: it only meant "look at the
-            # ring", and a cancelled get looks at the ring again the next time it is called.
-            woken: bool = await waiter
-        finally:
-            self._waiter = None
-        if self.sock.fileno() < 0:  # close() woke us
-            raise anyio.ClosedResourceError
-        if self._watch_fired:
-            self._drop_watch()
-        return woken
-
-    async def _wait_generic(self, limit_s: float) -> bool:
-        """``wait`` through anyio: register the epoll instance (or the socket) for this sleep only."""
-        with anyio.move_on_after(limit_s):
-            await anyio.wait_readable(self._waitable)
-        if self.sock.fileno() < 0:  # closed while the wait was ending
-            raise anyio.ClosedResourceError
-        return self.drain()
-
-    def _register(self, loop: asyncio.AbstractEventLoop) -> bool:
-        """Register our descriptors with ``loop`` (and take them out of the loop they were
-        registered with before, if it is still open). False if ``loop`` cannot watch file
-        descriptors (then every sleep takes the generic path)."""
-        self._unregister()
-        # A datagram left for the previous loop to take (see _on_datagram) may be gone, taken by
-        # the generic path: the new loop must not drop the next one in its stead. (If it is still
-        # there, it wakes the next sleep early, which then looks at the ring and sleeps again.)
-        self._owed = False
-        try:
-            loop.add_reader(self.sock.fileno(), self._on_datagram)
-        except NotImplementedError:
-            return False
-        self._loop = loop
-        if self.watch is not None and not self._watch_fired:
-            try:
-                loop.add_reader(self.watch, self._on_watch)
-            except BaseException:
-                self._unregister()
-                raise
-        return True
-
-    def _unregister(self) -> None:
-        """Take our descriptors out of the loop they are registered with, unless it is closed
-        (then they are not registered anywhere any more)."""
-        loop = self._loop
-        if loop is None:
-            return
-        self._loop = None
-        timer, self._timer = self._timer, None
-        if loop.is_closed():
-            return
-        if timer is not None:
-            timer.cancel()
-        loop.remove_reader(self.sock.fileno())
-        if self.watch is not None and not self._watch_fired:
-            loop.remove_reader(self.watch)
-
-    def _on_datagram(self) -> None:
-        """The socket is readable (called by the event loop). A sleeper is woken at once and its
-        datagram left in the socket: taking it is a system call, which the loop's next round
-        (after the woken task has run) makes, calling this again. Any other datagram is taken
-        and dropped: it came while nobody slept, and only meant "look at the ring again"."""
-        waiter = self._waiter
-        if not self._owed and waiter is not None and not waiter.done():
-            waiter.set_result(True)
-            self._owed = True
-            return
-        self._owed = False
-        try:
-            data = self.sock.recv(64)
-        except OSError:  # BlockingIOError (taken meanwhile), InterruptedError
-            return
-        if data != b"\0":
-            self.knocked = True
-            if waiter is not None and not waiter.done():
-                waiter.set_result(True)  # a sleeper that came after the datagram must look too
-
-    def _on_timer(self) -> None:
-        """The timer fired (called by the event loop): end the current sleep if its limit has
-        come (within the loop's millisecond resolution), or wait on for it. Without a sleeper
-        the timer is not armed again: the next sleep arms it."""
-        self._timer = None
-        waiter = self._waiter
-        loop = self._loop
-        if waiter is None or waiter.done() or loop is None:
-            return
-        if loop.time() >= self._deadline - 0.002:
-            waiter.set_result(False)
-        else:
-            self._timer = loop.call_at(self._deadline, self._on_timer)
-
-    def _on_watch(self) -> None:
-        """The watch fired (the writer's process has exited). It stays readable for good, so
-        it is taken out of the loop at once; the sleeper wakes without a datagram and checks the
-        writer's lock (a task that sleeps later drops the watch first and does the same)."""
-        assert self._loop is not None and self.watch is not None
-        self._loop.remove_reader(self.watch)
-        self._watch_fired = True
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(False)
-
-    def _drop_watch(self) -> None:
-        """Stop watching the watch that fired, and close it: sleeps then go by ``LIVENESS_S``."""
-        watch = self.watch
-        assert watch is not None
-        if self._epoll is not None:
-            self._epoll.unregister(watch)
-        self.watch = None
-        self._watch_fired = False
-        os.close(watch)
+    def wait(self, limit_s: float) -> Awaitable[bool]:
+        """Sleep in a task until a datagram arrives, the watch fires or ``limit_s`` seconds
+        pass. True if a datagram came. Raises ``anyio.ClosedResourceError`` if ``close`` is
+        called meanwhile. One task at a time. The event-loop side does it (``EventLoopSide``)."""
+        side = self.side
+        if side is None:
+            if _event_loop_side is None:
+                raise BroadcastError("no event-loop side for inboxes: aiobroadcast._reader was not imported")
+            side = self.side = _event_loop_side(self)
+        return side.wait(limit_s)
 
     def wait_blocking(self, limit_s: float) -> bool:
         """``wait`` for a thread without an event loop: block in ``poll()`` on the same file
@@ -249,7 +113,7 @@ class Inbox:
         """Read every datagram; True if there was one. Without one, a watch that fired is
         dropped (it stays readable: waiting on it again would return at once, forever)."""
         got = False
-        self._owed = False  # whatever was left in the socket is taken now
+        self.owed = False  # whatever was left in the socket is taken now
         while True:
             try:
                 data = self.sock.recv(64)
@@ -262,25 +126,27 @@ class Inbox:
         if got or self._epoll is None or watch is None:
             return got
         if any(fd == watch for fd, _events in self._epoll.poll(0)):
-            self._drop_watch()
+            self.drop_watch()
         return got
+
+    def drop_watch(self) -> None:
+        """Stop watching the watch that fired, and close it: sleeps then go by ``LIVENESS_S``."""
+        watch = self.watch
+        if watch is None:  # dropped already
+            return
+        if self._epoll is not None:
+            self._epoll.unregister(watch)
+        self.watch = None
+        os.close(watch)
 
     def close(self) -> None:
         if self._forgotten:
             return  # the socket file is the parent's
         _fork.untrack(self)
-        if self.sock.fileno() >= 0:
-            # Before the descriptors are closed: a loop that still watched one would watch
-            # whatever file reuses its number next.
-            self._unregister()
-            waiter = self._waiter
-            if waiter is not None and not waiter.done():
-                waiter.set_result(False)  # the task parked in wait() raises ClosedResourceError
-            try:
-                # A task parked in the generic wait (trio) raises ClosedResourceError.
-                anyio.notify_closing(self._waitable)
-            except RuntimeError:  # no event loop here, so no task can be parked
-                pass
+        if self.sock.fileno() >= 0 and self.side is not None:
+            # Before the descriptors are closed: an event loop must let go of them, and a task
+            # parked in wait() raises ClosedResourceError.
+            self.side.closing()
         if self._epoll is not None:
             self._epoll.close()
         if self.watch is not None:
@@ -296,12 +162,8 @@ class Inbox:
         """A fork child's copy: close the descriptors, leave the socket file to the parent, and
         tell no event loop (one inherited from the parent is not this process's to use)."""
         self._forgotten = True
-        # Our registrations with the parent's event loop are the parent's: the child's copy of
-        # that loop shares its epoll instance with the parent, so touching it here would take
-        # the parent's descriptors out of the parent's loop. Forget them instead.
-        self._loop = None
-        self._waiter = None
-        self._timer = None
+        if self.side is not None:
+            self.side.forget()
         # Quietly: a descriptor may be closed already (by another hook that closes everything).
         with contextlib.suppress(OSError):
             self.sock.close()
@@ -406,17 +268,6 @@ def knock(path: str) -> bool:
     finally:
         sock.close()
     return True
-
-
-async def poll(ready: Callable[[], bool], limit_ns: int) -> bool:
-    """Re-check ``ready`` for up to ``limit_ns`` instead of sleeping (``_steps.poll_steps``),
-    one event-loop round at a time. True once ``ready()`` is; False when time is up."""
-    return await run(poll_steps(ready, limit_ns), never_sleep_async)
-
-
-def poll_blocking(ready: Callable[[], bool], limit_ns: int) -> bool:
-    """``poll`` for a thread without an event loop (the same ``_steps.poll_steps``)."""
-    return run_blocking(poll_steps(ready, limit_ns), never_sleep)
 
 
 def wait_readable(fds: Sequence[int], limit_s: float) -> bool:

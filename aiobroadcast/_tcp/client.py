@@ -33,7 +33,6 @@ from .._exceptions import (
 )
 from .._handle import Handle
 from .._shm.layout import host_name
-from .._shm.wake import _sniffed
 from .._stats import ReaderStatistics
 from . import wire
 from .errors import protocol_error, zmq_errors
@@ -663,28 +662,24 @@ class TcpSource:
         with self._inbox.lock:
             return bool(self._inbox.items)
 
-    async def sleep(self) -> None:
-        if _sniffed is None or _sniffed.name is None:  # not trio (which cannot await a future)
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:
-                pass  # not asyncio
-            else:
-                try:
-                    await self._inbox.wait(self.sleep_limit_s)
-                except anyio.ClosedResourceError:
-                    return  # closed by aclose() meanwhile: Reader raises ClosedResourceError
-                return
-        if self.begin_sleep():
-            return
+    async def sleep(self, limit_s: float) -> bool:
+        """A task's wait for the I/O thread's wake-up, for up to ``limit_s`` (the wait of
+        ``_reader.sleep_steps``, which announces the sleep and re-checks the queue first). True
+        if one came. Raises ``anyio.ClosedResourceError`` once closed."""
         try:
-            with anyio.move_on_after(self.sleep_limit_s):
-                await anyio.wait_readable(self._inbox.fd)
-            self.drain_inbox()
-        except anyio.ClosedResourceError:
-            return  # closed by aclose() meanwhile: Reader raises ClosedResourceError
-        finally:
-            self.end_sleep(False)
+            # In an asyncio task. (Not in trio, even as a guest on a running asyncio loop: its
+            # tasks are no asyncio tasks, and cannot await a future.)
+            in_asyncio = asyncio.current_task() is not None
+        except RuntimeError:  # no asyncio loop runs here
+            in_asyncio = False
+        if in_asyncio:
+            # It announces the sleep again, with its future, under the lock the I/O thread
+            # queues under. (A message queued since begin_sleep wakes through the socket
+            # instead: its byte only ever ends a later generic or blocking wait early.)
+            return await self._inbox.wait(limit_s)
+        with anyio.move_on_after(limit_s):
+            await anyio.wait_readable(self._inbox.fd)
+        return self.drain_inbox()
 
     # The sleep protocol of ShmSource, for a caller outside an event loop (the blocking reader).
     def begin_sleep(self) -> bool:

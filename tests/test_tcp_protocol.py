@@ -134,7 +134,8 @@ def server(
         buffer_bytes=buffer_bytes,
         sole_reader=sole_reader,
     )
-    return ServerProtocol(config, start=start, now=0.0, returning=returning)
+    sealer = seal.Sealer(CHANNEL.encode(), secret=key)
+    return ServerProtocol(config, start=start, now=0.0, returning=returning, sealer=sealer)
 
 
 def signed(*frames: bytes, key: bytes | None = KEY) -> list[Any]:

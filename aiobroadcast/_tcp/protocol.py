@@ -307,21 +307,20 @@ class ServerProtocol:
         start: int,
         now: float,
         returning: int = 0,
-        sealer: seal.Sealer | None = None,
+        sealer: seal.Sealer,
         large: Callable[[bytes | bytearray], Any] | None = None,
     ) -> None:
         """``start``: the number of the next message the ring will give. ``returning``: this
         server replaces one that died, which served that many readers (``_awaiting_return``).
-        ``sealer``: seals the data plane (by default one of its own, for ``config.channel``,
-        insecure if ``config.key``). ``large``: what a large sealed body is held as (the pump
+        ``sealer``: seals the data plane under the pump's group key (for ``config.channel``,
+        insecure if ``config.key``): the pump draws the key and sets the rekey policy, so this
+        object draws no randomness. ``large``: what a large sealed body is held as (the pump
         makes it a ZeroMQ message, shared by every send without a copy)."""
         self._cfg = config
         self._block = config.policy == "block"
         self._returning = returning
         self._grace_until = now + 2 * config.hb_timeout
         self._held = _Held(start)
-        if sealer is None:
-            sealer = seal.Sealer((config.channel or "").encode(), secret=config.key)
         self.sealer = sealer
         self._keys_epoch = sealer.epoch  # the sealer's epoch whose keys every reader was sent
         self._large = large

@@ -8,17 +8,19 @@ as arguments, and answer with typed events and frame groups to send. The I/O pum
 (``server.py``, ``client.py``) only move frames between sockets and these objects, so every rule
 here is tested by feeding frames (tests/test_tcp_protocol.py).
 
-Frames out: the client's go to a list the pump empties (``data_to_send``), since a client never
-needs to know whether ZeroMQ took one (each is repeated by a later timer if lost). The server's
-go through a ``Sink`` the pump passes in, which says whether the transport took them: a batch
-that ZeroMQ refused (the reader's queue is full) was not sent, so the reader's place must not
-move past it, and the protocol has to know that at once, not after the fact.
+Frames out, one style for both: neither object calls into I/O, the pump sends what they give.
+Control frames go to a list the pump empties (``data_to_send``): neither side needs to know
+whether ZeroMQ took one (each is repeated by a later timer, or asked for again, if lost). The
+server's data frames come from ``ServerProtocol.transmit``, a generator of ``(ident, frames)``
+the pump sends one at a time, answering whether the transport took each: a batch that ZeroMQ
+refused (the reader's queue is full) was not sent, so the reader's place must not move past it,
+and the protocol has to know that at once, before it decides what goes to that reader next.
 
 Two connections per reader (wire.py): the control frames (signed in insecure mode, CurveZMQ
 otherwise) and the data frames (BATCH, LAGGED, END), each sealed by ``_seal.py`` under the
 group key that WELCOME and KEYS deliver. The server protocol seals every message once, as it
-takes it from the ring, and sends data frames through the sink ``transmit`` is given; the
-client protocol opens them (``receive_data``) and counts what it refuses.
+takes it from the ring, and hands out data frames from ``transmit``; the client protocol
+opens them (``receive_data``) and counts what it refuses.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from __future__ import annotations
 import bisect
 import logging
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -36,9 +38,12 @@ from . import wire
 
 log = logging.getLogger("aiobroadcast")
 
-#: hands one frame group (signed) to the transport for the client ``ident``; False if the
-#: transport refused it (that client's queue is full, or it is not connected): nothing was sent
-Sink = Callable[[bytes, list[Any]], bool]
+#: a frame group for one reader: its ident, and the frames (signed, or sealed)
+Outgoing = tuple[bytes, list[Any]]
+#: what ``ServerProtocol.transmit`` is: it yields the data frame groups to send, one at a time,
+#: and is sent back whether the transport took each (False: that reader's queue is full, or it
+#: is not connected; nothing was sent); it returns the number of messages the transport took
+Transmission = Generator[Outgoing, bool, int]
 #: how a stream ended: the writer closed it, or died
 StreamEnd = Literal["closed", "gone"]
 
@@ -241,12 +246,12 @@ class _Sender:
         """A data frame that is not a message (LAGGED, END), sealed for this send."""
         return [kind, self._sealer.seal_control(kind, payload)]
 
-    def send_to(self, client: _Client, batches: dict[tuple[int, int], list[Any]], send: Sink) -> int:
+    def send_to(self, client: _Client, batches: dict[tuple[int, int], list[Any]]) -> Transmission:
         held = self.held
         # A reader that needs what the server no longer holds (policy "lag", a resume after a
         # restart) is told exactly what is lost. No credit is granted for the gap: the reader
         # acknowledges it once it has taken the report, so it never holds more than `window`.
-        if client.next_send < held.base and not self._report_gap(client, held.base, send):
+        if client.next_send < held.base and not (yield from self._report_gap(client, held.base)):
             return 0
         # Credit: the reader may hold `window` messages it has not acknowledged, no more. That
         # bounds its queue, and under "block" it is what holds the writer back.
@@ -256,7 +261,7 @@ class _Sender:
             lo = bisect.bisect_left(seqs, client.next_send)
             if lo == len(seqs) or seqs[lo] != client.next_send:
                 # In a gap of the server's own: say what it holds next, and go on from there.
-                if not self._report_gap(client, seqs[lo] if lo < len(seqs) else held.end, send):
+                if not (yield from self._report_gap(client, seqs[lo] if lo < len(seqs) else held.end)):
                     return 0
                 if client.next_send >= limit:
                     return 0  # no credit beyond the gap until the reader takes the report
@@ -267,23 +272,23 @@ class _Sender:
                 # its seal, so the header cannot move it either.
                 frames = wire.encode_batch(first, held.items[lo : lo + count])
                 batches[(first, count)] = frames
-            if not send(client.ident, frames):
+            if not (yield client.ident, frames):
                 client.choked = True
                 return 0
             client.choked = False
             client.next_send += count
             return count
         if held.done and not client.ended and client.next_send >= held.end:
-            if send(client.ident, self._sealed(wire.END, wire.U64.pack(held.end) + held.done.encode())):
+            if (yield client.ident, self._sealed(wire.END, wire.U64.pack(held.end) + held.done.encode())):
                 client.ended = True
             else:
                 client.choked = True
         return 0
 
-    def _report_gap(self, client: _Client, after: int, send: Sink) -> bool:
+    def _report_gap(self, client: _Client, after: int) -> Generator[Outgoing, bool, bool]:
         """Tell ``client`` that everything from its place up to ``after`` is lost; move it there."""
         lagged = self._sealed(wire.LAGGED, wire.U64x2.pack(after, after - client.next_send))
-        if not send(client.ident, lagged):
+        if not (yield client.ident, lagged):
             client.choked = True
             return False
         client.next_send = after
@@ -294,11 +299,11 @@ class ServerProtocol:
     """The server's side: what it holds of the stream and what each remote reader may get.
 
     The pump feeds it the ring (``add``, ``lost``, ``stream_ended``, asking ``wants_ring``
-    first), the frame groups readers send (``receive``) and the time; it sends through the
-    ``Sink`` it is given. ``transmit`` sends every reader what its credit allows (through the
-    data connection's sink), ``trim`` forgets what no reader needs, ``heartbeat`` (when
-    ``heartbeat_due``) drops silent readers and tells the others how far the stream goes,
-    ``send_keys`` tells every reader the keys after a rekey."""
+    first), the frame groups readers send (``receive``) and the time, and sends what it gives:
+    the control frames that pile up for ``data_to_send``, and the data frames ``transmit``
+    yields (every reader what its credit allows). ``trim`` forgets what no reader needs,
+    ``heartbeat`` (when ``heartbeat_due``) drops silent readers and tells the others how far
+    the stream goes, ``send_keys`` tells every reader the keys after a rekey."""
 
     def __init__(
         self,
@@ -326,6 +331,7 @@ class ServerProtocol:
         self._large = large
         self._sender = _Sender(self._held, sealer)
         self._clients: dict[bytes, _Client] = {}
+        self._out: list[Outgoing] = []
         self._stop_at: float | None = None
         #: when the next heartbeat is due
         self.next_heartbeat = now + config.hb_interval
@@ -368,7 +374,7 @@ class ServerProtocol:
         """A new group key now (on demand); ``send_keys`` tells the readers."""
         self.sealer.rekey()
 
-    def send_keys(self, send: Sink) -> None:
+    def send_keys(self) -> None:
         """After a rekey (on demand, or by the sealer's policy): every reader gets the keys.
         The next key was announced already, so readers open the first frame under it even if
         this arrives later; one whose queue was full asks again (it meets an unknown key)."""
@@ -377,7 +383,7 @@ class ServerProtocol:
         self._keys_epoch = self.sealer.epoch
         msg = [wire.KEYS, self.sealer.keys_message()]
         for ident in list(self._clients):
-            self._send(send, ident, msg)
+            self._send(ident, msg)
 
     def lost(self, next_msg: int) -> None:
         """The ring overwrote messages before the server took them (policy "lag"): the next one
@@ -389,48 +395,46 @@ class ServerProtocol:
         self._held.done = how
 
     # --- frames from readers --------------------------------------------------------------------
-    def receive(
-        self, ident: bytes, frames: list[bytes], *, now: float, published: int, send: Sink
-    ) -> ServerEvent | None:
+    def receive(self, ident: bytes, frames: list[bytes], *, now: float, published: int) -> ServerEvent | None:
         """A frame group from ``ident`` (its signature still on). ``published``: the number of the
         next message the writer will publish (read from the ring now). Every field is checked
         before it is acted on; a bad frame costs only its sender."""
         if len(frames) > wire.MAX_CONTROL_FRAMES:
-            return self._reject(ident, f"{len(frames)} frames in one message", send)
+            return self._reject(ident, f"{len(frames)} frames in one message")
         if any(len(f) > wire.MAX_CONTROL_FRAME for f in frames):
             # ZeroMQ cuts these off (maxmsgsize) before they reach us; a pump without that limit
             # must not get further.
-            return self._reject(ident, "a frame larger than a control frame", send)
+            return self._reject(ident, "a frame larger than a control frame")
         try:
             frames = wire.verify(self._cfg.key, frames)
         except wire.FrameError as exc:
             self.rejected_frames += 1
             return Rejected(ident, str(exc), None, self.rejected_frames)
         try:
-            return self._on_frames(ident, frames, now, max(self._held.end, published), send)
+            return self._on_frames(ident, frames, now, max(self._held.end, published))
         except (wire.FrameError, struct.error) as exc:
-            return self._reject(ident, str(exc), send)
+            return self._reject(ident, str(exc))
         except Exception as exc:  # a bug: it must not take the other readers down with it
             log.exception("aiobroadcast: the TCP server failed on a frame from a remote reader")
-            return self._reject(ident, f"internal error {type(exc).__name__}", send)
+            return self._reject(ident, f"internal error {type(exc).__name__}")
 
-    def _reject(self, ident: bytes, reason: str, send: Sink) -> Rejected:
+    def _reject(self, ident: bytes, reason: str) -> Rejected:
         """Refuse a frame from ``ident``: count it, drop that reader (only it), tell it why."""
         self.rejected_frames += 1
         client = self._clients.pop(ident, None)
-        self._send(send, ident, [wire.REFUSED, f"malformed frame: {reason}".encode()[:256]])
+        self._send(ident, [wire.REFUSED, f"malformed frame: {reason}".encode()[:256]])
         if client is not None:
             self._reader_left(None)
         return Rejected(ident, reason, client.info if client else None, self.rejected_frames)
 
-    def _on_frames(self, ident: bytes, frames: list[bytes], now: float, horizon: int, send: Sink) -> ServerEvent | None:
+    def _on_frames(self, ident: bytes, frames: list[bytes], now: float, horizon: int) -> ServerEvent | None:
         if not frames:
             raise wire.FrameError("empty message")
         kind = frames[0]
         client = self._clients.get(ident)
         if kind == wire.HELLO:
             _arity(frames, 1)
-            return self._hello(ident, client, wire.decode_hello(frames[1]), now, horizon, send)
+            return self._hello(ident, client, wire.decode_hello(frames[1]), now, horizon)
         if kind == wire.ACK or kind == wire.NACK:
             _arity(frames, 1)
             if len(frames[1]) != wire.U64.size:
@@ -442,7 +446,7 @@ class ServerProtocol:
             raise wire.FrameError(f"unknown frame kind {kind[:8]!r}")
         if client is None:
             if kind != wire.BYE:
-                self._send(send, ident, [wire.UNKNOWN])  # "who are you?": it says HELLO again
+                self._send(ident, [wire.UNKNOWN])  # "who are you?": it says HELLO again
             return None
         client.last_heard = now
         if kind == wire.ACK:
@@ -468,27 +472,23 @@ class ServerProtocol:
         return None
 
     def _hello(
-        self, ident: bytes, client: _Client | None, hello: wire.Hello, now: float, horizon: int, send: Sink
+        self, ident: bytes, client: _Client | None, hello: wire.Hello, now: float, horizon: int
     ) -> ServerEvent | None:
         if hello.version != wire.PROTOCOL_VERSION:
-            self._send(send, ident, [wire.REFUSED, b"protocol version mismatch"])
+            self._send(ident, [wire.REFUSED, b"protocol version mismatch"])
             return None
         if hello.channel is not None and self._cfg.channel is not None and hello.channel != self._cfg.channel:
             # Same endpoint and keys (fixed CurveKeys), but the handle of another writer: its
             # frames would never open here (the channel id is in every seal).
-            self._send(
-                send, ident, [wire.REFUSED, b"this handle is of another channel (an earlier writer at this endpoint)"]
-            )
+            self._send(ident, [wire.REFUSED, b"this handle is of another channel (an earlier writer at this endpoint)"])
             return None
         if client is not None and now - client.resent_at < self._cfg.hb_interval:
             return None  # it said HELLO a moment ago; it says it again if the WELCOME is lost
         if self.abandoned:
-            self._send(send, ident, [wire.REFUSED, b"this sender's collector left: it serves no reader any more"])
+            self._send(ident, [wire.REFUSED, b"this sender's collector left: it serves no reader any more"])
             return None
         if client is None and len(self._clients) >= self._cfg.max_remote:
-            self._send(
-                send, ident, [wire.REFUSED, f"all {self._cfg.max_remote} remote reader places are taken".encode()]
-            )
+            self._send(ident, [wire.REFUSED, f"all {self._cfg.max_remote} remote reader places are taken".encode()])
             return None
         if hello.resume is not None and self._returning:
             self._returning -= 1
@@ -520,23 +520,29 @@ class ServerProtocol:
         }
         if self._cfg.data_token is not None:
             welcome["data_token"] = self._cfg.data_token
-        self._send(send, ident, [wire.WELCOME, wire.encode_json(welcome)])
+        self._send(ident, [wire.WELCOME, wire.encode_json(welcome)])
         return Admitted(ident, info)
 
     # --- frames to readers ----------------------------------------------------------------------
-    def _send(self, send: Sink, ident: bytes, frames: list[Any]) -> bool:
-        return send(ident, wire.sign(self._cfg.key, frames))
+    def _send(self, ident: bytes, frames: list[Any]) -> None:
+        self._out.append((ident, wire.sign(self._cfg.key, frames)))
 
-    def transmit(self, send: Sink) -> int:
-        """Send every reader what its credit allows (``send``: the data connection's sink); the
-        number of messages the transport took."""
+    def data_to_send(self) -> list[Outgoing]:
+        """The control frame groups to send, signed, oldest first (each is taken once)."""
+        out, self._out = self._out, []
+        return out
+
+    def transmit(self) -> Transmission:
+        """Every reader what its credit allows: the data frame groups to send, one at a time,
+        each answered with whether the transport took it; returns the number of messages it
+        took (``Transmission``)."""
         sent = 0
         # Readers that keep pace get the same batch: build it once (its bodies are sealed
         # already), keyed by its first number and count, which fix its content within this call.
         batches: dict[tuple[int, int], list[Any]] = {}
         for client in list(self._clients.values()):
             try:
-                sent += self._sender.send_to(client, batches, send)
+                sent += yield from self._sender.send_to(client, batches)
             except Exception:  # a bug: it must not take the other readers down with it
                 log.exception("aiobroadcast: the TCP server failed to send to %r; dropped it", client.info.name)
                 self._clients.pop(client.ident, None)
@@ -571,7 +577,7 @@ class ServerProtocol:
     def heartbeat_due(self, now: float) -> bool:
         return now >= self.next_heartbeat
 
-    def heartbeat(self, now: float, send: Sink) -> list[TimedOut]:
+    def heartbeat(self, now: float) -> list[TimedOut]:
         """Drop the readers silent for longer than the timeout; tell the others how far the
         stream goes (lost if a reader's queue is full: the next one goes a heartbeat later)."""
         self.next_heartbeat = now + self._cfg.hb_interval
@@ -583,7 +589,7 @@ class ServerProtocol:
                 self.dropped += 1
                 out.append(TimedOut(ident, client.info, now - client.last_heard, client.acked, self._held.end))
             else:
-                self._send(send, ident, beat)
+                self._send(ident, beat)
         self._reader_left(now)
         return out
 

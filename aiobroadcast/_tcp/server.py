@@ -377,22 +377,26 @@ class TcpServer:
                 last_pull_ns = t
                 pulled_ns = t if dense else 0
             idle = idle and not pulled
-            proto.send_keys(self._send)  # before anything sealed under the new key goes out
+            proto.send_keys()
+            self._flush()  # the keys, before anything sealed under the new key goes out
             # What was just taken goes out first: a reader waits for it, and what readers sent
             # (acknowledgements, mostly) can wait the few microseconds of a send. Sent again
             # below if what they sent gave credit.
-            sent = proto.transmit(self._send_data) if pulled else 0
+            sent = self._transmit() if pulled else 0
             if woken:  # the wake-up's datagram, taken once what it announced is on its way
                 woken = False
                 self._src.drain_inbox()
             now = time.monotonic()
-            if self._recv_clients(now) or not pulled:
-                sent += proto.transmit(self._send_data)
+            received = self._recv_clients(now)
+            self._flush()  # the answers (WELCOME, REFUSED, ...)
+            if received or not pulled:
+                sent += self._transmit()
             self._drain_data()
             proto.trim(now)
             if proto.heartbeat_due(now):
-                for event in proto.heartbeat(now, self._send):
+                for event in proto.heartbeat(now):
                     self._on_event(event)
+                self._flush()
                 self.write_stats()
                 if idle:
                     self._buffers.clear()
@@ -506,13 +510,26 @@ class TcpServer:
         self._pulled_bytes = TURN_BYTES - budget
         return n
 
-    def _send(self, ident: bytes, frames: list[Any]) -> bool:
-        """The protocol's ``Sink`` for control frames."""
-        return self._send_on(self._router, ident, frames)
+    def _flush(self) -> None:
+        """Send the control frames the protocol queued (signed already). One that ZeroMQ
+        refuses is lost, and the protocol does not need to know: a timer repeats what matters."""
+        router, send_on = self._router, self._send_on
+        for ident, frames in self.protocol.data_to_send():
+            send_on(router, ident, frames)
 
-    def _send_data(self, ident: bytes, frames: list[Any]) -> bool:
-        """The protocol's ``Sink`` for data frames (sealed already)."""
-        return self._send_on(self._data, ident, frames)
+    def _transmit(self) -> int:
+        """Send the data frames the protocol gives (sealed already), telling it at once whether
+        ZeroMQ took each (a refused batch was not sent: that reader's place stays); the number
+        of messages taken."""
+        data, send_on = self._data, self._send_on
+        steps = self.protocol.transmit()
+        try:
+            ident, frames = next(steps)
+            while True:
+                ident, frames = steps.send(send_on(data, ident, frames))
+        except StopIteration as done:
+            sent: int = done.value
+            return sent
 
     def _send_on(self, sock: zmq.Socket[Any], ident: bytes, frames: list[Any]) -> bool:
         """Hand ``frames`` to ZeroMQ for ``ident``; False if it refused: the reader's queue is
@@ -540,7 +557,7 @@ class TcpServer:
             except zmq.Again:
                 return n
             published = self._ring_words[W_NEXT_MSG]
-            event = self.protocol.receive(frames[0], frames[1:], now=now, published=published, send=self._send)
+            event = self.protocol.receive(frames[0], frames[1:], now=now, published=published)
             if event is not None:
                 self._on_event(event)
         return n + 1

@@ -30,6 +30,7 @@ from aiobroadcast._tcp.protocol import (
     Ended,
     Lagged,
     Messages,
+    ReaderFault,
     Refused,
     Rejected,
     ServerConfig,
@@ -82,6 +83,12 @@ class Net:
         self, srv: ServerProtocol, ident: bytes, frames: list[Any], *, now: float, published: int
     ) -> ServerEvent | None:
         event = srv.receive(ident, frames, now=now, published=published)
+        self.flush(srv)
+        return event
+
+    def receive_fault(self, srv: ServerProtocol, fault: ReaderFault) -> Rejected:
+        """What the pump does with a ``ReaderFault`` from ``receive``: refuse that reader."""
+        event = srv.reject(fault.ident, fault.reason)
         self.flush(srv)
         return event
 
@@ -178,11 +185,15 @@ def signed(*frames: bytes, key: bytes | None = KEY) -> list[Any]:
 
 
 def hello(
-    window: int = 4, resume: int | None = None, version: int = wire.PROTOCOL_VERSION, channel: str | None = CHANNEL
+    window: int = 4,
+    resume: int | None = None,
+    version: int = wire.PROTOCOL_VERSION,
+    channel: str | None = CHANNEL,
+    name: str = "r",
 ) -> list[Any]:
     body = {
         "version": version,
-        "name": "r",
+        "name": name,
         "pid": 7,
         "host": "h",
         "window": window,
@@ -548,6 +559,63 @@ def test_a_hostile_frame_from_an_admitted_reader_drops_it_only_and_tells_it_why(
     assert [r["name"] for r in srv.report()["readers"]] == ["r"]  # only the good one is left
     net.transmit(srv)
     assert net.seen(b"good") == [("msg", 0)] and net.seen(b"bad") == []
+
+
+def test_a_hostile_frame_the_protocol_fails_on_is_raised_to_the_pump_and_costs_that_reader_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug that a reader's frame trips is no reason to take the others down, nor to be hidden:
+    ``receive`` raises it as a ``ReaderFault`` naming that reader (logging and dropping are the
+    pump's), and the pump's ``reject`` drops that reader only and tells it why."""
+    srv, net = server(), Net()
+    admit(srv, net, b"bad")
+    admit(srv, net, b"good")
+    publish(srv, 0)
+    real = wire.decode_hello
+
+    def poisoned(body: Any) -> wire.Hello:
+        if b"poison" in bytes(body):
+            raise RuntimeError("a bug this body trips")
+        return real(body)
+
+    monkeypatch.setattr(wire, "decode_hello", poisoned)
+    with pytest.raises(ReaderFault) as caught:
+        srv.receive(b"bad", hello(name="poison"), now=1.5, published=1)
+    fault = caught.value
+    assert fault.ident == b"bad" and fault.reason == "internal error RuntimeError"
+    assert isinstance(fault.__cause__, RuntimeError)
+    assert srv.data_to_send() == []  # nothing said yet: the pump decides
+    event = net.receive_fault(srv, fault)
+    assert isinstance(event, Rejected) and event.dropped is not None and srv.rejected_frames == 1
+    assert net.seen(b"bad") == [("refused", "malformed frame: internal error RuntimeError")]
+    assert [r["name"] for r in srv.report()["readers"]] == ["r"]  # the good one is served on
+    net.transmit(srv)
+    assert net.seen(b"good") == [("msg", 0)] and net.seen(b"bad") == []
+
+
+def test_a_reader_the_protocol_fails_to_send_to_is_raised_to_the_pump_and_costs_that_reader_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    srv, net = server(), Net()
+    admit(srv, net, b"bad")
+    admit(srv, net, b"good")
+    publish(srv, 0, 1)
+    sender = srv._sender
+    real = sender.send_to
+
+    def failing(client: Any, batches: Any) -> Any:
+        if client.ident == b"bad":
+            raise RuntimeError("a bug in what this reader is owed")
+        return real(client, batches)
+
+    monkeypatch.setattr(sender, "send_to", failing)
+    with pytest.raises(ReaderFault) as caught:
+        net.transmit(srv)
+    assert caught.value.ident == b"bad" and isinstance(caught.value.__cause__, RuntimeError)
+    assert srv.drop(b"bad") is not None and srv.drop(b"bad") is None
+    net.transmit(srv)
+    assert net.seen(b"good") == [("msg", 0), ("msg", 1)] and net.seen(b"bad") == []
+    assert [r["name"] for r in srv.report()["readers"]] == ["r"] and srv.rejected_frames == 0
 
 
 def test_frames_that_are_not_authentic_are_counted_and_drop_nobody() -> None:

@@ -26,7 +26,6 @@ opens them (``receive_data``) and counts what it refuses.
 from __future__ import annotations
 
 import bisect
-import logging
 import struct
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -35,8 +34,6 @@ from typing import Any, Literal
 from .. import _seal as seal
 from .._shm.layout import NAME_BYTES
 from . import wire
-
-log = logging.getLogger("aiobroadcast")
 
 #: a frame group for one reader: its ident, and the frames (signed, or sealed)
 Outgoing = tuple[bytes, list[Any]]
@@ -110,6 +107,18 @@ class TimedOut:
 
 
 ServerEvent = Admitted | Departed | Rejected | TimedOut
+
+
+class ReaderFault(Exception):
+    """The server protocol failed on a frame one reader sent (``receive``), or on what it owes
+    that reader (``transmit``): a bug, which must cost that reader only. Raised to the pump,
+    which drops the reader (``reject``, ``drop``), logs why, and serves the others; the
+    protocol itself logs nothing and swallows nothing. ``__cause__``: what went wrong."""
+
+    def __init__(self, ident: bytes, reason: str) -> None:
+        super().__init__(reason)
+        self.ident = ident
+        self.reason = reason
 
 
 @dataclass(slots=True)
@@ -400,11 +409,11 @@ class ServerProtocol:
         next message the writer will publish (read from the ring now). Every field is checked
         before it is acted on; a bad frame costs only its sender."""
         if len(frames) > wire.MAX_CONTROL_FRAMES:
-            return self._reject(ident, f"{len(frames)} frames in one message")
+            return self.reject(ident, f"{len(frames)} frames in one message")
         if any(len(f) > wire.MAX_CONTROL_FRAME for f in frames):
             # ZeroMQ cuts these off (maxmsgsize) before they reach us; a pump without that limit
             # must not get further.
-            return self._reject(ident, "a frame larger than a control frame")
+            return self.reject(ident, "a frame larger than a control frame")
         try:
             frames = wire.verify(self._cfg.key, frames)
         except wire.FrameError as exc:
@@ -413,13 +422,13 @@ class ServerProtocol:
         try:
             return self._on_frames(ident, frames, now, max(self._held.end, published))
         except (wire.FrameError, struct.error) as exc:
-            return self._reject(ident, str(exc))
-        except Exception as exc:  # a bug: it must not take the other readers down with it
-            log.exception("aiobroadcast: the TCP server failed on a frame from a remote reader")
-            return self._reject(ident, f"internal error {type(exc).__name__}")
+            return self.reject(ident, str(exc))
+        except Exception as exc:  # a bug: the pump drops this reader (``reject``), not the others
+            raise ReaderFault(ident, f"internal error {type(exc).__name__}") from exc
 
-    def _reject(self, ident: bytes, reason: str) -> Rejected:
-        """Refuse a frame from ``ident``: count it, drop that reader (only it), tell it why."""
+    def reject(self, ident: bytes, reason: str) -> Rejected:
+        """Refuse a frame from ``ident``: count it, drop that reader (only it), tell it why. The
+        pump calls it for a ``ReaderFault`` that ``receive`` raised."""
         self.rejected_frames += 1
         client = self._clients.pop(ident, None)
         self._send(ident, [wire.REFUSED, f"malformed frame: {reason}".encode()[:256]])
@@ -543,11 +552,18 @@ class ServerProtocol:
         for client in list(self._clients.values()):
             try:
                 sent += yield from self._sender.send_to(client, batches)
-            except Exception:  # a bug: it must not take the other readers down with it
-                log.exception("aiobroadcast: the TCP server failed to send to %r; dropped it", client.info.name)
-                self._clients.pop(client.ident, None)
-                self._reader_left(None)
+            except Exception as exc:  # a bug: the pump drops this reader (``drop``), not the others
+                raise ReaderFault(client.ident, f"internal error {type(exc).__name__}") from exc
         return sent
+
+    def drop(self, ident: bytes) -> ClientInfo | None:
+        """Forget reader ``ident`` without a word: the pump's answer to a ``ReaderFault`` that
+        ``transmit`` raised (what that reader is owed cannot be worked out). Who it was."""
+        client = self._clients.pop(ident, None)
+        if client is None:
+            return None
+        self._reader_left(None)
+        return client.info
 
     @property
     def choked(self) -> bool:

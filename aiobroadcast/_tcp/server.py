@@ -43,7 +43,16 @@ from .._shm.segment import Segment, attach_segment
 from .._shm.subscriber import ShmSource
 from . import wire
 from .errors import zmq_errors
-from .protocol import BUFFER_BYTES, Rejected, ServerConfig, ServerEvent, ServerProtocol, TimedOut
+from .protocol import (
+    BUFFER_BYTES,
+    ReaderFault,
+    Rejected,
+    ServerConfig,
+    ServerEvent,
+    ServerProtocol,
+    TimedOut,
+    Transmission,
+)
 from .report import ServerReport, remove_report, write_report
 from .settings import ServerSettings
 from .sockets import send_parts
@@ -520,9 +529,22 @@ class TcpServer:
     def _transmit(self) -> int:
         """Send the data frames the protocol gives (sealed already), telling it at once whether
         ZeroMQ took each (a refused batch was not sent: that reader's place stays); the number
-        of messages taken."""
+        of messages taken. A reader the protocol fails on (``ReaderFault``, a bug) is dropped,
+        and the others are served."""
+        while True:
+            try:
+                return self._send_data(self.protocol.transmit())
+            except ReaderFault as fault:
+                client = self.protocol.drop(fault.ident)
+                log.error(
+                    "aiobroadcast: the TCP server failed to send to remote reader %r; dropped it",
+                    client.name if client else fault.ident,
+                    exc_info=fault,
+                )
+                self.write_stats()
+
+    def _send_data(self, steps: Transmission) -> int:
         data, send_on = self._data, self._send_on
-        steps = self.protocol.transmit()
         try:
             ident, frames = next(steps)
             while True:
@@ -557,7 +579,11 @@ class TcpServer:
             except zmq.Again:
                 return n
             published = self._ring_words[W_NEXT_MSG]
-            event = self.protocol.receive(frames[0], frames[1:], now=now, published=published)
+            try:
+                event = self.protocol.receive(frames[0], frames[1:], now=now, published=published)
+            except ReaderFault as fault:  # a bug: that reader is dropped (and told), not the others
+                log.error("aiobroadcast: the TCP server failed on a frame from a remote reader", exc_info=fault)
+                event = self.protocol.reject(fault.ident, fault.reason)
             if event is not None:
                 self._on_event(event)
         return n + 1

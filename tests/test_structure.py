@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     # the base: constants, errors, codecs, keys, handles, step drivers; no role, no transport
     ("_constants", "_tuning", "_exceptions", "_files", "_fork", "_steps", "_stats", "_codec", "_seal", "_handle"),
     # the ring and its wake-ups; the TCP frames and the sans-IO protocol
-    ("_shm", "_tcp.wire", "_tcp.protocol"),
+    ("_shm", "_tcp.wire", "_tcp.readers", "_tcp.protocol"),
     # the TCP pumps, server and supervisor (they read the ring as a reader does)
     ("_tcp",),
     # what the roles hold: the writer's channel, the reader's front
@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
 #: Modules that must not do I/O or know of event loops: they are driven from outside.
 SANS_IO = {
     "_tcp.wire": {"zmq", "socket", "select", "asyncio", "anyio", "threading", "sniffio"},
+    "_tcp.readers": {"zmq", "socket", "select", "asyncio", "anyio", "threading", "sniffio"},
     "_tcp.protocol": {"zmq", "socket", "select", "asyncio", "anyio", "threading", "sniffio"},
     "_steps": {"zmq", "socket", "select", "asyncio", "threading", "sniffio"},
 }

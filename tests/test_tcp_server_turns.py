@@ -124,14 +124,14 @@ def test_a_frame_the_protocol_fails_on_drops_that_reader_only_and_the_server_log
             sock.send_multipart(wire.sign(key, [wire.HELLO, wire.encode_json(hello)]))
             assert answer(name)[0] == wire.WELCOME
         proto = server.protocol
-        real = proto._on_frames
+        real = proto.readers._on_frames
 
         def failing(ident: bytes, *args: Any) -> Any:
             if ident == b"bad":
                 raise RuntimeError("a bug this frame trips")
             return real(ident, *args)
 
-        monkeypatch.setattr(proto, "_on_frames", failing)
+        monkeypatch.setattr(proto.readers, "_on_frames", failing)
         peers["bad"].send_multipart(wire.sign(key, [wire.ACK, wire.U64.pack(0)]))
         with caplog.at_level(logging.WARNING, logger="aiobroadcast"):
             refused = answer("bad")

@@ -1,6 +1,6 @@
 """The TCP server's loop takes the ring a turn at a time: at most ``TURN_BYTES`` of bodies (or 4096
 messages) before what it sealed is sent. A real ring, and a real server built in this process on
-it (its sockets bound on 127.0.0.1), with no reader connected: ``_pull_ring`` is one turn's take.
+it (its sockets bound on 127.0.0.1), with no reader connected: ``RingFeed.pull`` is one turn's take.
 And what a turn does with a reader the protocol fails on: that reader only is dropped."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def ring_and_server(tmp_path: Path) -> Iterator[tuple[BlockingWriter[object], Tc
             yield writer, server
         finally:
             server._src.close()  # and the segment with it, as when the server stops
-            server._close_sockets()
+            server._net.close()
             os.close(stop_r)
             os.close(stop_w)
 
@@ -66,7 +66,7 @@ def test_a_turn_takes_large_bodies_up_to_turn_bytes(ring_and_server: tuple[Block
     per_turn = -(-tcp_server.TURN_BYTES // len(body))  # the turn ends once the budget is spent
     for _ in range(3 * per_turn):
         writer.put(body)
-    taken = [server._pull_ring() for _ in range(4)]
+    taken = [server._ring.pull(server.protocol) for _ in range(4)]
     assert taken == [per_turn, per_turn, per_turn, 0]  # all of it, a turn at a time, nothing twice
     assert server.protocol.wants_ring()
 
@@ -77,15 +77,15 @@ def test_a_turn_takes_one_message_larger_than_turn_bytes(
     writer, server = ring_and_server
     for _ in range(3):
         writer.put(b"y" * (tcp_server.TURN_BYTES + 1))
-    assert [server._pull_ring() for _ in range(4)] == [1, 1, 1, 0]
+    assert [server._ring.pull(server.protocol) for _ in range(4)] == [1, 1, 1, 0]
 
 
 def test_small_messages_are_taken_all_in_one_turn(ring_and_server: tuple[BlockingWriter[object], TcpServer]) -> None:
     writer, server = ring_and_server
     for i in range(60):
         writer.put(i)
-    assert server._pull_ring() == 60
-    assert server._pull_ring() == 0
+    assert server._ring.pull(server.protocol) == 60
+    assert server._ring.pull(server.protocol) == 0
 
 
 def test_a_frame_the_protocol_fails_on_drops_that_reader_only_and_the_server_logs_why(

@@ -127,3 +127,29 @@ def test_the_checks_see_an_upward_import(tmp_path: pathlib.Path) -> None:
     found = _imports("_shm.fake", fake)
     assert found == {"_writer", "cli", "zmq"}
     assert [t for t in found if _layer(t) > _layer("_shm.fake")] != []
+
+
+#: the longest a class may be, in lines (``class`` to its last line): longer, it does more than one job
+MAX_CLASS_LINES = 250
+#: the modules held to it so far (docs/design.md, "Imports go down only", names those not yet)
+SIZED = (
+    "_tcp.wire",
+    "_tcp.readers",
+    "_tcp.protocol",
+    "_tcp.server",
+    "_tcp.listener",
+    "_tcp.notices",
+    "_tcp.supervisor",
+)
+
+
+@pytest.mark.parametrize("module", SIZED)
+def test_no_class_is_longer_than_250_lines(module: str) -> None:
+    tree = ast.parse(MODULES[module].read_text())
+    long = {
+        node.name: node.end_lineno - node.lineno + 1
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef) and node.end_lineno is not None
+        if node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES
+    }
+    assert long == {}, f"{module}: classes over {MAX_CLASS_LINES} lines: {long}"

@@ -93,6 +93,8 @@ class ReaderFault(Exception):
 
 @dataclass(slots=True)
 class Client:
+    """What the server knows of one admitted reader: who it is, its place and its credit."""
+
     ident: bytes
     info: ClientInfo
     #: the credit granted: messages sent beyond ``acked`` never exceed it

@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     # the base: constants, errors, codecs, keys, handles, step drivers; no role, no transport
     ("_constants", "_tuning", "_exceptions", "_files", "_fork", "_steps", "_stats", "_codec", "_seal", "_handle"),
     # the ring and its wake-ups; the TCP frames and the sans-IO protocol
-    ("_shm", "_tcp.wire", "_tcp.protocol"),
+    ("_shm", "_tcp.wire", "_tcp.readers", "_tcp.protocol"),
     # the TCP pumps, server and supervisor (they read the ring as a reader does)
     ("_tcp",),
     # what the roles hold: the writer's channel, the reader's front
@@ -41,6 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
 #: Modules that must not do I/O or know of event loops: they are driven from outside.
 SANS_IO = {
     "_tcp.wire": {"zmq", "socket", "select", "asyncio", "anyio", "threading", "sniffio"},
+    "_tcp.readers": {"zmq", "socket", "select", "asyncio", "anyio", "threading", "sniffio"},
     "_tcp.protocol": {"zmq", "socket", "select", "asyncio", "anyio", "threading", "sniffio"},
     "_steps": {"zmq", "socket", "select", "asyncio", "threading", "sniffio"},
 }
@@ -126,3 +127,29 @@ def test_the_checks_see_an_upward_import(tmp_path: pathlib.Path) -> None:
     found = _imports("_shm.fake", fake)
     assert found == {"_writer", "cli", "zmq"}
     assert [t for t in found if _layer(t) > _layer("_shm.fake")] != []
+
+
+#: the longest a class may be, in lines (``class`` to its last line): longer, it does more than one job
+MAX_CLASS_LINES = 250
+#: the modules held to it so far (docs/design.md, "Imports go down only", names those not yet)
+SIZED = (
+    "_tcp.wire",
+    "_tcp.readers",
+    "_tcp.protocol",
+    "_tcp.server",
+    "_tcp.listener",
+    "_tcp.notices",
+    "_tcp.supervisor",
+)
+
+
+@pytest.mark.parametrize("module", SIZED)
+def test_no_class_is_longer_than_250_lines(module: str) -> None:
+    tree = ast.parse(MODULES[module].read_text())
+    long = {
+        node.name: node.end_lineno - node.lineno + 1
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef) and node.end_lineno is not None
+        if node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES
+    }
+    assert long == {}, f"{module}: classes over {MAX_CLASS_LINES} lines: {long}"

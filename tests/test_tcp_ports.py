@@ -1,7 +1,7 @@
 """The TCP server's two listening ports against peers without the keys: junk, connections that say
 nothing, senders that dribble a byte at a time, and well-formed ZeroMQ peers that have no
 credentials. None of it may cost the server descriptors or memory beyond a bound for longer than
-the handshake limit (``server.HANDSHAKE_S``), stop an honest reader, or leave ``statistics()``
+the handshake limit (``listener.HANDSHAKE_S``), stop an honest reader, or leave ``statistics()``
 saying all is well when the server cannot accept (docs/security.md, "Peers without the keys").
 
 Real writer, real server process, real sockets on 127.0.0.1; every attack is bounded in count
@@ -29,8 +29,7 @@ import zmq
 from _peers import ON_ASYNCIO, hello, keyed_peer, tcp_writer, the_server, until
 
 import aiobroadcast as ab
-from aiobroadcast._tcp import server as tcp_server
-from aiobroadcast._tcp import wire
+from aiobroadcast._tcp import listener, wire
 
 pytestmark = pytest.mark.anyio
 
@@ -39,7 +38,7 @@ pytestmark = pytest.mark.anyio
 SLACK_FDS = 12
 #: how long the server may take to let go of everything an attack opened (the handshake limit,
 #: and a machine shared with other tests)
-RECOVER_S = 3 * tcp_server.HANDSHAKE_S
+RECOVER_S = 3 * listener.HANDSHAKE_S
 MIB = 1 << 20
 #: the ZMTP 3.0 greeting of a peer with the NULL mechanism (64 bytes)
 GREETING = b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + b"NULL".ljust(20, b"\0") + b"\0" + b"\0" * 31

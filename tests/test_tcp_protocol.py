@@ -30,9 +30,11 @@ from aiobroadcast._tcp.protocol import (
     Ended,
     Lagged,
     Messages,
+    ReaderFault,
     Refused,
     Rejected,
     ServerConfig,
+    ServerEvent,
     ServerProtocol,
     TimedOut,
     Welcomed,
@@ -46,7 +48,8 @@ DATA_KINDS = (wire.BATCH, wire.LAGGED, wire.END)
 
 
 class Net:
-    """The server's sinks: itself for control frames, ``data`` for data frames; what each
+    """The server's pump: control frames (``flush``, after each call that queues them) go
+    through itself, data frames (``transmit``) through ``data``; what each
     reader was sent, in order. A reader whose queue is ``full`` refuses everything (ZeroMQ's
     Again). ``seen`` checks each frame group's signature or seal, and that it came through the
     sink of its kind."""
@@ -69,6 +72,45 @@ class Net:
             return False
         self.sent[ident].append((data, frames))
         return True
+
+    # Drive the server as its pump does: what it gives to send goes through these sinks.
+    def flush(self, srv: ServerProtocol) -> None:
+        """Send the control frames ``srv`` queued."""
+        for ident, frames in srv.data_to_send():
+            self(ident, frames)
+
+    def receive(
+        self, srv: ServerProtocol, ident: bytes, frames: list[Any], *, now: float, published: int
+    ) -> ServerEvent | None:
+        event = srv.receive(ident, frames, now=now, published=published)
+        self.flush(srv)
+        return event
+
+    def receive_fault(self, srv: ServerProtocol, fault: ReaderFault) -> Rejected:
+        """What the pump does with a ``ReaderFault`` from ``receive``: refuse that reader."""
+        event = srv.reject(fault.ident, fault.reason)
+        self.flush(srv)
+        return event
+
+    def heartbeat(self, srv: ServerProtocol, now: float) -> list[TimedOut]:
+        out = srv.heartbeat(now)
+        self.flush(srv)
+        return out
+
+    def send_keys(self, srv: ServerProtocol) -> None:
+        srv.send_keys()
+        self.flush(srv)
+
+    def transmit(self, srv: ServerProtocol) -> int:
+        """Send the data frames ``srv.transmit`` yields, telling it whether each was taken."""
+        steps = srv.transmit()
+        try:
+            ident, frames = next(steps)
+            while True:
+                ident, frames = steps.send(self.data(ident, frames))
+        except StopIteration as done:
+            sent: int = done.value
+            return sent
 
     def take(self, ident: bytes) -> list[tuple[bool, list[Any]]]:
         """The frame groups sent to ``ident`` since the last take, as sent: (on the data
@@ -134,7 +176,8 @@ def server(
         buffer_bytes=buffer_bytes,
         sole_reader=sole_reader,
     )
-    return ServerProtocol(config, start=start, now=0.0, returning=returning)
+    sealer = seal.Sealer(CHANNEL.encode(), secret=key)
+    return ServerProtocol(config, start=start, now=0.0, returning=returning, sealer=sealer)
 
 
 def signed(*frames: bytes, key: bytes | None = KEY) -> list[Any]:
@@ -142,11 +185,15 @@ def signed(*frames: bytes, key: bytes | None = KEY) -> list[Any]:
 
 
 def hello(
-    window: int = 4, resume: int | None = None, version: int = wire.PROTOCOL_VERSION, channel: str | None = CHANNEL
+    window: int = 4,
+    resume: int | None = None,
+    version: int = wire.PROTOCOL_VERSION,
+    channel: str | None = CHANNEL,
+    name: str = "r",
 ) -> list[Any]:
     body = {
         "version": version,
-        "name": "r",
+        "name": name,
         "pid": 7,
         "host": "h",
         "window": window,
@@ -170,7 +217,7 @@ def publish(srv: ServerProtocol, *seqs: int, size: int = 3) -> None:
 
 
 def admit(srv: ServerProtocol, net: Net, ident: bytes = b"r", *, now: float = 0.0, **kw: Any) -> None:
-    assert isinstance(srv.receive(ident, hello(**kw), now=now, published=srv.end, send=net), Admitted)
+    assert isinstance(net.receive(srv, ident, hello(**kw), now=now, published=srv.end), Admitted)
     assert net.seen(ident)[0][0] == "welcome"
 
 
@@ -178,14 +225,14 @@ def test_a_new_reader_starts_at_the_next_message_and_gets_at_most_its_window() -
     srv, net = server(window=4), Net()
     publish(srv, 0, 1)
     # the writer has published up to 5; the server took 0 and 1 so far: the reader starts at 5
-    assert isinstance(srv.receive(b"r", hello(window=100), now=0.0, published=5, send=net), Admitted)
+    assert isinstance(net.receive(srv, b"r", hello(window=100), now=0.0, published=5), Admitted)
     assert net.seen(b"r") == [("welcome", 5, 4)]  # the credit is the smaller window, the server's
     publish(srv, *range(2, 12))
-    srv.transmit(net.data)
-    srv.transmit(net.data)
+    net.transmit(srv)
+    net.transmit(srv)
     assert net.seen(b"r") == [("msg", s) for s in range(5, 9)]  # 4, then nothing: no credit
-    srv.receive(b"r", ack(7), now=0.1, published=12, send=net)
-    srv.transmit(net.data)
+    net.receive(srv, b"r", ack(7), now=0.1, published=12)
+    net.transmit(srv)
     assert net.seen(b"r") == [("msg", 9), ("msg", 10)]  # acked 7: room up to 10
 
 
@@ -195,12 +242,12 @@ def test_an_ack_beyond_what_was_sent_grants_no_credit_and_old_acks_change_nothin
     srv, net = server("block", window=4), Net()
     admit(srv, net)
     publish(srv, *range(10))
-    srv.transmit(net.data)
+    net.transmit(srv)
     assert net.seen(b"r") == [("msg", s) for s in range(4)]
     for n in (2**64 - 1, 2**63, 1000):
-        srv.receive(b"r", ack(n), now=0.1, published=10, send=net)
+        net.receive(srv, b"r", ack(n), now=0.1, published=10)
     assert srv.report()["readers"][0]["received"] == 4  # clamped to what was sent
-    srv.receive(b"r", ack(1), now=0.2, published=10, send=net)  # a replay of an old one
+    net.receive(srv, b"r", ack(1), now=0.2, published=10)  # a replay of an old one
     assert srv.report()["readers"][0]["received"] == 4
     srv.trim(0.2)
     assert srv.report()["readers"][0]["lag"] == 6
@@ -211,10 +258,10 @@ def test_under_block_the_server_takes_no_more_than_its_buffer_and_keeps_what_a_r
     admit(srv, net)
     publish(srv, 0, 1, 2)
     assert not srv.wants_ring()  # the ring holds the writer back from here on
-    srv.transmit(net.data)
+    net.transmit(srv)
     srv.trim(0.0)
     assert not srv.wants_ring()  # sent, not acknowledged: still held
-    srv.receive(b"r", ack(2), now=0.0, published=3, send=net)
+    net.receive(srv, b"r", ack(2), now=0.0, published=3)
     srv.trim(0.0)
     assert srv.wants_ring()
     assert "held 2..3" in repr(srv)
@@ -229,15 +276,15 @@ def test_under_block_the_server_holds_no_more_bytes_than_its_buffer_but_always_o
     assert srv.wants_ring()  # 2 x (400 + the seal's overhead) < 1000
     publish(srv, 2, size=400)
     assert not srv.wants_ring()  # over 1000 bytes held: the ring holds the writer back
-    srv.transmit(net.data)
+    net.transmit(srv)
     srv.trim(0.0)
     assert not srv.wants_ring()  # sent, not acknowledged: still held
-    srv.receive(b"r", ack(3), now=0.0, published=3, send=net)
+    net.receive(srv, b"r", ack(3), now=0.0, published=3)
     srv.trim(0.0)
     assert srv.wants_ring()
     publish(srv, 3, size=5000)  # larger than the bound on its own: taken, since nothing is held
     assert not srv.wants_ring()
-    srv.transmit(net.data)
+    net.transmit(srv)
     assert net.seen(b"r") == [("msg", s) for s in range(4)]
 
 
@@ -250,8 +297,8 @@ def test_under_lag_the_buffer_keeps_no_more_bytes_than_its_bound_but_the_newest(
     publish(srv, 5, size=3000)
     srv.trim(0.0)
     assert "held 5..6 (1)" in repr(srv)  # the newest stays, however large
-    srv.transmit(net.data)
-    srv.transmit(net.data)
+    net.transmit(srv)
+    net.transmit(srv)
     assert net.seen(b"r") == [("lagged", 5, 5), ("msg", 5)]
 
 
@@ -260,10 +307,10 @@ def test_a_refused_batch_is_not_counted_as_sent_and_goes_again_when_there_is_roo
     admit(srv, net)
     publish(srv, *range(3))
     net.full.add(b"r")
-    assert srv.transmit(net.data) == 0
+    assert net.transmit(srv) == 0
     assert srv.choked
     net.full.clear()
-    assert srv.transmit(net.data) == 3
+    assert net.transmit(srv) == 3
     assert not srv.choked
     assert net.seen(b"r") == [("msg", 0), ("msg", 1), ("msg", 2)]
 
@@ -272,24 +319,24 @@ def test_a_nack_rewinds_within_what_was_acknowledged_the_credit_and_the_stream()
     srv, net = server(window=4), Net()
     admit(srv, net)
     publish(srv, *range(6))
-    srv.transmit(net.data)
-    srv.receive(b"r", ack(2), now=0.0, published=6, send=net)
-    srv.transmit(net.data)
+    net.transmit(srv)
+    net.receive(srv, b"r", ack(2), now=0.0, published=6)
+    net.transmit(srv)
     assert net.seen(b"r") == [("msg", s) for s in range(6)]
-    srv.receive(b"r", nack(3), now=0.5, published=6, send=net)  # too soon after the HELLO: ignored
-    srv.transmit(net.data)
+    net.receive(srv, b"r", nack(3), now=0.5, published=6)  # too soon after the HELLO: ignored
+    net.transmit(srv)
     assert net.seen(b"r") == []
-    srv.receive(b"r", nack(0), now=1.0, published=6, send=net)  # before what it acknowledged: from 2
-    srv.transmit(net.data)
+    net.receive(srv, b"r", nack(0), now=1.0, published=6)  # before what it acknowledged: from 2
+    net.transmit(srv)
     assert net.seen(b"r") == [("msg", s) for s in range(2, 6)]
-    srv.receive(b"r", nack(4), now=1.5, published=6, send=net)  # within a heartbeat of the last
-    srv.transmit(net.data)
+    net.receive(srv, b"r", nack(4), now=1.5, published=6)  # within a heartbeat of the last
+    net.transmit(srv)
     assert net.seen(b"r") == []
-    srv.receive(b"r", nack(2**64 - 1), now=2.0, published=6, send=net)  # beyond credit and stream
-    srv.transmit(net.data)
+    net.receive(srv, b"r", nack(2**64 - 1), now=2.0, published=6)  # beyond credit and stream
+    net.transmit(srv)
     assert net.seen(b"r") == []  # nothing exists there: it waits at the end, not beyond it
     publish(srv, 6)
-    srv.transmit(net.data)
+    net.transmit(srv)
     assert net.seen(b"r") == []  # its credit ends at 2 + 4
 
 
@@ -299,7 +346,7 @@ def test_a_gap_in_the_servers_own_ring_is_reported_exactly_and_what_it_held_stil
     srv, net = server(window=4), Net()
     admit(srv, net)
     publish(srv, *range(6))
-    srv.transmit(net.data)
+    net.transmit(srv)
     assert net.seen(b"r") == [("msg", s) for s in range(4)]
     srv.lost(9)
     publish(srv, 9, 10)
@@ -308,8 +355,8 @@ def test_a_gap_in_the_servers_own_ring_is_reported_exactly_and_what_it_held_stil
     assert srv.end == 12
     got: list[tuple[Any, ...]] = []
     for k in range(6):  # the reader acknowledges what it has
-        srv.receive(b"r", ack(srv.report()["end"] if k > 3 else 4 + 2 * k), now=0.0, published=12, send=net)
-        srv.transmit(net.data)
+        net.receive(srv, b"r", ack(srv.report()["end"] if k > 3 else 4 + 2 * k), now=0.0, published=12)
+        net.transmit(srv)
         got += net.seen(b"r")
     assert got == [("msg", 4), ("msg", 5), ("lagged", 9, 3), ("msg", 9), ("msg", 10), ("msg", 11)]
 
@@ -325,7 +372,7 @@ def test_under_lag_the_buffer_keeps_the_newest_entries_and_a_late_reader_is_told
     srv.trim(0.0)
     assert "held 1..12 (4)" in repr(srv)
     for _ in range(4):
-        srv.transmit(net.data)
+        net.transmit(srv)
     assert net.seen(b"r") == [
         ("lagged", 1, 1),
         ("msg", 1),
@@ -343,17 +390,17 @@ def test_end_goes_once_after_everything_and_again_after_a_rewind() -> None:
     publish(srv, 0, 1)
     srv.stream_ended("closed")
     assert not srv.wants_ring()
-    srv.transmit(net.data)
-    srv.transmit(net.data)
-    srv.transmit(net.data)
+    net.transmit(srv)
+    net.transmit(srv)
+    net.transmit(srv)
     assert net.seen(b"r") == [("msg", 0), ("msg", 1), ("end", 2, b"closed")]
-    srv.receive(b"r", nack(1), now=2.0, published=2, send=net)
-    srv.transmit(net.data)
-    srv.transmit(net.data)
+    net.receive(srv, b"r", nack(1), now=2.0, published=2)
+    net.transmit(srv)
+    net.transmit(srv)
     assert net.seen(b"r") == [("msg", 1), ("end", 2, b"closed")]
     srv.stop(deadline=100.0)
     assert not srv.finished(3.0)  # it has not acknowledged the end
-    srv.receive(b"r", ack(2), now=3.0, published=2, send=net)
+    net.receive(srv, b"r", ack(2), now=3.0, published=2)
     assert srv.finished(3.0)
 
 
@@ -374,27 +421,27 @@ def test_a_silent_reader_is_dropped_at_a_heartbeat_and_the_others_hear_one() -> 
     admit(srv, net, b"talks")
     assert not srv.heartbeat_due(0.5)
     assert srv.heartbeat_due(HB)
-    assert srv.heartbeat(HB, net) == []
+    assert net.heartbeat(srv, HB) == []
     assert net.seen(b"quiet") == net.seen(b"talks") == [(wire.HEARTBEAT,)]
-    srv.receive(b"talks", ack(0), now=TIMEOUT, published=0, send=net)
+    net.receive(srv, b"talks", ack(0), now=TIMEOUT, published=0)
     assert srv.next_heartbeat == 2 * HB
-    (out,) = srv.heartbeat(TIMEOUT + 0.5, net)
+    (out,) = net.heartbeat(srv, TIMEOUT + 0.5)
     assert isinstance(out, TimedOut) and out.ident == b"quiet" and out.silent_s == TIMEOUT + 0.5
     assert srv.dropped == 1 and [r["name"] for r in srv.report()["readers"]] == ["r"]
     assert net.seen(b"quiet") == [] and net.seen(b"talks") == [(wire.HEARTBEAT,)]
     # It comes back: "who are you?", then a HELLO with where it was
-    assert srv.receive(b"quiet", ack(0), now=7.0, published=0, send=net) is None
+    assert net.receive(srv, b"quiet", ack(0), now=7.0, published=0) is None
     assert net.seen(b"quiet") == [(wire.UNKNOWN,)]
-    assert isinstance(srv.receive(b"quiet", hello(resume=0), now=7.0, published=0, send=net), Admitted)
+    assert isinstance(net.receive(srv, b"quiet", hello(resume=0), now=7.0, published=0), Admitted)
 
 
 def test_bye_leaves_and_a_full_server_refuses_more_readers() -> None:
     srv, net = server(max_remote=1), Net()
     admit(srv, net, b"a")
-    assert srv.receive(b"b", hello(), now=0.0, published=0, send=net) is None
+    assert net.receive(srv, b"b", hello(), now=0.0, published=0) is None
     assert net.seen(b"b") == [("refused", "all 1 remote reader places are taken")]
-    assert isinstance(srv.receive(b"a", signed(wire.BYE), now=0.0, published=0, send=net), Departed)
-    assert srv.receive(b"a", signed(wire.BYE), now=0.0, published=0, send=net) is None  # a replay
+    assert isinstance(net.receive(srv, b"a", signed(wire.BYE), now=0.0, published=0), Departed)
+    assert net.receive(srv, b"a", signed(wire.BYE), now=0.0, published=0) is None  # a replay
     admit(srv, net, b"b")
 
 
@@ -407,18 +454,18 @@ def test_a_fan_in_senders_server_keeps_everything_for_its_collector_and_is_aband
     publish(srv, *range(6))
     srv.trim(100.0)
     assert not srv.wants_ring()  # all 6 held for the collector
-    assert isinstance(srv.receive(b"c", hello(), now=100.0, published=9, send=net), Admitted)
+    assert isinstance(net.receive(srv, b"c", hello(), now=100.0, published=9), Admitted)
     assert net.seen(b"c") == [("welcome", 0, 4)]
-    srv.transmit(net.data)
+    net.transmit(srv)
     assert net.seen(b"c") == [("msg", s) for s in range(4)]
-    srv.receive(b"c", ack(4), now=100.0, published=9, send=net)
+    net.receive(srv, b"c", ack(4), now=100.0, published=9)
     srv.trim(100.0)
     assert srv.wants_ring() and not srv.abandoned
     srv.stop(1000.0)
     assert not srv.finished(100.0)  # the collector has not everything yet
-    assert isinstance(srv.receive(b"c", signed(wire.BYE), now=100.0, published=9, send=net), Departed)
+    assert isinstance(net.receive(srv, b"c", signed(wire.BYE), now=100.0, published=9), Departed)
     assert srv.abandoned and not srv.wants_ring() and srv.finished(100.0)
-    assert srv.receive(b"d", hello(), now=100.0, published=9, send=net) is None
+    assert net.receive(srv, b"d", hello(), now=100.0, published=9) is None
     assert net.seen(b"d")[0][0] == "refused"
 
 
@@ -428,37 +475,37 @@ def test_a_fan_in_senders_collector_dropped_for_silence_abandons_and_a_restarted
     publish(srv, 0)
     assert not srv.finished(1.0)  # a closed sender's server waits for its collector to come
     admit(srv, net, b"c", now=1.0)
-    srv.heartbeat(1.0 + TIMEOUT + 1, net)
+    net.heartbeat(srv, 1.0 + TIMEOUT + 1)
     assert srv.abandoned
     # A server started again over a ring no collector read yet (the dead one took 0..4):
     again, net2 = server("block", start=5, sole_reader=True), Net()
     publish(again, 5, 6)
-    assert isinstance(again.receive(b"c", hello(), now=0.0, published=7, send=net2), Admitted)
-    again.transmit(net2.data)
+    assert isinstance(net2.receive(again, b"c", hello(), now=0.0, published=7), Admitted)
+    net2.transmit(again)
     assert net2.seen(b"c") == [("welcome", 0, 4), ("lagged", 5, 5)]
-    again.receive(b"c", ack(5), now=0.1, published=7, send=net2)  # it took the report
-    again.transmit(net2.data)
+    net2.receive(again, b"c", ack(5), now=0.1, published=7)  # it took the report
+    net2.transmit(again)
     assert net2.seen(b"c") == [("msg", 5), ("msg", 6)]
 
 
 def test_a_replayed_hello_within_a_heartbeat_gets_no_second_welcome() -> None:
     srv, net = server(), Net()
     admit(srv, net)
-    assert srv.receive(b"r", hello(), now=0.5, published=0, send=net) is None
+    assert net.receive(srv, b"r", hello(), now=0.5, published=0) is None
     assert net.seen(b"r") == []
-    assert isinstance(srv.receive(b"r", hello(resume=0), now=1.5, published=0, send=net), Admitted)
+    assert isinstance(net.receive(srv, b"r", hello(resume=0), now=1.5, published=0), Admitted)
 
 
 def test_a_returning_reader_past_what_a_new_server_holds_is_told_what_it_lost() -> None:
     srv, net = server(start=10, returning=1), Net()
     publish(srv, 10, 11)
     admit(srv, net, resume=7)
-    srv.transmit(net.data)
-    srv.transmit(net.data)
+    net.transmit(srv)
+    net.transmit(srv)
     # the gap takes no credit, but it is not acknowledged yet: one message fits in 7 + 4
     assert net.seen(b"r") == [("lagged", 10, 3), ("msg", 10)]
-    srv.receive(b"r", ack(10), now=0.1, published=12, send=net)
-    srv.transmit(net.data)
+    net.receive(srv, b"r", ack(10), now=0.1, published=12)
+    net.transmit(srv)
     assert net.seen(b"r") == [("msg", 11)]
 
 
@@ -504,14 +551,71 @@ def test_a_hostile_frame_from_an_admitted_reader_drops_it_only_and_tells_it_why(
     admit(srv, net, b"good")
     publish(srv, 0)
     # (after a heartbeat: a HELLO sooner would be taken for a repeat and ignored)
-    event = srv.receive(b"bad", signed(*HOSTILE[what]), now=1.5, published=1, send=net)
+    event = net.receive(srv, b"bad", signed(*HOSTILE[what]), now=1.5, published=1)
     assert isinstance(event, Rejected) and event.dropped is not None and event.total == 1, event
     (refusal,) = net.seen(b"bad")
     assert refusal[0] == "refused" and refusal[1].startswith("malformed frame")
     assert srv.rejected_frames == 1
     assert [r["name"] for r in srv.report()["readers"]] == ["r"]  # only the good one is left
-    srv.transmit(net.data)
+    net.transmit(srv)
     assert net.seen(b"good") == [("msg", 0)] and net.seen(b"bad") == []
+
+
+def test_a_hostile_frame_the_protocol_fails_on_is_raised_to_the_pump_and_costs_that_reader_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug that a reader's frame trips is no reason to take the others down, nor to be hidden:
+    ``receive`` raises it as a ``ReaderFault`` naming that reader (logging and dropping are the
+    pump's), and the pump's ``reject`` drops that reader only and tells it why."""
+    srv, net = server(), Net()
+    admit(srv, net, b"bad")
+    admit(srv, net, b"good")
+    publish(srv, 0)
+    real = wire.decode_hello
+
+    def poisoned(body: Any) -> wire.Hello:
+        if b"poison" in bytes(body):
+            raise RuntimeError("a bug this body trips")
+        return real(body)
+
+    monkeypatch.setattr(wire, "decode_hello", poisoned)
+    with pytest.raises(ReaderFault) as caught:
+        srv.receive(b"bad", hello(name="poison"), now=1.5, published=1)
+    fault = caught.value
+    assert fault.ident == b"bad" and fault.reason == "internal error RuntimeError"
+    assert isinstance(fault.__cause__, RuntimeError)
+    assert srv.data_to_send() == []  # nothing said yet: the pump decides
+    event = net.receive_fault(srv, fault)
+    assert isinstance(event, Rejected) and event.dropped is not None and srv.rejected_frames == 1
+    assert net.seen(b"bad") == [("refused", "malformed frame: internal error RuntimeError")]
+    assert [r["name"] for r in srv.report()["readers"]] == ["r"]  # the good one is served on
+    net.transmit(srv)
+    assert net.seen(b"good") == [("msg", 0)] and net.seen(b"bad") == []
+
+
+def test_a_reader_the_protocol_fails_to_send_to_is_raised_to_the_pump_and_costs_that_reader_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    srv, net = server(), Net()
+    admit(srv, net, b"bad")
+    admit(srv, net, b"good")
+    publish(srv, 0, 1)
+    sender = srv._sender
+    real = sender.send_to
+
+    def failing(client: Any, batches: Any) -> Any:
+        if client.ident == b"bad":
+            raise RuntimeError("a bug in what this reader is owed")
+        return real(client, batches)
+
+    monkeypatch.setattr(sender, "send_to", failing)
+    with pytest.raises(ReaderFault) as caught:
+        net.transmit(srv)
+    assert caught.value.ident == b"bad" and isinstance(caught.value.__cause__, RuntimeError)
+    assert srv.drop(b"bad") is not None and srv.drop(b"bad") is None
+    net.transmit(srv)
+    assert net.seen(b"good") == [("msg", 0), ("msg", 1)] and net.seen(b"bad") == []
+    assert [r["name"] for r in srv.report()["readers"]] == ["r"] and srv.rejected_frames == 0
 
 
 def test_frames_that_are_not_authentic_are_counted_and_drop_nobody() -> None:
@@ -525,7 +629,7 @@ def test_frames_that_are_not_authentic_are_counted_and_drop_nobody() -> None:
         [*signed(wire.ACK, wire.U64.pack(3))[:-1], b"short"],
         [wire.U64.pack(3), *signed(wire.ACK, wire.U64.pack(4))[1:]],  # the kind swapped out
     ):
-        event = srv.receive(b"r", frames, now=0.1, published=0, send=net)
+        event = net.receive(srv, b"r", frames, now=0.1, published=0)
         assert isinstance(event, Rejected) and event.dropped is None
     assert srv.rejected_frames == 5
     assert net.seen(b"r") == []  # no answer to a forgery
@@ -538,7 +642,7 @@ def test_too_many_or_too_large_frames_are_refused_before_anything_is_parsed() ->
         [wire.ACK, b"1", b"2", b"3"],
         [wire.HELLO, b"{" * (wire.MAX_CONTROL_FRAME + 1)],
     ):
-        event = srv.receive(b"x", frames, now=0.0, published=0, send=net)
+        event = net.receive(srv, b"x", frames, now=0.0, published=0)
         assert isinstance(event, Rejected) and event.dropped is None
         assert net.seen(b"x")[0][0] == "refused"
 
@@ -546,7 +650,7 @@ def test_too_many_or_too_large_frames_are_refused_before_anything_is_parsed() ->
 def test_a_version_mismatch_is_refused_without_counting_it_as_hostile() -> None:
     srv, net = server(), Net()
     for version in (2, 3):  # 3: data frames on the control connection, not sealed
-        assert srv.receive(b"r", hello(version=version), now=0.0, published=0, send=net) is None
+        assert net.receive(srv, b"r", hello(version=version), now=0.0, published=0) is None
         assert net.seen(b"r") == [("refused", "protocol version mismatch")]
     assert srv.rejected_frames == 0
 
@@ -555,7 +659,7 @@ def test_a_hello_with_the_handle_of_another_channel_is_refused_by_name() -> None
     """A handle of an earlier writer at this endpoint (same keys): its reader could open no
     frame here, so it is told why at once."""
     srv, net = server(), Net()
-    assert srv.receive(b"r", hello(channel="another"), now=0.0, published=0, send=net) is None
+    assert net.receive(srv, b"r", hello(channel="another"), now=0.0, published=0) is None
     ((what, reason),) = net.seen(b"r")
     assert what == "refused" and "another channel" in reason
     assert srv.rejected_frames == 0 and srv.report()["readers"] == []
@@ -564,14 +668,14 @@ def test_a_hello_with_the_handle_of_another_channel_is_refused_by_name() -> None
 
 def test_the_welcome_names_the_data_port_and_holds_the_keys_that_open_the_data_frames() -> None:
     srv, net = server(), Net()
-    assert isinstance(srv.receive(b"r", hello(), now=0.0, published=0, send=net), Admitted)
+    assert isinstance(net.receive(srv, b"r", hello(), now=0.0, published=0), Admitted)
     ((_, welcome_frames),) = net.take(b"r")
     body = wire.decode_json(wire.verify(KEY, welcome_frames)[1])
     assert body["data_port"] == 5555
     opener = seal.Opener(CHANNEL.encode(), secret=KEY)
     opener.install(bytes.fromhex(body["keys"]))
     publish(srv, 0, 1)
-    srv.transmit(net.data)
+    net.transmit(srv)
     ((data, frames),) = net.take(b"r")
     assert data and frames[0] == wire.BATCH  # not signed: the seals authenticate it
     first, items = wire.decode_batch(frames[1], frames[2:])
@@ -585,14 +689,14 @@ def test_after_a_rekey_every_reader_gets_the_keys_once_and_later_messages_open_w
     admit(srv, net, b"a")
     admit(srv, net, b"b")
     publish(srv, 0)
-    srv.send_keys(net)
+    net.send_keys(srv)
     assert net.seen(b"a") == []  # nothing new to say
-    srv.transmit(net.data)
+    net.transmit(srv)
     srv.rekey()
     publish(srv, 1)
-    srv.send_keys(net)
-    srv.send_keys(net)
-    srv.transmit(net.data)
+    net.send_keys(srv)
+    net.send_keys(srv)
+    net.transmit(srv)
     # the keys before what is sealed under the new key (seen() opens every message)
     assert net.seen(b"a") == [("msg", 0), (wire.KEYS,), ("msg", 1)]
     assert net.seen(b"b") == [("msg", 0), (wire.KEYS,), ("msg", 1)]
@@ -605,8 +709,8 @@ def test_the_sealers_rekey_policy_sends_the_keys_too() -> None:
     admit(srv, net, window=8)
     for k in range(5):
         publish(srv, k)
-        srv.send_keys(net)
-    srv.transmit(net.data)
+        net.send_keys(srv)
+    net.transmit(srv)
     seen = net.seen(b"r")
     assert seen.count((wire.KEYS,)) == 2 and [s for s in seen if s[0] == "msg"] == [("msg", k) for k in range(5)]
 
@@ -615,12 +719,12 @@ def test_a_nack_flood_resends_at_most_one_window_per_heartbeat() -> None:
     srv, net = server(window=4), Net()
     admit(srv, net)
     publish(srv, *range(4), size=1000)
-    srv.transmit(net.data)
+    net.transmit(srv)
     net.take(b"r")
     resent = 0
     for k in range(1, 1001):  # a NACK every 10 ms for 10 heartbeats
-        srv.receive(b"r", nack(0), now=k * 0.01, published=4, send=net)
-        srv.transmit(net.data)
+        net.receive(srv, b"r", nack(0), now=k * 0.01, published=4)
+        net.transmit(srv)
         resent += sum(1 for s in net.seen(b"r") if s[0] == "msg")
     assert resent <= 4 * 10
 
@@ -879,7 +983,7 @@ def test_the_welcome_gives_the_data_connections_password_and_a_bad_one_drops_it(
 def test_the_servers_welcome_names_its_data_password() -> None:
     for token in (None, "ef" * 16):
         srv, net = server(data_token=token), Net()
-        assert isinstance(srv.receive(b"r", hello(), now=0.0, published=0, send=net), Admitted)
+        assert isinstance(net.receive(srv, b"r", hello(), now=0.0, published=0), Admitted)
         ((_, welcome_frames),) = net.take(b"r")
         assert wire.decode_json(wire.verify(KEY, welcome_frames)[1]).get("data_token") == token
 
@@ -976,7 +1080,7 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
     def to_server(deliver: bool) -> None:
         for frames in c.data_to_send():
             if deliver:
-                srv.receive(b"c", frames, now=now, published=seq, send=net)
+                net.receive(srv, b"c", frames, now=now, published=seq)
 
     def to_client(deliver: bool) -> None:
         nonlocal consumed
@@ -1011,8 +1115,8 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
                 return
 
     def step() -> None:
-        srv.send_keys(net)
-        srv.transmit(net.data)
+        net.send_keys(srv)
+        net.transmit(srv)
         srv.trim(now)
         held = repr(srv)
         if policy == "lag":
@@ -1047,9 +1151,9 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
             if srv.heartbeat_due(now):
                 # a reader silent too long (its ACKs lost) is dropped: it comes back with a HELLO
                 # that says where it is, and is told exactly what it lost meanwhile
-                srv.heartbeat(now, net)
+                net.heartbeat(srv, now)
         elif op == "hostile":
-            srv.receive(b"other", signed(*HOSTILE[arg]), now=now, published=seq, send=net)
+            net.receive(srv, b"other", signed(*HOSTILE[arg]), now=now, published=seq)
             net.take(b"other")
         step()
     # The stream ends; from here the link is good and the reader reads everything.
@@ -1058,7 +1162,7 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
         now += 0.6
         c.tick(now, consumed)
         if srv.heartbeat_due(now):
-            srv.heartbeat(now, net)
+            net.heartbeat(srv, now)
         to_server(True)
         step()
         to_client(True)

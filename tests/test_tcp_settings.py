@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from aiobroadcast._handle import CurveKeys
+from aiobroadcast._tcp import supervisor
 from aiobroadcast._tcp.report import (
     RemoteReaderReport,
     ServerReport,
@@ -23,7 +24,7 @@ from aiobroadcast._tcp.report import (
     write_report,
 )
 from aiobroadcast._tcp.settings import ServerSettings
-from aiobroadcast._tcp.supervisor import _PACKAGE_ROOT, read_answer
+from aiobroadcast._tcp.supervisor import read_answer
 from aiobroadcast.blocking import open_writer
 
 
@@ -50,8 +51,9 @@ def settings_line(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 def _serve(line: bytes) -> tuple[dict[str, Any], int]:
-    """Start a real server process, hand it ``line`` on its stdin; its answer and exit code."""
-    env = dict(os.environ, PYTHONPATH=_PACKAGE_ROOT)
+    """Start a real server process, hand it ``line`` on its stdin; its answer and exit code. As
+    the supervisor starts it: the package found as installed, nothing added to PYTHONPATH."""
+    env = dict(os.environ)
     proc = subprocess.Popen(
         [sys.executable, "-P", "-m", "aiobroadcast._tcp.server"],
         stdin=subprocess.PIPE,
@@ -147,3 +149,26 @@ def test_read_report_returns_none_for_a_file_that_is_not_a_whole_report(tmp_path
 
 def test_read_report_returns_none_for_a_missing_file(tmp_path: Path) -> None:
     assert read_report(str(tmp_path / "gone-tcp.json")) is None
+
+
+def test_the_server_process_starts_from_the_installed_package(
+    settings_line: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -P -m aiobroadcast._tcp.server`` from the writer's interpreter finds the package
+    as installed (a wheel, or an editable install's finder): nothing puts a path of the source
+    tree, built from ``__file__``, on its PYTHONPATH (a wheel has no source tree to point at)."""
+    started: list[tuple[list[str], dict[str, Any]]] = []
+
+    class Popen:
+        stdin = None
+
+        def __init__(self, cmd: list[str], **kw: Any) -> None:
+            started.append((cmd, kw))
+
+    monkeypatch.setattr(subprocess, "Popen", Popen)
+    with pytest.raises(AssertionError):  # no stdin to hand the settings to: the start ends there
+        supervisor.spawn_server(ServerSettings.model_validate(settings_line))
+    ((cmd, kw),) = started
+    assert cmd == [sys.executable, "-P", "-m", "aiobroadcast._tcp.server"]
+    assert kw.get("env") is None  # the writer's own environment, PYTHONPATH as it is
+    assert "__file__" not in Path(supervisor.__file__).read_text()

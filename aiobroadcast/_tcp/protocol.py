@@ -1,44 +1,84 @@
 """The TCP protocol's two state machines, without sockets, threads or clocks (docs/tcp.md).
 
 ``ServerProtocol`` is what the writer's server knows: the messages it holds for remote readers
-and each reader's place, credit and deadlines. ``ClientProtocol`` is what one remote reader
+and what each is sent of them; each reader's place, credit and deadlines, and the control
+frames to and from it, are its ``Readers`` (readers.py). ``ClientProtocol`` is what one remote reader
 knows: the next message it expects, what it has acknowledged, when it last heard the server.
 Both take frame groups (as they came off the socket, signature included) and the current time
 as arguments, and answer with typed events and frame groups to send. The I/O pumps
 (``server.py``, ``client.py``) only move frames between sockets and these objects, so every rule
 here is tested by feeding frames (tests/test_tcp_protocol.py).
 
-Frames out: the client's go to a list the pump empties (``data_to_send``), since a client never
-needs to know whether ZeroMQ took one (each is repeated by a later timer if lost). The server's
-go through a ``Sink`` the pump passes in, which says whether the transport took them: a batch
-that ZeroMQ refused (the reader's queue is full) was not sent, so the reader's place must not
-move past it, and the protocol has to know that at once, not after the fact.
+Frames out, one style for both: neither object calls into I/O, the pump sends what they give.
+Control frames go to a list the pump empties (``data_to_send``): neither side needs to know
+whether ZeroMQ took one (each is repeated by a later timer, or asked for again, if lost). The
+server's data frames come from ``ServerProtocol.transmit``, a generator of ``(ident, frames)``
+the pump sends one at a time, answering whether the transport took each: a batch that ZeroMQ
+refused (the reader's queue is full) was not sent, so the reader's place must not move past it,
+and the protocol has to know that at once, before it decides what goes to that reader next.
 
 Two connections per reader (wire.py): the control frames (signed in insecure mode, CurveZMQ
 otherwise) and the data frames (BATCH, LAGGED, END), each sealed by ``_seal.py`` under the
 group key that WELCOME and KEYS deliver. The server protocol seals every message once, as it
-takes it from the ring, and sends data frames through the sink ``transmit`` is given; the
-client protocol opens them (``receive_data``) and counts what it refuses.
+takes it from the ring, and hands out data frames from ``transmit``; the client protocol
+opens them (``receive_data``) and counts what it refuses.
 """
 
 from __future__ import annotations
 
 import bisect
-import logging
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from .. import _seal as seal
-from .._shm.layout import NAME_BYTES
 from . import wire
+from .readers import (
+    BUFFER_BYTES,
+    Admitted,
+    Client,
+    ClientInfo,
+    Departed,
+    Outgoing,
+    ReaderFault,
+    Readers,
+    Rejected,
+    ServerConfig,
+    ServerEvent,
+    TimedOut,
+    check_arity,
+)
 
-log = logging.getLogger("aiobroadcast")
+__all__ = [
+    "ACK_BYTES",
+    "BATCH_BYTES",
+    "BUFFER_BYTES",
+    "Admitted",
+    "ClientEvent",
+    "ClientInfo",
+    "ClientProtocol",
+    "Departed",
+    "Ended",
+    "Lagged",
+    "Messages",
+    "Outgoing",
+    "ReaderFault",
+    "Refused",
+    "Rejected",
+    "ServerConfig",
+    "ServerEvent",
+    "ServerProtocol",
+    "StreamEnd",
+    "TimedOut",
+    "Transmission",
+    "Welcomed",
+]
 
-#: hands one frame group (signed) to the transport for the client ``ident``; False if the
-#: transport refused it (that client's queue is full, or it is not connected): nothing was sent
-Sink = Callable[[bytes, list[Any]], bool]
+#: what ``ServerProtocol.transmit`` is: it yields the data frame groups to send, one at a time,
+#: and is sent back whether the transport took each (False: that reader's queue is full, or it
+#: is not connected; nothing was sent); it returns the number of messages the transport took
+Transmission = Generator[Outgoing, bool, int]
 #: how a stream ended: the writer closed it, or died
 StreamEnd = Literal["closed", "gone"]
 
@@ -48,115 +88,6 @@ BATCH_BYTES = 128 * 1024
 #: window, and every heartbeat): well below BUFFER_BYTES, so the server, which holds what is
 #: not acknowledged, does not wait for acknowledgements of large messages
 ACK_BYTES = 2 << 20
-#: the bytes of sealed bodies a server holds for its readers, at most (``ServerConfig.
-#: buffer_bytes``; beyond one body): large messages are bounded by bytes, not only by count
-BUFFER_BYTES = 64 << 20
-
-# --- the server's events -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ClientInfo:
-    """Who a remote reader says it is (in its HELLO)."""
-
-    name: str
-    pid: int
-    host: str
-
-
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    """A reader was welcomed: a new one, or one that comes back after it was dropped."""
-
-    ident: bytes
-    client: ClientInfo
-
-
-@dataclass(frozen=True, slots=True)
-class Departed:
-    """A reader said BYE: it has what it wanted, or is closing."""
-
-    ident: bytes
-    client: ClientInfo
-
-
-@dataclass(frozen=True, slots=True)
-class Rejected:
-    """A frame group the server refused. ``dropped``: the reader it came from, which was dropped
-    and told why (REFUSED); None if the sender was not a reader, or if the frames were not
-    authentic (nothing then says which reader they claim to be, so nobody is dropped for them)."""
-
-    ident: bytes
-    reason: str
-    dropped: ClientInfo | None
-    #: frames refused so far, this one included
-    total: int
-
-
-@dataclass(frozen=True, slots=True)
-class TimedOut:
-    """A reader was silent longer than the heartbeat timeout: dropped (it may come back)."""
-
-    ident: bytes
-    client: ClientInfo
-    silent_s: float
-    acked: int
-    end: int
-
-
-ServerEvent = Admitted | Departed | Rejected | TimedOut
-
-
-@dataclass(slots=True)
-class _Client:
-    ident: bytes
-    info: ClientInfo
-    #: the credit granted: messages sent beyond ``acked`` never exceed it
-    window: int
-    next_send: int
-    acked: int
-    last_heard: float
-    #: when it last had the server send again (HELLO, NACK): at most once a heartbeat
-    resent_at: float
-    #: END was sent; a NACK that rewinds it clears this, so END goes again after the resend
-    ended: bool = False
-    #: the transport refused the last send (its queue is full, or it is not connected)
-    choked: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class ServerConfig:
-    """What a server grants and how long it waits (``open_writer``'s TCP options)."""
-
-    #: "block" or "lag", as the ring's
-    policy: str
-    #: the HMAC key (insecure mode); None under CurveZMQ
-    key: bytes | None
-    #: the most credit a reader gets (it asks for its own, maybe smaller)
-    window: int
-    #: messages held for readers: under "block" the server takes no more from the ring, under
-    #: "lag" it keeps the newest
-    buffer_max: int
-    hb_interval: float
-    hb_timeout: float
-    max_remote: int
-    #: the channel id (the handle's token): a HELLO that names another channel is refused
-    channel: str | None = None
-    #: the port of the data socket, for WELCOME
-    data_port: int = 0
-    #: the password of the data socket's PLAIN handshake (hex), for WELCOME: a peer without it
-    #: is refused before it costs the server more than the handshake (docs/security.md)
-    data_token: str | None = None
-    #: bytes of sealed bodies held, at most (as ``buffer_max``, by size: a server holding a
-    #: window of 4 MiB messages would hold a gigabyte)
-    buffer_bytes: int = BUFFER_BYTES
-    #: a fan-in remote sender's server (docs/fan-in.md, "Remote senders"): its one reader is the
-    #: collector. Until it comes, everything taken from the ring is kept (under "block", up to
-    #: ``buffer_max``: then the ring holds the sender back), and it starts at the stream's first
-    #: message; once it has left (BYE, silence, a refused frame) and none comes back, the
-    #: protocol is ``abandoned``: the pump leaves the ring (the sender's ``put`` raises
-    #: ``CollectorGone``) and refuses readers from then on.
-    sole_reader: bool = False
 
 
 class _Held:
@@ -241,12 +172,12 @@ class _Sender:
         """A data frame that is not a message (LAGGED, END), sealed for this send."""
         return [kind, self._sealer.seal_control(kind, payload)]
 
-    def send_to(self, client: _Client, batches: dict[tuple[int, int], list[Any]], send: Sink) -> int:
+    def send_to(self, client: Client, batches: dict[tuple[int, int], list[Any]]) -> Transmission:
         held = self.held
         # A reader that needs what the server no longer holds (policy "lag", a resume after a
         # restart) is told exactly what is lost. No credit is granted for the gap: the reader
         # acknowledges it once it has taken the report, so it never holds more than `window`.
-        if client.next_send < held.base and not self._report_gap(client, held.base, send):
+        if client.next_send < held.base and not (yield from self._report_gap(client, held.base)):
             return 0
         # Credit: the reader may hold `window` messages it has not acknowledged, no more. That
         # bounds its queue, and under "block" it is what holds the writer back.
@@ -256,7 +187,7 @@ class _Sender:
             lo = bisect.bisect_left(seqs, client.next_send)
             if lo == len(seqs) or seqs[lo] != client.next_send:
                 # In a gap of the server's own: say what it holds next, and go on from there.
-                if not self._report_gap(client, seqs[lo] if lo < len(seqs) else held.end, send):
+                if not (yield from self._report_gap(client, seqs[lo] if lo < len(seqs) else held.end)):
                     return 0
                 if client.next_send >= limit:
                     return 0  # no credit beyond the gap until the reader takes the report
@@ -267,23 +198,23 @@ class _Sender:
                 # its seal, so the header cannot move it either.
                 frames = wire.encode_batch(first, held.items[lo : lo + count])
                 batches[(first, count)] = frames
-            if not send(client.ident, frames):
+            if not (yield client.ident, frames):
                 client.choked = True
                 return 0
             client.choked = False
             client.next_send += count
             return count
         if held.done and not client.ended and client.next_send >= held.end:
-            if send(client.ident, self._sealed(wire.END, wire.U64.pack(held.end) + held.done.encode())):
+            if (yield client.ident, self._sealed(wire.END, wire.U64.pack(held.end) + held.done.encode())):
                 client.ended = True
             else:
                 client.choked = True
         return 0
 
-    def _report_gap(self, client: _Client, after: int, send: Sink) -> bool:
+    def _report_gap(self, client: Client, after: int) -> Generator[Outgoing, bool, bool]:
         """Tell ``client`` that everything from its place up to ``after`` is lost; move it there."""
         lagged = self._sealed(wire.LAGGED, wire.U64x2.pack(after, after - client.next_send))
-        if not send(client.ident, lagged):
+        if not (yield client.ident, lagged):
             client.choked = True
             return False
         client.next_send = after
@@ -294,11 +225,13 @@ class ServerProtocol:
     """The server's side: what it holds of the stream and what each remote reader may get.
 
     The pump feeds it the ring (``add``, ``lost``, ``stream_ended``, asking ``wants_ring``
-    first), the frame groups readers send (``receive``) and the time; it sends through the
-    ``Sink`` it is given. ``transmit`` sends every reader what its credit allows (through the
-    data connection's sink), ``trim`` forgets what no reader needs, ``heartbeat`` (when
-    ``heartbeat_due``) drops silent readers and tells the others how far the stream goes,
-    ``send_keys`` tells every reader the keys after a rekey."""
+    first), the frame groups readers send (``receive``) and the time, and sends what it gives:
+    the control frames that pile up for ``data_to_send``, and the data frames ``transmit``
+    yields (every reader what its credit allows). ``trim`` forgets what no reader needs,
+    ``heartbeat`` (when ``heartbeat_due``) drops silent readers and tells the others how far
+    the stream goes, ``send_keys`` tells every reader the keys after a rekey. Who the readers
+    are, and their control connection, is ``readers`` (readers.py); this class is the stream
+    and its fan-out to them."""
 
     def __init__(
         self,
@@ -307,35 +240,41 @@ class ServerProtocol:
         start: int,
         now: float,
         returning: int = 0,
-        sealer: seal.Sealer | None = None,
+        sealer: seal.Sealer,
         large: Callable[[bytes | bytearray], Any] | None = None,
     ) -> None:
         """``start``: the number of the next message the ring will give. ``returning``: this
-        server replaces one that died, which served that many readers (``_awaiting_return``).
-        ``sealer``: seals the data plane (by default one of its own, for ``config.channel``,
-        insecure if ``config.key``). ``large``: what a large sealed body is held as (the pump
-        makes it a ZeroMQ message, shared by every send without a copy)."""
+        server replaces one that died, which served that many readers (``Readers.
+        awaiting_return``). ``sealer``: seals the data plane under the pump's group key (for
+        ``config.channel``, insecure if ``config.key``): the pump draws the key and sets the
+        rekey policy, so this object draws no randomness. ``large``: what a large sealed body is
+        held as (the pump makes it a ZeroMQ message, shared by every send without a copy)."""
         self._cfg = config
         self._block = config.policy == "block"
-        self._returning = returning
-        self._grace_until = now + 2 * config.hb_timeout
         self._held = _Held(start)
-        if sealer is None:
-            sealer = seal.Sealer((config.channel or "").encode(), secret=config.key)
         self.sealer = sealer
         self._keys_epoch = sealer.epoch  # the sealer's epoch whose keys every reader was sent
         self._large = large
         self._sender = _Sender(self._held, sealer)
-        self._clients: dict[bytes, _Client] = {}
+        #: the readers admitted, and the control frames to them
+        self.readers = Readers(config, now=now, returning=returning, keys=sealer.keys_message)
         self._stop_at: float | None = None
         #: when the next heartbeat is due
         self.next_heartbeat = now + config.hb_interval
-        self.dropped = 0
-        self.rejected_frames = 0
-        #: ``sole_reader``: a reader was admitted (or the server this one replaces served one)
-        self._had_reader = returning > 0
-        #: ``sole_reader``: its reader left for good; nothing is taken from the ring any more
-        self.abandoned = False
+
+    @property
+    def dropped(self) -> int:
+        """Readers dropped for their silence."""
+        return self.readers.dropped
+
+    @property
+    def rejected_frames(self) -> int:
+        return self.readers.rejected_frames
+
+    @property
+    def abandoned(self) -> bool:
+        """``sole_reader``: its reader left for good; nothing is taken from the ring any more."""
+        return self.readers.abandoned
 
     # --- the ring's side ------------------------------------------------------------------------
     @property
@@ -369,7 +308,7 @@ class ServerProtocol:
         """A new group key now (on demand); ``send_keys`` tells the readers."""
         self.sealer.rekey()
 
-    def send_keys(self, send: Sink) -> None:
+    def send_keys(self) -> None:
         """After a rekey (on demand, or by the sealer's policy): every reader gets the keys.
         The next key was announced already, so readers open the first frame under it even if
         this arrives later; one whose queue was full asks again (it meets an unknown key)."""
@@ -377,8 +316,8 @@ class ServerProtocol:
             return
         self._keys_epoch = self.sealer.epoch
         msg = [wire.KEYS, self.sealer.keys_message()]
-        for ident in list(self._clients):
-            self._send(send, ident, msg)
+        for ident in list(self.readers.clients):
+            self.readers.send(ident, msg)
 
     def lost(self, next_msg: int) -> None:
         """The ring overwrote messages before the server took them (policy "lag"): the next one
@@ -390,164 +329,45 @@ class ServerProtocol:
         self._held.done = how
 
     # --- frames from readers --------------------------------------------------------------------
-    def receive(
-        self, ident: bytes, frames: list[bytes], *, now: float, published: int, send: Sink
-    ) -> ServerEvent | None:
+    def receive(self, ident: bytes, frames: list[bytes], *, now: float, published: int) -> ServerEvent | None:
         """A frame group from ``ident`` (its signature still on). ``published``: the number of the
         next message the writer will publish (read from the ring now). Every field is checked
-        before it is acted on; a bad frame costs only its sender."""
-        if len(frames) > wire.MAX_CONTROL_FRAMES:
-            return self._reject(ident, f"{len(frames)} frames in one message", send)
-        if any(len(f) > wire.MAX_CONTROL_FRAME for f in frames):
-            # ZeroMQ cuts these off (maxmsgsize) before they reach us; a pump without that limit
-            # must not get further.
-            return self._reject(ident, "a frame larger than a control frame", send)
-        try:
-            frames = wire.verify(self._cfg.key, frames)
-        except wire.FrameError as exc:
-            self.rejected_frames += 1
-            return Rejected(ident, str(exc), None, self.rejected_frames)
-        try:
-            return self._on_frames(ident, frames, now, max(self._held.end, published), send)
-        except (wire.FrameError, struct.error) as exc:
-            return self._reject(ident, str(exc), send)
-        except Exception as exc:  # a bug: it must not take the other readers down with it
-            log.exception("aiobroadcast: the TCP server failed on a frame from a remote reader")
-            return self._reject(ident, f"internal error {type(exc).__name__}", send)
+        before it is acted on; a bad frame costs only its sender. A bug it trips is raised as a
+        ``ReaderFault``: the pump drops that reader (``reject``)."""
+        return self.readers.receive(ident, frames, now=now, horizon=max(self._held.end, published))
 
-    def _reject(self, ident: bytes, reason: str, send: Sink) -> Rejected:
+    def reject(self, ident: bytes, reason: str) -> Rejected:
         """Refuse a frame from ``ident``: count it, drop that reader (only it), tell it why."""
-        self.rejected_frames += 1
-        client = self._clients.pop(ident, None)
-        self._send(send, ident, [wire.REFUSED, f"malformed frame: {reason}".encode()[:256]])
-        if client is not None:
-            self._reader_left(None)
-        return Rejected(ident, reason, client.info if client else None, self.rejected_frames)
+        return self.readers.reject(ident, reason)
 
-    def _on_frames(self, ident: bytes, frames: list[bytes], now: float, horizon: int, send: Sink) -> ServerEvent | None:
-        if not frames:
-            raise wire.FrameError("empty message")
-        kind = frames[0]
-        client = self._clients.get(ident)
-        if kind == wire.HELLO:
-            _arity(frames, 1)
-            return self._hello(ident, client, wire.decode_hello(frames[1]), now, horizon, send)
-        if kind == wire.ACK or kind == wire.NACK:
-            _arity(frames, 1)
-            if len(frames[1]) != wire.U64.size:
-                raise wire.FrameError(f"{kind!r} needs a u64, got {len(frames[1])} bytes")
-            (n,) = wire.U64.unpack(frames[1])
-        elif kind == wire.BYE:
-            _arity(frames, 0)
-        else:
-            raise wire.FrameError(f"unknown frame kind {kind[:8]!r}")
-        if client is None:
-            if kind != wire.BYE:
-                self._send(send, ident, [wire.UNKNOWN])  # "who are you?": it says HELLO again
-            return None
-        client.last_heard = now
-        if kind == wire.ACK:
-            # It consumed everything before n. More than it was sent it cannot have: a larger
-            # number (a bug, or a hostile reader trying to release the writer's backpressure
-            # under "block") counts only up to what was sent.
-            if n > client.acked:
-                client.acked = min(n, client.next_send)
-        elif kind == wire.NACK:
-            if now - client.resent_at < self._cfg.hb_interval:
-                return None  # what it asked for a moment ago is on its way; it asks again if not
-            client.resent_at = now
-            # Rewind to n, within what it may ask for: not before what it acknowledged (it has
-            # that; going back further would let it make the server send its whole buffer again
-            # and again), not beyond its credit nor the stream's end (the place would then run
-            # ahead of what exists). At most one window per heartbeat is sent again.
-            client.next_send = max(client.acked, min(n, client.acked + client.window, horizon))
-            client.ended = False
-        else:
-            del self._clients[ident]
-            self._reader_left(None)
-            return Departed(ident, client.info)
-        return None
-
-    def _hello(
-        self, ident: bytes, client: _Client | None, hello: wire.Hello, now: float, horizon: int, send: Sink
-    ) -> ServerEvent | None:
-        if hello.version != wire.PROTOCOL_VERSION:
-            self._send(send, ident, [wire.REFUSED, b"protocol version mismatch"])
-            return None
-        if hello.channel is not None and self._cfg.channel is not None and hello.channel != self._cfg.channel:
-            # Same endpoint and keys (fixed CurveKeys), but the handle of another writer: its
-            # frames would never open here (the channel id is in every seal).
-            self._send(
-                send, ident, [wire.REFUSED, b"this handle is of another channel (an earlier writer at this endpoint)"]
-            )
-            return None
-        if client is not None and now - client.resent_at < self._cfg.hb_interval:
-            return None  # it said HELLO a moment ago; it says it again if the WELCOME is lost
-        if self.abandoned:
-            self._send(send, ident, [wire.REFUSED, b"this sender's collector left: it serves no reader any more"])
-            return None
-        if client is None and len(self._clients) >= self._cfg.max_remote:
-            self._send(
-                send, ident, [wire.REFUSED, f"all {self._cfg.max_remote} remote reader places are taken".encode()]
-            )
-            return None
-        if hello.resume is not None and self._returning:
-            self._returning -= 1
-        if hello.resume is not None and hello.resume > horizon:
-            raise wire.FrameError(f"resume at {hello.resume}, beyond the stream's next message {horizon}")
-        # A new reader starts with the next message published, as on shared memory: not with
-        # what the server still holds, nor with what is in the ring and not yet taken (a slow
-        # reader, policy "block"). A returning one resumes where it says; if that is before
-        # what the server holds, transmit tells it exactly what it lost.
-        start = horizon if hello.resume is None else hello.resume
-        if self._cfg.sole_reader and not self._had_reader and hello.resume is None:
-            # A fan-in sender's collector: everything from the stream's first message is its
-            # own. What a server that died took and did not hand over is reported as lost.
-            start = 0
-        self._had_reader = True
-        info = ClientInfo(hello.name[:NAME_BYTES], hello.pid, hello.host)
-        window = min(hello.window, self._cfg.window)
-        self._clients[ident] = _Client(ident, info, window, start, start, now, now)
-        welcome = {
-            "start": start,
-            "policy": self._cfg.policy,
-            "hb_interval": self._cfg.hb_interval,
-            "hb_timeout": self._cfg.hb_timeout,
-            "window": window,  # the credit granted: the reader acknowledges every half of it
-            # Where the sealed data frames come from, and the keys to open them (secret: this
-            # goes over CurveZMQ only; insecure, it holds salts, not keys).
-            "data_port": self._cfg.data_port,
-            "keys": self.sealer.keys_message().hex(),
-        }
-        if self._cfg.data_token is not None:
-            welcome["data_token"] = self._cfg.data_token
-        self._send(send, ident, [wire.WELCOME, wire.encode_json(welcome)])
-        return Admitted(ident, info)
+    def drop(self, ident: bytes) -> ClientInfo | None:
+        """Forget reader ``ident`` without a word (``ReaderFault`` from ``transmit``); who it was."""
+        return self.readers.drop(ident)
 
     # --- frames to readers ----------------------------------------------------------------------
-    def _send(self, send: Sink, ident: bytes, frames: list[Any]) -> bool:
-        return send(ident, wire.sign(self._cfg.key, frames))
+    def data_to_send(self) -> list[Outgoing]:
+        """The control frame groups to send, signed, oldest first (each is taken once)."""
+        return self.readers.data_to_send()
 
-    def transmit(self, send: Sink) -> int:
-        """Send every reader what its credit allows (``send``: the data connection's sink); the
-        number of messages the transport took."""
+    def transmit(self) -> Transmission:
+        """Every reader what its credit allows: the data frame groups to send, one at a time,
+        each answered with whether the transport took it; returns the number of messages it
+        took (``Transmission``)."""
         sent = 0
         # Readers that keep pace get the same batch: build it once (its bodies are sealed
         # already), keyed by its first number and count, which fix its content within this call.
         batches: dict[tuple[int, int], list[Any]] = {}
-        for client in list(self._clients.values()):
+        for client in list(self.readers.clients.values()):
             try:
-                sent += self._sender.send_to(client, batches, send)
-            except Exception:  # a bug: it must not take the other readers down with it
-                log.exception("aiobroadcast: the TCP server failed to send to %r; dropped it", client.info.name)
-                self._clients.pop(client.ident, None)
-                self._reader_left(None)
+                sent += yield from self._sender.send_to(client, batches)
+            except Exception as exc:  # a bug: the pump drops this reader (``drop``), not the others
+                raise ReaderFault(client.ident, f"internal error {type(exc).__name__}") from exc
         return sent
 
     @property
     def choked(self) -> bool:
         """Whether the transport refused a send to some reader (the pump retries soon)."""
-        return any(c.choked for c in self._clients.values())
+        return any(c.choked for c in self.readers.clients.values())
 
     # --- time -----------------------------------------------------------------------------------
     def trim(self, now: float) -> None:
@@ -557,45 +377,20 @@ class ServerProtocol:
         base = held.base
         if not self._block:
             held.keep_newest(self._cfg.buffer_max, self._cfg.buffer_bytes)
-        elif not self._awaiting_return(now) and not (self._cfg.sole_reader and not self._clients):
-            held.keep_from(min((c.acked for c in self._clients.values()), default=held.end))
+        elif not self.readers.awaiting_return(now) and not (self._cfg.sole_reader and not self.readers.clients):
+            held.keep_from(min((c.acked for c in self.readers.clients.values()), default=held.end))
         if held.base > base:  # the keys nothing held is sealed under any more are forgotten
             self.sealer.retire(held.seqs[0] if held.seqs else held.end)
-
-    def _awaiting_return(self, now: float) -> bool:
-        """Whether readers of the server this one replaces may still come back (for at most
-        two silence timeouts): under "block" it keeps what it takes from the ring for them."""
-        if self._returning and now >= self._grace_until:
-            self._returning = 0
-        return self._returning > 0
 
     def heartbeat_due(self, now: float) -> bool:
         return now >= self.next_heartbeat
 
-    def heartbeat(self, now: float, send: Sink) -> list[TimedOut]:
+    def heartbeat(self, now: float) -> list[TimedOut]:
         """Drop the readers silent for longer than the timeout; tell the others how far the
         stream goes (lost if a reader's queue is full: the next one goes a heartbeat later)."""
         self.next_heartbeat = now + self._cfg.hb_interval
-        out: list[TimedOut] = []
         beat = [wire.HEARTBEAT, wire.U64x2.pack(self._held.end, 1 if self._held.done else 0)]
-        for ident, client in list(self._clients.items()):
-            if now - client.last_heard > self._cfg.hb_timeout:
-                del self._clients[ident]
-                self.dropped += 1
-                out.append(TimedOut(ident, client.info, now - client.last_heard, client.acked, self._held.end))
-            else:
-                self._send(send, ident, beat)
-        self._reader_left(now)
-        return out
-
-    def _reader_left(self, now: float | None) -> None:
-        """``sole_reader``: once the reader that came has left and none is expected back (a
-        restarted server waits for its readers' return), the stream is abandoned."""
-        if not self._cfg.sole_reader or self.abandoned or self._clients or not self._had_reader:
-            return
-        if self._returning and (now is None or self._awaiting_return(now)):
-            return
-        self.abandoned = True
+        return self.readers.time_out(now, self._held.end, beat)
 
     def stop(self, deadline: float) -> None:
         """Stop once every reader has everything, or at ``deadline``."""
@@ -610,8 +405,8 @@ class ServerProtocol:
         # sender's server waits for its collector, which has not come yet, until the deadline.
         drained = (
             self._held.done is not None
-            and (self._had_reader or not self._cfg.sole_reader)
-            and all(c.ended and c.acked >= self._held.end for c in self._clients.values())
+            and (self.readers.had_reader or not self._cfg.sole_reader)
+            and all(c.ended and c.acked >= self._held.end for c in self.readers.clients.values())
         )
         return drained or now >= self._stop_at
 
@@ -632,7 +427,7 @@ class ServerProtocol:
                     "received": c.acked,
                     "lag": max(0, end - c.acked),
                 }
-                for c in self._clients.values()
+                for c in self.readers.clients.values()
             ],
         }
 
@@ -640,13 +435,8 @@ class ServerProtocol:
         h = self._held
         return (
             f"<ServerProtocol [{self._cfg.policy}, held {h.base}..{h.end} ({len(h.seqs)}), "
-            f"{len(self._clients)} readers{', ' + h.done if h.done else ''}]>"
+            f"{len(self.readers.clients)} readers{', ' + h.done if h.done else ''}]>"
         )
-
-
-def _arity(frames: Sequence[Any], args: int) -> None:
-    if len(frames) != 1 + args:
-        raise wire.FrameError(f"{bytes(frames[0][:8])!r} takes {args} argument frame(s), got {len(frames) - 1}")
 
 
 # --- the client ----------------------------------------------------------------------------------
@@ -795,7 +585,7 @@ class ClientProtocol:
     def _on_frames(self, frames: list[Any], now: float) -> ClientEvent | None:
         kind = frames[0]
         if kind == wire.KEYS:
-            _arity(frames, 1)
+            check_arity(frames, 1)
             self._install_keys(frames[1])
             return None
         if kind == wire.HEARTBEAT:
@@ -874,7 +664,7 @@ class ClientProtocol:
             self.next = first + len(items)
             return Messages(first + skip, opened)
         if kind == wire.LAGGED:
-            _arity(frames, 1)
+            check_arity(frames, 1)
             from_seq, _missed = wire.U64x2.unpack(self._opener.open_control(kind, frames[1]))
             if from_seq > self.next >= 0:
                 lagged = Lagged(from_seq - self.next, from_seq)
@@ -882,7 +672,7 @@ class ClientProtocol:
                 return lagged
             return None
         if kind == wire.END:
-            _arity(frames, 1)
+            check_arity(frames, 1)
             payload = self._opener.open_control(kind, frames[1])
             (final,) = wire.U64.unpack_from(payload)
             if self.next >= final:  # not before it has everything the server has

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import ctypes
-import hmac
 import json
 import logging
 import os
@@ -27,7 +26,7 @@ import select
 import signal
 import sys
 import time
-from typing import Any, cast
+from typing import Any
 
 import zmq
 import zmq.auth.thread
@@ -36,45 +35,27 @@ from pydantic import ValidationError
 from .. import _seal as seal
 from .. import _tuning
 from .._constants import TCP_SERVER_READER_NAME
-from .._exceptions import BroadcastError, EndOfStream, ReaderLagged, TransportError, WouldBlock, WriterGone
+from .._exceptions import BroadcastError, EndOfStream, ReaderLagged, WouldBlock, WriterGone
 from .._shm.arena import arena_path
 from .._shm.layout import W_NEXT_MSG
 from .._shm.segment import Segment, attach_segment
 from .._shm.subscriber import ShmSource
 from . import wire
-from .errors import zmq_errors
-from .protocol import BUFFER_BYTES, Rejected, ServerConfig, ServerEvent, ServerProtocol, TimedOut
-from .report import ServerReport, remove_report, write_report
+from .listener import Listener
+from .notices import Notices
+from .protocol import (
+    BUFFER_BYTES,
+    ReaderFault,
+    ServerConfig,
+    ServerProtocol,
+)
+from .report import remove_report
 from .settings import ServerSettings
-from .sockets import send_parts
 
 log = logging.getLogger("aiobroadcast")
 
-#: ZeroMQ's queue of frame groups for one remote reader (ZMQ_SNDHWM). The server never queues
-#: more for a reader: a batch ZeroMQ refuses stays in the server's buffer and goes later. With
-#: protocol.BATCH_BYTES this bounds what a reader that does not read (or asks for everything again and
-#: again) costs the server: docs/design.md, "Remote readers".
-SEND_HWM = 16
-#: frame groups ZeroMQ takes in from one reader before it stops reading that connection
-RECV_HWM = 64
 #: how soon the server tries again to send to a reader whose queue was full
 RETRY_S = 0.005
-#: a connection to either port that has not finished its handshake (the ZMTP greeting, then
-#: CurveZMQ, or PLAIN and its password) this long after it was accepted is closed: a peer without
-#: the keys holds a descriptor no longer than this (docs/security.md, "Peers without the keys")
-HANDSHAKE_S = 5.0
-#: frame groups taken off the data socket, and dropped, per turn of the loop: readers send nothing
-#: there, and one left unread would stop ZeroMQ reading that connection, even its end
-DATA_DRAIN = 64
-#: messages (of at most 1 KiB) ZeroMQ queues from one data connection before the server drops them
-DATA_RECV_HWM = 16
-#: the ZAP domains of the two sockets
-CONTROL_DOMAIN = "aiobroadcast"
-DATA_DOMAIN = "aiobroadcast-data"
-#: a remote peer's refused frames are logged at most once in this many seconds
-COMPLAIN_EVERY_S = 60.0
-#: peers remembered for that (a flood of new peers is not logged one by one)
-COMPLAINTS_KEPT = 256
 
 
 def _view(body: Any, oob: bool) -> tuple[Any, int]:
@@ -153,30 +134,67 @@ class _Buffers:
                 self._bytes -= len(buf)
 
 
-class _Allow:
-    """ZAP credentials check: only the readers' public key gets in."""
+class RingFeed:
+    """The server's reading of the ring, as one more local reader (its place is reserved, so
+    under policy "block" a slow remote reader holds the writer back as a local one would): a
+    turn's take handed to the protocol (``pull``), and leaving the ring (``leave``)."""
 
-    def __init__(self, key: bytes) -> None:
-        self._key = key
+    def __init__(self, seg: Segment, settings: ServerSettings) -> None:
+        handle = settings.handle
+        # hold: under policy "block" a body is a view of its slot until the next get_nowait,
+        # so the protocol seals it straight out of the ring.
+        self.src = ShmSource(seg, handle, TCP_SERVER_READER_NAME, _view, hold=True, take_over=settings.take_over)
+        if handle.arena_bytes:  # arena bodies go out whole: their buffers copied in (one copy)
+            self.src.attach_arena(arena_path(handle.path), False)
+        #: bytes of bodies the last turn took from the ring
+        self.pulled_bytes = 0
+        #: it left the ring (``leave``)
+        self.left = False
 
-    def callback(self, domain: str, key: bytes) -> bool:
-        return key == self._key
+    def pull(self, proto: ServerProtocol) -> int:
+        """Hand what the ring holds to the protocol (under "block", while it has room), up to
+        ``TURN_BYTES`` of bodies: then it is sent before more is taken."""
+        n = 0
+        budget = TURN_BYTES
+        src = self.src
+        while n < 4096 and budget > 0 and proto.wants_ring():
+            try:
+                item = src.get_nowait()
+            except WouldBlock:
+                break
+            except ReaderLagged:
+                proto.lost(src.next_msg)
+                continue
+            except EndOfStream:
+                proto.stream_ended("closed")
+                break
+            except WriterGone:
+                proto.stream_ended("gone")
+                break
+            proto.add(src.next_msg - 1, item)
+            budget -= len(item[0])
+            n += 1
+        self.pulled_bytes = TURN_BYTES - budget
+        return n
 
-
-class _Zap(zmq.auth.thread.ThreadAuthenticator):
-    """The ZAP handler of both sockets (a thread): CurveZMQ keys through ``_Allow``, PLAIN
-    passwords compared in constant time (pyzmq's own compare with ``==``)."""
-
-    def _authenticate_plain(self, domain: str, username: str, password: str) -> tuple[bool, bytes]:
-        expected = self.passwords.get(domain, {}).get(username)
-        if expected is not None and hmac.compare_digest(password.encode(), expected.encode()):
-            return True, b"OK"
-        return False, b"Invalid password"
+    def leave(self) -> bool:
+        """A fan-in sender's collector left for good (``ServerProtocol.abandoned``): leave the
+        ring, so the sender sees its collector's place inactive and its ``put`` raises
+        ``CollectorGone`` (a put waiting for room is woken), instead of publishing to nobody.
+        The process goes on (the writer restarts a server that exits) and refuses readers. True
+        if it left now (not before)."""
+        if self.left:
+            return False
+        self.left = True
+        self.src._place.leave()  # the mapping stays (the loop still reads the ring's words)
+        return True
 
 
 class TcpServer:
-    """Moves frames between the ROUTER socket, the ring and a ``ServerProtocol``, which decides
-    everything: what each reader gets, when, and what is refused."""
+    """Moves frames between the sockets (``Listener``, listener.py), the ring (``RingFeed``) and
+    a ``ServerProtocol``, which decides everything: what each reader gets, when, and what is
+    refused. This class is the loop that drives them, when it spins and when it sleeps;
+    what it reports and logs of the readers is ``Notices`` (notices.py)."""
 
     def __init__(
         self,
@@ -190,19 +208,10 @@ class TcpServer:
         server is to drain and stop. ``buffer_bytes``: the bytes of sealed bodies held for
         readers, at most (beside ``settings.buffer_max`` messages)."""
         handle = settings.handle
-        insecure, hmac_key, data_port = settings.insecure, settings.key("hmac_key"), settings.data_port
+        insecure, hmac_key = settings.insecure, settings.key("hmac_key")
         self._report_path = settings.report_path
         self.drain_timeout = 2 * settings.hb_timeout
         self._ring_words = seg.words
-        self._ctx = zmq.Context()
-        self._auth: _Zap | None = None
-        self.data_token = settings.data_token
-        self._router = self._ctx.socket(zmq.ROUTER)
-        # Sealed data frames (BATCH, LAGGED, END) go on a second socket without CurveZMQ: each
-        # message is sealed once for every reader (_seal.py), instead of CurveZMQ encrypting it
-        # again for each connection. Admission and key delivery stay on the CurveZMQ socket;
-        # docs/security.md says why this split is safe.
-        self._data = self._ctx.socket(zmq.ROUTER)
         # A body is sealed once, with the group key of this server process (a restarted server
         # draws another; readers get it in WELCOME). Insecure: authenticated, not encrypted.
         # What is held, and what ZeroMQ still sends after the readers acknowledged it.
@@ -215,66 +224,13 @@ class TcpServer:
             buffer=self._buffers.take,
         )
         self.rekey_requested = False  # SIGUSR1: a new key now
+        self._net = net = Listener(settings)
+        self.endpoint, self.data_port, self.data_token = net.endpoint, net.data_port, net.data_token
         try:
-            r = self._router
-            r.linger = 0
-            r.sndhwm = SEND_HWM
-            r.rcvhwm = RECV_HWM
-            r.maxmsgsize = wire.MAX_CONTROL_FRAME
-            # A full queue raises Again, an unknown peer EHOSTUNREACH: nothing is dropped silently,
-            # so the protocol knows what was sent.
-            r.router_mandatory = True
-            r.handshake_ivl = int(HANDSHAKE_S * 1000)
-            # Every connection to either port is admitted at its handshake, by the ZAP handler:
-            # a peer without the credentials is closed there (and one that says nothing, or
-            # dribbles, after HANDSHAKE_S), before it costs more than a descriptor for that long.
-            self._auth = _Zap(self._ctx, log=logging.getLogger("aiobroadcast.zap"))
-            self._auth.start()
-            if not insecure:
-                server_secret, client_public = settings.key("server_secret"), settings.key("client_public")
-                assert server_secret is not None and client_public is not None
-                self._auth.configure_curve_callback(CONTROL_DOMAIN, credentials_provider=_Allow(client_public))
-                r.zap_domain = CONTROL_DOMAIN.encode()
-                r.curve_server = True
-                r.curve_secretkey = server_secret
-            else:
-                # No CurveZMQ: PLAIN, with a password derived from the HMAC key.
-                assert hmac_key is not None
-                password = wire.control_password(hmac_key).decode()
-                self._auth.configure_plain(CONTROL_DOMAIN, {wire.PLAIN_USER.decode(): password})
-                r.zap_domain = CONTROL_DOMAIN.encode()
-                r.plain_server = True
-            with zmq_errors(TransportError, f"cannot bind {settings.endpoint}"):
-                r.bind(_port_star(settings.endpoint))
-            self.endpoint = r.getsockopt_string(zmq.LAST_ENDPOINT)
-            d = self._data
-            d.linger = 0
-            d.sndhwm = SEND_HWM
-            # Readers send nothing here; what a peer sends anyway is read and dropped (a message
-            # left unread would stop ZeroMQ reading that connection, and noticing its end). A
-            # message over 1 KiB closes the connection (the bound also applies to the handshake,
-            # hence not 0). Not a queue of 1: behind a ZAP handshake, ZeroMQ 4.3 then delivers
-            # nothing from the connection, and stops reading it.
-            d.rcvhwm = DATA_RECV_HWM
-            d.maxmsgsize = 1024
-            d.router_mandatory = True
-            d.handshake_ivl = int(HANDSHAKE_S * 1000)
-            # PLAIN: the password is data_token, which admitted readers get in WELCOME (over
-            # CurveZMQ). Not secret from the path (it travels in clear, as the bodies do, sealed),
-            # but a peer that was never admitted does not have it.
-            self._auth.configure_plain(DATA_DOMAIN, {wire.PLAIN_USER.decode(): self.data_token})
-            d.zap_domain = DATA_DOMAIN.encode()
-            d.plain_server = True
-            with zmq_errors(TransportError, f"cannot bind the data port {data_port or '(any)'} beside {self.endpoint}"):
-                d.bind(_data_endpoint(self.endpoint, data_port))
-            self.data_port = int(d.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1])
-            # hold: under policy "block" a body is a view of its slot until the next get_nowait,
-            # so the protocol seals it straight out of the ring.
-            self._src = ShmSource(seg, handle, TCP_SERVER_READER_NAME, _view, hold=True, take_over=settings.take_over)
-            if handle.arena_bytes:  # arena bodies go out whole: their buffers copied in (one copy)
-                self._src.attach_arena(arena_path(handle.path), False)
+            self._ring = RingFeed(seg, settings)
+            self._src = self._ring.src
         except BaseException:
-            self._close_sockets()
+            net.close()
             raise
         self._ctrl_r = stop_fd
         os.set_blocking(self._ctrl_r, False)
@@ -300,33 +256,11 @@ class TcpServer:
             sealer=sealer,
             large=_frame,
         )
-        self._complaints: dict[bytes, float] = {}
-        #: bytes of bodies the last turn took from the ring
-        self._pulled_bytes = 0
-        self._report_failing = False
-        self._src_left = False
+        self._notices = Notices(self.protocol, settings.report_path)
 
     def write_stats(self) -> None:
-        """Who is connected, for ``Writer.statistics()`` and ``aiobroadcast stats``. Only a
-        report: if it cannot be written (a full /dev/shm), the last one stays and readers are
-        served as before."""
-        report = ServerReport.model_validate({"pid": os.getpid(), **self.protocol.report()})
-        try:
-            write_report(self._report_path, report)
-        except OSError as exc:
-            if not self._report_failing:
-                self._report_failing = True
-                log.warning(
-                    "aiobroadcast: the TCP server cannot write its report %s (%s); connected remote readers "
-                    "are served as before; statistics() shows the last report, and its tcp_server_health "
-                    "why, until it can",
-                    self._report_path,
-                    exc.strerror or exc,
-                )
-            return
-        if self._report_failing:
-            self._report_failing = False
-            log.warning("aiobroadcast: the TCP server writes its report %s again", self._report_path)
+        """Who is connected, for ``Writer.statistics()`` and ``aiobroadcast stats`` (``Notices``)."""
+        self._notices.write()
 
     def run(self) -> bool:
         """Serve until stopped; False if the server failed (a bug: the writer starts another)."""
@@ -337,23 +271,16 @@ class TcpServer:
             return False
         finally:
             self._src.close()
-            self._close_sockets()
+            self._net.close()
             # Nobody is served from here on (a writer dropped without aclose leaves it to us).
             remove_report(self._report_path)
         return True
 
-    def _close_sockets(self) -> None:
-        self._router.close(linger=0)
-        self._data.close(linger=0)
-        if self._auth is not None:
-            self._auth.stop()
-        self._ctx.term()
-
     def _loop(self) -> None:
         proto = self.protocol
         poller = zmq.Poller()
-        poller.register(self._router, zmq.POLLIN)
-        poller.register(self._data, zmq.POLLIN)
+        poller.register(self._net.router, zmq.POLLIN)
+        poller.register(self._net.data, zmq.POLLIN)
         poller.register(self._ctrl_r, zmq.POLLIN)
         inbox = self._src.inbox_fd
         ctrl = self._ctrl_r
@@ -366,33 +293,40 @@ class TcpServer:
             if self.rekey_requested:
                 self.rekey_requested = False
                 proto.rekey()
-            pulled = self._pull_ring()
+            pulled = self._ring.pull(proto)
             if pulled:
                 t = time.perf_counter_ns()
                 # Spin after this turn only in a dense stream of small messages: this one came
                 # within the spin's time of the one before (a sparser stream gains nothing from
                 # it), and its bodies are small (a large one costs the server, and each reader,
                 # far more than the wake-up a spin saves, and they need the CPU it would take).
-                dense = t - last_pull_ns < _tuning.TCP_SERVER_SPIN_NS and self._pulled_bytes < wire.FRAME_ALONE * pulled
+                dense = (
+                    t - last_pull_ns < _tuning.TCP_SERVER_SPIN_NS
+                    and self._ring.pulled_bytes < wire.FRAME_ALONE * pulled
+                )
                 last_pull_ns = t
                 pulled_ns = t if dense else 0
             idle = idle and not pulled
-            proto.send_keys(self._send)  # before anything sealed under the new key goes out
+            proto.send_keys()
+            self._flush()  # the keys, before anything sealed under the new key goes out
             # What was just taken goes out first: a reader waits for it, and what readers sent
             # (acknowledgements, mostly) can wait the few microseconds of a send. Sent again
             # below if what they sent gave credit.
-            sent = proto.transmit(self._send_data) if pulled else 0
+            sent = self._transmit() if pulled else 0
             if woken:  # the wake-up's datagram, taken once what it announced is on its way
                 woken = False
                 self._src.drain_inbox()
             now = time.monotonic()
-            if self._recv_clients(now) or not pulled:
-                sent += proto.transmit(self._send_data)
-            self._drain_data()
+            received = self._recv_clients(now)
+            self._flush()  # the answers (WELCOME, REFUSED, ...)
+            if received or not pulled:
+                sent += self._transmit()
+            self._net.drain_data()
             proto.trim(now)
             if proto.heartbeat_due(now):
-                for event in proto.heartbeat(now, self._send):
-                    self._on_event(event)
+                for event in proto.heartbeat(now):
+                    self._notices.on_event(event)
+                self._flush()
                 self.write_stats()
                 if idle:
                     self._buffers.clear()
@@ -436,15 +370,9 @@ class TcpServer:
                     pass
 
     def _leave_ring(self) -> None:
-        """A fan-in sender's collector left for good (``ServerProtocol.abandoned``): leave the
-        ring, so the sender sees its collector's place inactive and its ``put`` raises
-        ``CollectorGone`` (a put waiting for room is woken), instead of publishing to nobody.
-        The process goes on (the writer restarts a server that exits) and refuses readers."""
-        if self._src_left:
-            return
-        self._src_left = True
-        self._src._place.leave()  # the mapping stays (the loop still reads the ring's words)
-        self.write_stats()
+        """A fan-in sender's collector left for good: leave the ring (``RingFeed.leave``)."""
+        if self._ring.leave():
+            self.write_stats()
 
     def _spin(self, until_ns: int) -> bool:
         """Poll the ring until ``until_ns`` (``perf_counter_ns``): True as soon as it holds a
@@ -458,7 +386,7 @@ class TcpServer:
         on it, the writer and readers of this host included. Once messages stop, the spin ends
         and the server sleeps as before: an idle channel costs nothing."""
         ready = self._src.ready
-        router, data = self._router, self._data
+        readable = self._net.readable
         now = time.perf_counter_ns
         yield_ = os.sched_yield
         n = 0
@@ -466,11 +394,7 @@ class TcpServer:
             if ready():
                 return True
             n += 1
-            if not n & 15 and (
-                cast(int, router.get(_EVENTS)) & _POLLIN
-                or cast(int, data.get(_EVENTS)) & _POLLIN
-                or self._stdin_ready()
-            ):
+            if not n & 15 and (readable() or self._stdin_ready()):
                 return True
             yield_()
         return False
@@ -479,137 +403,43 @@ class TcpServer:
         """Whether the writer wrote to or closed our stdin (without reading it)."""
         return bool(select.select([self._ctrl_r], [], [], 0)[0])
 
-    def _pull_ring(self) -> int:
-        """Hand what the ring holds to the protocol (under "block", while it has room), up to
-        ``TURN_BYTES`` of bodies: then it is sent before more is taken."""
-        n = 0
-        budget = TURN_BYTES
-        proto = self.protocol
-        src = self._src
-        while n < 4096 and budget > 0 and proto.wants_ring():
+    def _flush(self) -> None:
+        """Send the control frames the protocol queued (WELCOME, REFUSED, KEYS, ...)."""
+        self._net.send_control(self.protocol.data_to_send())
+
+    def _transmit(self) -> int:
+        """Send every reader what the protocol says its credit allows; the number of messages
+        ZeroMQ took. A reader the protocol fails on (``ReaderFault``, a bug) is dropped, and
+        the others are served."""
+        while True:
             try:
-                item = src.get_nowait()
-            except WouldBlock:
-                break
-            except ReaderLagged:
-                proto.lost(src.next_msg)
-                continue
-            except EndOfStream:
-                proto.stream_ended("closed")
-                break
-            except WriterGone:
-                proto.stream_ended("gone")
-                break
-            proto.add(src.next_msg - 1, item)
-            budget -= len(item[0])
-            n += 1
-        self._pulled_bytes = TURN_BYTES - budget
-        return n
-
-    def _send(self, ident: bytes, frames: list[Any]) -> bool:
-        """The protocol's ``Sink`` for control frames."""
-        return self._send_on(self._router, ident, frames)
-
-    def _send_data(self, ident: bytes, frames: list[Any]) -> bool:
-        """The protocol's ``Sink`` for data frames (sealed already)."""
-        return self._send_on(self._data, ident, frames)
-
-    def _send_on(self, sock: zmq.Socket[Any], ident: bytes, frames: list[Any]) -> bool:
-        """Hand ``frames`` to ZeroMQ for ``ident``; False if it refused: the reader's queue is
-        full (SEND_HWM: it is not reading) or it is not connected now. Not copied: large
-        bodies are ZeroMQ messages shared by every send."""
-        try:
-            send_parts(sock, [ident, *frames])
-        except zmq.Again:
-            return False
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            return False
-        return True
+                return self._net.send_data(self.protocol.transmit())
+            except ReaderFault as fault:
+                client = self.protocol.drop(fault.ident)
+                log.error(
+                    "aiobroadcast: the TCP server failed to send to remote reader %r; dropped it",
+                    client.name if client else fault.ident,
+                    exc_info=fault,
+                )
+                self.write_stats()
 
     def _recv_clients(self, now: float) -> int:
         """Hand what readers sent to the protocol; the number of frame groups taken."""
-        router = self._router
-        n = 0
+        receive = self._net.receive
         for n in range(1024):
-            if not cast(int, router.get(_EVENTS)) & _POLLIN:
-                return n  # asked first: an exception per turn of the loop costs more
-            try:
-                frames = router.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
+            frames = receive()
+            if frames is None:
                 return n
             published = self._ring_words[W_NEXT_MSG]
-            event = self.protocol.receive(frames[0], frames[1:], now=now, published=published, send=self._send)
-            if event is not None:
-                self._on_event(event)
-        return n + 1
-
-    def _drain_data(self) -> None:
-        """Take what peers sent on the data socket and drop it (readers send nothing there)."""
-        data = self._data
-        for _ in range(DATA_DRAIN):
-            if not cast(int, data.get(_EVENTS)) & _POLLIN:
-                return
             try:
-                data.recv(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
+                event = self.protocol.receive(frames[0], frames[1:], now=now, published=published)
+            except ReaderFault as fault:  # a bug: that reader is dropped (and told), not the others
+                log.error("aiobroadcast: the TCP server failed on a frame from a remote reader", exc_info=fault)
+                event = self.protocol.reject(fault.ident, fault.reason)
+            if event is not None:
+                self._notices.on_event(event)
+        return 1024
 
-    def _on_event(self, event: ServerEvent) -> None:
-        if isinstance(event, Rejected):
-            self._complain(event)
-            if event.dropped is not None:
-                self.write_stats()
-        elif isinstance(event, TimedOut):
-            log.warning(
-                "aiobroadcast: remote reader %r (pid %d) silent for %.1f s; dropped it at message %d of %d",
-                event.client.name,
-                event.client.pid,
-                event.silent_s,
-                event.acked,
-                event.end,
-            )
-        else:  # admitted (statistics() lists it as soon as open_reader returns), or departed
-            self.write_stats()
-
-    def _complain(self, event: Rejected) -> None:
-        """Log a refused frame: once per peer per COMPLAIN_EVERY_S, so a flood is a few lines."""
-        now = time.monotonic()
-        last = self._complaints.get(event.ident)
-        if last is not None and now - last < COMPLAIN_EVERY_S:
-            return
-        if len(self._complaints) >= COMPLAINTS_KEPT:
-            self._complaints = {k: t for k, t in self._complaints.items() if now - t < COMPLAIN_EVERY_S}
-            if len(self._complaints) >= COMPLAINTS_KEPT:
-                return
-        self._complaints[event.ident] = now
-        client = event.dropped
-        who = f"remote reader {client.name!r} (pid {client.pid})" if client else "a remote peer"
-        log.warning(
-            "aiobroadcast: the TCP server refused a frame from %s: %s%s (%d refused so far)",
-            who,
-            event.reason[:200],
-            "; dropped it" if client else "",
-            event.total,
-        )
-
-
-def _data_endpoint(endpoint: str, port: int) -> str:
-    """The data socket binds where the control socket did, on a port of its own (0: any)."""
-    return f"{endpoint.rsplit(':', 1)[0]}:{port or '*'}"
-
-
-def _port_star(endpoint: str) -> str:
-    """``tcp://host:0`` binds an ephemeral port; the real one is read back from the socket."""
-    if endpoint.endswith(":0"):
-        return endpoint[:-2] + ":*"
-    return endpoint
-
-
-#: ZMQ_EVENTS and POLLIN as plain ints (pyzmq's enums cost microseconds per use)
-_EVENTS = int(zmq.EVENTS)
-_POLLIN = int(zmq.POLLIN)
 
 #: glibc's mallopt parameters
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3

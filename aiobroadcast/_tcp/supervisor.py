@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import select
 import subprocess
 import sys
@@ -44,9 +43,6 @@ STABLE_S = 60.0
 #: stream (normally milliseconds) before it kills it; the event loop is blocked meanwhile
 CANCELLED_STOP_S = 1.0
 
-#: the directory that holds the ``aiobroadcast`` package this module belongs to
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def read_answer(proc: subprocess.Popen[bytes], limit_s: float) -> dict[str, Any]:
     """The server's one-line answer on its stdout: ``{"endpoint": ...}`` once it is bound, or
@@ -72,17 +68,15 @@ def read_answer(proc: subprocess.Popen[bytes], limit_s: float) -> dict[str, Any]
 
 def spawn_server(settings: ServerSettings) -> subprocess.Popen[bytes]:
     """Start a server process and hand it its settings on its stdin; it answers on its stdout."""
-    # The child imports this very package, from wherever it was imported here; -P: not from
-    # the working directory, which ``-m`` would put first (a source checkout there, without
-    # its compiled extension, would shadow the installed package).
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+    # The same interpreter finds the package as it is installed (a wheel in site-packages, or
+    # an editable install's finder), and inherits PYTHONPATH for a copy found that way; -P: not
+    # from the working directory, which ``-m`` would put first (a source checkout there,
+    # without its compiled extension, would shadow the installed package).
     proc = subprocess.Popen(
         [sys.executable, "-P", "-m", "aiobroadcast._tcp.server"],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         close_fds=True,
-        env=env,
     )
     assert proc.stdin is not None
     try:

@@ -1,0 +1,91 @@
+"""What the TCP server tells the outside about its readers: its report file, read by
+``Writer.statistics()`` and ``aiobroadcast stats`` (report.py), and its log of readers refused,
+dropped for silence, admitted or gone. A flood of refused frames is a few lines, and a report
+that cannot be written (a full /dev/shm) changes nothing for the readers served.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+from .protocol import Rejected, ServerEvent, ServerProtocol, TimedOut
+from .report import ServerReport, write_report
+
+log = logging.getLogger("aiobroadcast")
+
+#: a remote peer's refused frames are logged at most once in this many seconds
+COMPLAIN_EVERY_S = 60.0
+#: peers remembered for that (a flood of new peers is not logged one by one)
+COMPLAINTS_KEPT = 256
+
+
+class Notices:
+    """The server's report (``write``) and what it logs of ``protocol``'s events (``on_event``)."""
+
+    def __init__(self, protocol: ServerProtocol, report_path: str) -> None:
+        self._protocol = protocol
+        self._report_path = report_path
+        self._report_failing = False
+        self._complaints: dict[bytes, float] = {}
+
+    def write(self) -> None:
+        """Who is connected, for ``Writer.statistics()`` and ``aiobroadcast stats``. Only a
+        report: if it cannot be written (a full /dev/shm), the last one stays and readers are
+        served as before."""
+        report = ServerReport.model_validate({"pid": os.getpid(), **self._protocol.report()})
+        try:
+            write_report(self._report_path, report)
+        except OSError as exc:
+            if not self._report_failing:
+                self._report_failing = True
+                log.warning(
+                    "aiobroadcast: the TCP server cannot write its report %s (%s); connected remote readers "
+                    "are served as before; statistics() shows the last report, and its tcp_server_health "
+                    "why, until it can",
+                    self._report_path,
+                    exc.strerror or exc,
+                )
+            return
+        if self._report_failing:
+            self._report_failing = False
+            log.warning("aiobroadcast: the TCP server writes its report %s again", self._report_path)
+
+    def on_event(self, event: ServerEvent) -> None:
+        if isinstance(event, Rejected):
+            self._complain(event)
+            if event.dropped is not None:
+                self.write()
+        elif isinstance(event, TimedOut):
+            log.warning(
+                "aiobroadcast: remote reader %r (pid %d) silent for %.1f s; dropped it at message %d of %d",
+                event.client.name,
+                event.client.pid,
+                event.silent_s,
+                event.acked,
+                event.end,
+            )
+        else:  # admitted (statistics() lists it as soon as open_reader returns), or departed
+            self.write()
+
+    def _complain(self, event: Rejected) -> None:
+        """Log a refused frame: once per peer per COMPLAIN_EVERY_S, so a flood is a few lines."""
+        now = time.monotonic()
+        last = self._complaints.get(event.ident)
+        if last is not None and now - last < COMPLAIN_EVERY_S:
+            return
+        if len(self._complaints) >= COMPLAINTS_KEPT:
+            self._complaints = {k: t for k, t in self._complaints.items() if now - t < COMPLAIN_EVERY_S}
+            if len(self._complaints) >= COMPLAINTS_KEPT:
+                return
+        self._complaints[event.ident] = now
+        client = event.dropped
+        who = f"remote reader {client.name!r} (pid {client.pid})" if client else "a remote peer"
+        log.warning(
+            "aiobroadcast: the TCP server refused a frame from %s: %s%s (%d refused so far)",
+            who,
+            event.reason[:200],
+            "; dropped it" if client else "",
+            event.total,
+        )

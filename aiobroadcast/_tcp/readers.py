@@ -1,0 +1,351 @@
+"""The remote readers a TCP server knows, and its control connection with each, without sockets,
+threads or clocks (docs/tcp.md): part of the server's sans-IO protocol (``protocol.py``).
+
+``Readers`` admits a reader (HELLO: version, channel, room, where it resumes), takes its ACK,
+NACK and BYE, drops it when it falls silent or sends a bad frame, and says WELCOME, REFUSED,
+UNKNOWN, KEYS and HEARTBEAT: each reader's place, credit and deadlines are here. What each is
+sent of the stream (the batches, gaps and END of the data connection) is ``ServerProtocol``'s,
+which holds the stream and reads each reader's place and credit from here. Control frames
+pile up for ``data_to_send``, which the pump empties; the events and types of the server's
+side are defined here too (``protocol.py`` exports them).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .._shm.layout import NAME_BYTES
+from . import wire
+
+#: a frame group for one reader: its ident, and the frames (signed, or sealed)
+Outgoing = tuple[bytes, list[Any]]
+#: the bytes of sealed bodies a server holds for its readers, at most (``ServerConfig.
+#: buffer_bytes``; beyond one body): large messages are bounded by bytes, not only by count
+BUFFER_BYTES = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ClientInfo:
+    """Who a remote reader says it is (in its HELLO)."""
+
+    name: str
+    pid: int
+    host: str
+
+
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """A reader was welcomed: a new one, or one that comes back after it was dropped."""
+
+    ident: bytes
+    client: ClientInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Departed:
+    """A reader said BYE: it has what it wanted, or is closing."""
+
+    ident: bytes
+    client: ClientInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Rejected:
+    """A frame group the server refused. ``dropped``: the reader it came from, which was dropped
+    and told why (REFUSED); None if the sender was not a reader, or if the frames were not
+    authentic (nothing then says which reader they claim to be, so nobody is dropped for them)."""
+
+    ident: bytes
+    reason: str
+    dropped: ClientInfo | None
+    #: frames refused so far, this one included
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class TimedOut:
+    """A reader was silent longer than the heartbeat timeout: dropped (it may come back)."""
+
+    ident: bytes
+    client: ClientInfo
+    silent_s: float
+    acked: int
+    end: int
+
+
+ServerEvent = Admitted | Departed | Rejected | TimedOut
+
+
+class ReaderFault(Exception):
+    """The server protocol failed on a frame one reader sent (``receive``), or on what it owes
+    that reader (``transmit``): a bug, which must cost that reader only. Raised to the pump,
+    which drops the reader (``reject``, ``drop``), logs why, and serves the others; the
+    protocol itself logs nothing and swallows nothing. ``__cause__``: what went wrong."""
+
+    def __init__(self, ident: bytes, reason: str) -> None:
+        super().__init__(reason)
+        self.ident = ident
+        self.reason = reason
+
+
+@dataclass(slots=True)
+class Client:
+    """What the server knows of one admitted reader: who it is, its place and its credit."""
+
+    ident: bytes
+    info: ClientInfo
+    #: the credit granted: messages sent beyond ``acked`` never exceed it
+    window: int
+    next_send: int
+    acked: int
+    last_heard: float
+    #: when it last had the server send again (HELLO, NACK): at most once a heartbeat
+    resent_at: float
+    #: END was sent; a NACK that rewinds it clears this, so END goes again after the resend
+    ended: bool = False
+    #: the transport refused the last send (its queue is full, or it is not connected)
+    choked: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """What a server grants and how long it waits (``open_writer``'s TCP options)."""
+
+    #: "block" or "lag", as the ring's
+    policy: str
+    #: the HMAC key (insecure mode); None under CurveZMQ
+    key: bytes | None
+    #: the most credit a reader gets (it asks for its own, maybe smaller)
+    window: int
+    #: messages held for readers: under "block" the server takes no more from the ring, under
+    #: "lag" it keeps the newest
+    buffer_max: int
+    hb_interval: float
+    hb_timeout: float
+    max_remote: int
+    #: the channel id (the handle's token): a HELLO that names another channel is refused
+    channel: str | None = None
+    #: the port of the data socket, for WELCOME
+    data_port: int = 0
+    #: the password of the data socket's PLAIN handshake (hex), for WELCOME: a peer without it
+    #: is refused before it costs the server more than the handshake (docs/security.md)
+    data_token: str | None = None
+    #: bytes of sealed bodies held, at most (as ``buffer_max``, by size: a server holding a
+    #: window of 4 MiB messages would hold a gigabyte)
+    buffer_bytes: int = BUFFER_BYTES
+    #: a fan-in remote sender's server (docs/fan-in.md, "Remote senders"): its one reader is the
+    #: collector. Until it comes, everything taken from the ring is kept (under "block", up to
+    #: ``buffer_max``: then the ring holds the sender back), and it starts at the stream's first
+    #: message; once it has left (BYE, silence, a refused frame) and none comes back, the
+    #: protocol is ``abandoned``: the pump leaves the ring (the sender's ``put`` raises
+    #: ``CollectorGone``) and refuses readers from then on.
+    sole_reader: bool = False
+
+
+class Readers:
+    """The readers a server admitted, by their ZeroMQ routing id, and what it says to them on
+    the control connection. ``ServerProtocol`` feeds it what readers send (``receive``, with the
+    stream's horizon) and the heartbeat's time (``time_out``); the pump empties
+    ``data_to_send``."""
+
+    def __init__(self, config: ServerConfig, *, now: float, returning: int, keys: Callable[[], bytes]) -> None:
+        """``returning``: the server replaces one that died, which served that many readers
+        (``awaiting_return``). ``keys``: the sealer's keys message, for WELCOME."""
+        self._cfg = config
+        self._returning = returning
+        self._grace_until = now + 2 * config.hb_timeout
+        self._keys = keys
+        #: the readers admitted
+        self.clients: dict[bytes, Client] = {}
+        self._out: list[Outgoing] = []
+        self.dropped = 0
+        self.rejected_frames = 0
+        #: ``sole_reader``: a reader was admitted (or the server this one replaces served one)
+        self.had_reader = returning > 0
+        #: ``sole_reader``: its reader left for good; nothing is taken from the ring any more
+        self.abandoned = False
+
+    def send(self, ident: bytes, frames: list[Any]) -> None:
+        """Queue a control frame group for ``ident`` (signed here)."""
+        self._out.append((ident, wire.sign(self._cfg.key, frames)))
+
+    def data_to_send(self) -> list[Outgoing]:
+        """The control frame groups to send, signed, oldest first (each is taken once)."""
+        out, self._out = self._out, []
+        return out
+
+    def receive(self, ident: bytes, frames: list[bytes], *, now: float, horizon: int) -> ServerEvent | None:
+        """A frame group from ``ident`` (its signature still on). ``horizon``: the number of the
+        next message the stream has (the writer published, or the server took). Every field is
+        checked before it is acted on; a bad frame costs only its sender."""
+        if len(frames) > wire.MAX_CONTROL_FRAMES:
+            return self.reject(ident, f"{len(frames)} frames in one message")
+        if any(len(f) > wire.MAX_CONTROL_FRAME for f in frames):
+            # ZeroMQ cuts these off (maxmsgsize) before they reach us; a pump without that limit
+            # must not get further.
+            return self.reject(ident, "a frame larger than a control frame")
+        try:
+            frames = wire.verify(self._cfg.key, frames)
+        except wire.FrameError as exc:
+            self.rejected_frames += 1
+            return Rejected(ident, str(exc), None, self.rejected_frames)
+        try:
+            return self._on_frames(ident, frames, now, horizon)
+        except (wire.FrameError, struct.error) as exc:
+            return self.reject(ident, str(exc))
+        except Exception as exc:  # a bug: the pump drops this reader (``reject``), not the others
+            raise ReaderFault(ident, f"internal error {type(exc).__name__}") from exc
+
+    def reject(self, ident: bytes, reason: str) -> Rejected:
+        """Refuse a frame from ``ident``: count it, drop that reader (only it), tell it why. The
+        pump calls it for a ``ReaderFault`` that ``receive`` raised."""
+        self.rejected_frames += 1
+        client = self.clients.pop(ident, None)
+        self.send(ident, [wire.REFUSED, f"malformed frame: {reason}".encode()[:256]])
+        if client is not None:
+            self.reader_left(None)
+        return Rejected(ident, reason, client.info if client else None, self.rejected_frames)
+
+    def drop(self, ident: bytes) -> ClientInfo | None:
+        """Forget reader ``ident`` without a word: the pump's answer to a ``ReaderFault`` that
+        ``transmit`` raised (what that reader is owed cannot be worked out). Who it was."""
+        client = self.clients.pop(ident, None)
+        if client is None:
+            return None
+        self.reader_left(None)
+        return client.info
+
+    def _on_frames(self, ident: bytes, frames: list[bytes], now: float, horizon: int) -> ServerEvent | None:
+        if not frames:
+            raise wire.FrameError("empty message")
+        kind = frames[0]
+        client = self.clients.get(ident)
+        if kind == wire.HELLO:
+            check_arity(frames, 1)
+            return self._hello(ident, client, wire.decode_hello(frames[1]), now, horizon)
+        if kind == wire.ACK or kind == wire.NACK:
+            check_arity(frames, 1)
+            if len(frames[1]) != wire.U64.size:
+                raise wire.FrameError(f"{kind!r} needs a u64, got {len(frames[1])} bytes")
+            (n,) = wire.U64.unpack(frames[1])
+        elif kind == wire.BYE:
+            check_arity(frames, 0)
+        else:
+            raise wire.FrameError(f"unknown frame kind {kind[:8]!r}")
+        if client is None:
+            if kind != wire.BYE:
+                self.send(ident, [wire.UNKNOWN])  # "who are you?": it says HELLO again
+            return None
+        client.last_heard = now
+        if kind == wire.ACK:
+            # It consumed everything before n. More than it was sent it cannot have: a larger
+            # number (a bug, or a hostile reader trying to release the writer's backpressure
+            # under "block") counts only up to what was sent.
+            if n > client.acked:
+                client.acked = min(n, client.next_send)
+        elif kind == wire.NACK:
+            if now - client.resent_at < self._cfg.hb_interval:
+                return None  # what it asked for a moment ago is on its way; it asks again if not
+            client.resent_at = now
+            # Rewind to n, within what it may ask for: not before what it acknowledged (it has
+            # that; going back further would let it make the server send its whole buffer again
+            # and again), not beyond its credit nor the stream's end (the place would then run
+            # ahead of what exists). At most one window per heartbeat is sent again.
+            client.next_send = max(client.acked, min(n, client.acked + client.window, horizon))
+            client.ended = False
+        else:
+            del self.clients[ident]
+            self.reader_left(None)
+            return Departed(ident, client.info)
+        return None
+
+    def _hello(
+        self, ident: bytes, client: Client | None, hello: wire.Hello, now: float, horizon: int
+    ) -> ServerEvent | None:
+        if hello.version != wire.PROTOCOL_VERSION:
+            self.send(ident, [wire.REFUSED, b"protocol version mismatch"])
+            return None
+        if hello.channel is not None and self._cfg.channel is not None and hello.channel != self._cfg.channel:
+            # Same endpoint and keys (fixed CurveKeys), but the handle of another writer: its
+            # frames would never open here (the channel id is in every seal).
+            self.send(ident, [wire.REFUSED, b"this handle is of another channel (an earlier writer at this endpoint)"])
+            return None
+        if client is not None and now - client.resent_at < self._cfg.hb_interval:
+            return None  # it said HELLO a moment ago; it says it again if the WELCOME is lost
+        if self.abandoned:
+            self.send(ident, [wire.REFUSED, b"this sender's collector left: it serves no reader any more"])
+            return None
+        if client is None and len(self.clients) >= self._cfg.max_remote:
+            self.send(ident, [wire.REFUSED, f"all {self._cfg.max_remote} remote reader places are taken".encode()])
+            return None
+        if hello.resume is not None and self._returning:
+            self._returning -= 1
+        if hello.resume is not None and hello.resume > horizon:
+            raise wire.FrameError(f"resume at {hello.resume}, beyond the stream's next message {horizon}")
+        # A new reader starts with the next message published, as on shared memory: not with
+        # what the server still holds, nor with what is in the ring and not yet taken (a slow
+        # reader, policy "block"). A returning one resumes where it says; if that is before
+        # what the server holds, transmit tells it exactly what it lost.
+        start = horizon if hello.resume is None else hello.resume
+        if self._cfg.sole_reader and not self.had_reader and hello.resume is None:
+            # A fan-in sender's collector: everything from the stream's first message is its
+            # own. What a server that died took and did not hand over is reported as lost.
+            start = 0
+        self.had_reader = True
+        info = ClientInfo(hello.name[:NAME_BYTES], hello.pid, hello.host)
+        window = min(hello.window, self._cfg.window)
+        self.clients[ident] = Client(ident, info, window, start, start, now, now)
+        welcome = {
+            "start": start,
+            "policy": self._cfg.policy,
+            "hb_interval": self._cfg.hb_interval,
+            "hb_timeout": self._cfg.hb_timeout,
+            "window": window,  # the credit granted: the reader acknowledges every half of it
+            # Where the sealed data frames come from, and the keys to open them (secret: this
+            # goes over CurveZMQ only; insecure, it holds salts, not keys).
+            "data_port": self._cfg.data_port,
+            "keys": self._keys().hex(),
+        }
+        if self._cfg.data_token is not None:
+            welcome["data_token"] = self._cfg.data_token
+        self.send(ident, [wire.WELCOME, wire.encode_json(welcome)])
+        return Admitted(ident, info)
+
+    # --- time -----------------------------------------------------------------------------------
+    def time_out(self, now: float, end: int, beat: list[Any]) -> list[TimedOut]:
+        """Drop the readers silent for longer than the timeout; send the others ``beat`` (the
+        stream's ``end``, lost if a reader's queue is full: the next one goes a heartbeat later)."""
+        out: list[TimedOut] = []
+        for ident, client in list(self.clients.items()):
+            if now - client.last_heard > self._cfg.hb_timeout:
+                del self.clients[ident]
+                self.dropped += 1
+                out.append(TimedOut(ident, client.info, now - client.last_heard, client.acked, end))
+            else:
+                self.send(ident, beat)
+        self.reader_left(now)
+        return out
+
+    def awaiting_return(self, now: float) -> bool:
+        """Whether readers of the server this one replaces may still come back (for at most
+        two silence timeouts): under "block" the server keeps what it takes from the ring for them."""
+        if self._returning and now >= self._grace_until:
+            self._returning = 0
+        return self._returning > 0
+
+    def reader_left(self, now: float | None) -> None:
+        """``sole_reader``: once the reader that came has left and none is expected back (a
+        restarted server waits for its readers' return), the stream is abandoned."""
+        if not self._cfg.sole_reader or self.abandoned or self.clients or not self.had_reader:
+            return
+        if self._returning and (now is None or self.awaiting_return(now)):
+            return
+        self.abandoned = True
+
+
+def check_arity(frames: Sequence[Any], args: int) -> None:
+    if len(frames) != 1 + args:
+        raise wire.FrameError(f"{bytes(frames[0][:8])!r} takes {args} argument frame(s), got {len(frames) - 1}")

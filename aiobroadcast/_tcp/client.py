@@ -124,7 +124,7 @@ class _Inbox:
         if wake:
             self.wake()
 
-    def push_batch(self, batch: Messages, wake_at: int = 1) -> None:
+    def push_batch(self, batch: Messages, wake_at: int) -> None:
         """Queue a batch's messages: one lock and at most one wake-up for all of them. A
         sleeping reader is woken once ``wake_at`` messages are queued (``wake_if_sleeping``
         wakes it for fewer)."""
@@ -453,7 +453,8 @@ class _Pump:
                 event = proto.receive([f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg], now)
                 if proto.data_port is not None:
                     self._connect_data(proto.data_port, proto.data_token)
-                if event is not None and self._on_event(event):
+                # The control connection brings a WELCOME or a refusal; batches come on the data one.
+                if event is not None and self._on_event(cast("Welcomed | Refused", event)):
                     self._flush()
                     return  # the stream ended or the server refused us: everything it sent is queued
             # Opening costs time in proportion to the bytes (unlike taking frames in did): after
@@ -477,7 +478,7 @@ class _Pump:
                     budget -= n
                     frames.append(f.buffer if n >= wire.FRAME_ALONE else f.bytes)
                 event = proto.receive_data(frames, now, self.consumed)
-                if type(event) is Messages:
+                if isinstance(event, Messages):
                     inbox.push_batch(event, WAKE_ITEMS)
                 elif event is not None and self._on_event(event):
                     self._flush()
@@ -511,11 +512,10 @@ class _Pump:
         self._data_endpoint = endpoint
         self._data_token = token
 
-    def _on_event(self, event: Welcomed | Messages | Lagged | Ended | Refused) -> bool:
-        """Act on one event of the protocol; True when it ends the stream."""
-        if isinstance(event, Messages):
-            self._inbox.push_batch(event)
-        elif isinstance(event, Lagged):
+    def _on_event(self, event: Welcomed | Lagged | Ended | Refused) -> bool:
+        """Act on one event of the protocol other than a batch (the data loop queues those
+        itself); True when it ends the stream."""
+        if isinstance(event, Lagged):
             self._inbox.push(event)
         elif isinstance(event, Welcomed):
             self.consumed = event.start

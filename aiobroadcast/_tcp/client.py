@@ -35,6 +35,7 @@ from .._handle import Handle
 from .._shm.layout import host_name
 from .._shm.wake import _sniffed
 from .._stats import ReaderStatistics
+from .._steps import Steps, run, run_blocking
 from . import wire
 from .errors import protocol_error, zmq_errors
 from .protocol import ACK_BYTES, ClientProtocol, Ended, Lagged, Messages, Refused, Welcomed
@@ -579,23 +580,28 @@ class TcpSource:
             raise
 
     async def wait_welcome(self, limit_s: float) -> None:
-        try:
-            got = await anyio.to_thread.run_sync(self._pump.welcome.wait, limit_s, abandon_on_cancel=True)
-        except BaseException:  # cancelled while connecting: nobody will use this source
-            self.close()
-            raise
-        self._check_welcome(got, limit_s)
+        """Wait for the writer's WELCOME (``welcome_steps``) in a task: in a worker thread, which
+        a cancellation abandons (``close`` releases it)."""
+        await run(self.welcome_steps(limit_s), self._welcome_in_worker)
 
     def wait_welcome_blocking(self, limit_s: float) -> None:
         """``wait_welcome`` for a thread without an event loop."""
+        run_blocking(self.welcome_steps(limit_s), self._pump.welcome.wait)
+
+    async def _welcome_in_worker(self, limit_s: float) -> bool:
+        return await anyio.to_thread.run_sync(self._pump.welcome.wait, limit_s, abandon_on_cancel=True)
+
+    def welcome_steps(self, limit_s: float) -> Steps[None]:
+        """The wait for the WELCOME, written once for both drivers (``_steps``): sleeps on it for
+        up to ``limit_s``; returns if welcomed, else closes the source and raises
+        ``TransportError`` with why (the server's refusal, a refused handshake, the I/O thread's
+        failure, or nothing within ``limit_s``). A wait that ends any other way (cancelled,
+        interrupted: the driver closes these steps) closes the source too: nobody will use it."""
         try:
-            got = self._pump.welcome.wait(limit_s)
-        except BaseException:  # interrupted while connecting: nobody will use this source
+            got = yield max(limit_s, 0.0)  # (never CHECKPOINT: a negative limit waits no time)
+        except BaseException:
             self.close()
             raise
-        self._check_welcome(got, limit_s)
-
-    def _check_welcome(self, got: bool, limit_s: float) -> None:
         if self._pump.welcome_error is not None or not got:
             reason = self._pump.welcome_error or (
                 f"no answer from the writer at {self._handle.tcp} within {limit_s:g} s "

@@ -388,3 +388,47 @@ async def test_a_caller_that_never_waits_still_lets_other_tasks_run(monkeypatch:
     assert after_puts - before >= lower
     assert after_gets - after_puts >= lower
     assert after_put_many - after_gets >= lower
+
+
+async def test_a_relay_whose_upstream_never_makes_it_wait_still_lets_other_tasks_run(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A relay is a loop of get and put that need not wait while its upstream is ahead: it
+    yields to the loop by the reader's rule (``Reader.get``: once in YIELD_EVERY messages), so
+    between two turns of another task it republishes no more than that, twice."""
+    monkeypatch.setattr(_tuning, "YIELD_EVERY", 64)
+    n = 640
+    bursts: list[int] = []
+
+    async with ab.open_writer(capacity=1024, slot_bytes=256) as up, anyio.create_task_group() as tg:
+        ready: list[ab.Handle] = []
+        started = anyio.Event()
+
+        def on_ready(handle: ab.Handle) -> None:
+            ready.append(handle)
+            started.set()
+
+        tg.start_soon(functools.partial(ab.relay, up.handle, transport="shm", capacity=1024, on_ready=on_ready))
+        await started.wait()
+        async with ab.open_reader(ready[0]) as down:
+            relayed = anyio.Event()
+
+            async def sample() -> None:
+                # What the relay republished between two of this task's turns.
+                last = 0
+                while True:
+                    lag = down.statistics().lag
+                    bursts.append(lag - last)
+                    last = lag
+                    if lag == n:
+                        relayed.set()
+                    await anyio.lowlevel.checkpoint()
+
+            tg.start_soon(sample)
+            for i in range(n):  # all of it upstream at once: the relay never waits for a message
+                up.put_nowait(i)
+            with anyio.fail_after(30):
+                await relayed.wait()
+            tg.cancel_scope.cancel()
+    # (Two of its turns at most: trio runs the tasks of a round in random order.)
+    assert max(bursts) <= 2 * 64, bursts

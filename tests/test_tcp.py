@@ -67,8 +67,10 @@ from zmq.auth.thread import ThreadAuthenticator
 
 import aiobroadcast as ab
 from aiobroadcast import _seal as seal
-from aiobroadcast import _tuning
+from aiobroadcast import _tuning, blocking
+from aiobroadcast._steps import run, run_blocking
 from aiobroadcast._tcp import wire
+from aiobroadcast._tcp.client import TcpSource
 
 pytestmark = pytest.mark.anyio
 
@@ -233,6 +235,59 @@ async def test_a_connecting_reader_can_be_cancelled_and_leaves_nothing_behind() 
         assert scope.cancelled_caught
         assert time.monotonic() - t0 < 10  # not the 30 s connect_timeout
         assert reader_threads() == 0
+
+
+@asynccontextmanager
+async def silent_endpoint() -> AsyncIterator[ab.Handle]:
+    """A handle with a writer's keys whose endpoint accepts TCP and never speaks ZeroMQ: no
+    WELCOME and no handshake event ever come."""
+    async with tcp_writer() as writer:
+        pass
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        yield writer.handle.model_copy(update={"tcp": f"tcp://127.0.0.1:{silent.getsockname()[1]}"})
+
+
+class Interrupted(BaseException):
+    """Ends a welcome's wait from outside, as a Ctrl-C would."""
+
+
+@ON_ASYNCIO
+async def test_a_welcome_wait_ended_from_outside_closes_the_source_on_both_drivers() -> None:
+    """The welcome's steps (``TcpSource.welcome_steps``) are one generator for ``wait_welcome``
+    and ``wait_welcome_blocking``: whichever driver runs them, a wait that ends neither welcomed
+    nor timed out closes the source (its I/O thread stopped) and lets the error through."""
+
+    def interrupted(limit_s: float) -> bool:
+        raise Interrupted
+
+    async def interrupted_async(limit_s: float) -> bool:
+        return interrupted(limit_s)
+
+    async with silent_endpoint() as h:
+        before = reader_threads()
+        for driver in ("async", "blocking"):
+            source = TcpSource(h, f"interrupted-{driver}", lambda body, oob: body)
+            assert reader_threads() == before + 1
+            with pytest.raises(Interrupted):
+                if driver == "async":
+                    await run(source.welcome_steps(30), interrupted_async)
+                else:
+                    run_blocking(source.welcome_steps(30), interrupted)
+            assert reader_threads() == before, driver
+
+
+@ON_ASYNCIO
+async def test_a_negative_connect_timeout_waits_no_time_and_never_passes_for_welcomed() -> None:
+    async with silent_endpoint() as h:
+        before = reader_threads()
+        with anyio.fail_after(10):
+            with pytest.raises(ab.TransportError, match="no answer from the writer"):
+                await ab.open_reader(h, transport="tcp", connect_timeout=-1)
+            with pytest.raises(ab.TransportError, match="no answer from the writer"):
+                blocking.open_reader(h, transport="tcp", connect_timeout=-1)
+        assert reader_threads() == before
 
 
 class _AnyPassword(ThreadAuthenticator):

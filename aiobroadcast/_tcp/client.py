@@ -34,6 +34,7 @@ from .._exceptions import (
 from .._handle import Handle
 from .._shm.layout import host_name
 from .._stats import ReaderStatistics
+from .._steps import Steps, run, run_blocking
 from . import wire
 from .errors import protocol_error, zmq_errors
 from .protocol import ACK_BYTES, ClientProtocol, Ended, Lagged, Messages, Refused, Welcomed
@@ -123,7 +124,7 @@ class _Inbox:
         if wake:
             self.wake()
 
-    def push_batch(self, batch: Messages, wake_at: int = 1) -> None:
+    def push_batch(self, batch: Messages, wake_at: int) -> None:
         """Queue a batch's messages: one lock and at most one wake-up for all of them. A
         sleeping reader is woken once ``wake_at`` messages are queued (``wake_if_sleeping``
         wakes it for fewer)."""
@@ -281,49 +282,35 @@ class _HandshakeWatch:
         return None
 
 
-class _Pump:
-    """The I/O thread of a remote reader: moves frames between the DEALER socket and the
-    ``ClientProtocol``, and what the protocol makes of them into the inbox. It keeps the
-    connection alive (heartbeats, acknowledgements, resend requests) while the reader's event
-    loop is busy."""
+class _Connections:
+    """A remote reader's two connections to the writer's server, both DEALER sockets of one
+    context: the control connection (CurveZMQ, or PLAIN with the HMAC key's password), whose
+    handshake ``watch`` follows until it succeeds, and the data connection, made once WELCOME
+    says where. Their options, their keys and endpoints, sending without blocking, closing."""
 
-    def __init__(self, handle: Handle, proto: ClientProtocol, inbox: _Inbox) -> None:
-        self._proto = proto
-        self._inbox = inbox
-        #: the next message the user has not consumed (written by the user's thread only)
-        self.consumed = 0
-        #: the user consumed ACK_BYTES since the last acknowledgement (set by the user's thread)
-        self.ack_due = False
-        self.welcome = threading.Event()
-        self.welcome_error: str | None = None
-        self._stop = False
-        self._ctrl_r, self._ctrl_w = socket.socketpair()
-        self._ctrl_r.setblocking(False)
-        self._ctrl_w.setblocking(False)
+    def __init__(self, handle: Handle) -> None:
+        assert handle.tcp is not None
+        self._tcp = handle.tcp
         self._ctx = zmq.Context()
-        d = self._dealer = self._ctx.socket(zmq.DEALER)
+        self.dealer = self._ctx.socket(zmq.DEALER)
         # The data connection: ZeroMQ without CurveZMQ, every frame sealed. It has the control
         # connection's routing id, which is how the server knows whose it is; it connects once
         # WELCOME says where, and with which PLAIN password.
-        self._data = self._ctx.socket(zmq.DEALER)
+        self.data = self._ctx.socket(zmq.DEALER)
         self._data_endpoint: str | None = None
         self._data_token: str | None = None
-        self._tcp = handle.tcp
-        self._watch: _HandshakeWatch | None = None
+        self.watch: _HandshakeWatch | None = None
         try:
             # Bad keys, or an endpoint ZeroMQ cannot use, fail here.
             with zmq_errors(TransportError, f"cannot connect to the writer at {handle.tcp}"):
-                self._configure(d, handle)
+                self._configure(handle)
         except BaseException:
-            self._close_sockets()
-            self._ctrl_r.close()
-            self._ctrl_w.close()
+            self.close()
             raise
-        self._thread = threading.Thread(target=self._run, name="aiobroadcast-tcp-reader", daemon=True)
-        self._thread.start()
 
-    def _configure(self, d: zmq.Socket[bytes], handle: Handle) -> None:
+    def _configure(self, handle: Handle) -> None:
         assert handle.tcp is not None
+        d = self.dealer
         d.linger = 0
         d.sndhwm = 0
         d.rcvhwm = 0
@@ -331,7 +318,7 @@ class _Pump:
         d.reconnect_ivl = 100
         d.reconnect_ivl_max = 1000
         d.routing_id = os.urandom(16)
-        dd = self._data
+        dd = self.data
         dd.linger = 0
         dd.sndhwm = 0
         dd.rcvhwm = 0
@@ -348,8 +335,71 @@ class _Pump:
             assert handle.hmac_key
             d.plain_username = wire.PLAIN_USER
             d.plain_password = wire.control_password(handle.hmac_key.encode())
-        self._watch = _HandshakeWatch(d, f"the writer's server at {handle.tcp}")
+        self.watch = _HandshakeWatch(d, f"the writer's server at {handle.tcp}")
         d.connect(handle.tcp)
+
+    def send(self, frames: list[Any]) -> None:
+        """Send on the control connection; a frame ZeroMQ does not take now is dropped."""
+        try:
+            self.dealer.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def connect_data(self, port: int, token: str | None) -> None:
+        """Connect the data connection to ``port`` of the writer's host, with the PLAIN password
+        ``token`` (again if a restarted server took another port or password)."""
+        endpoint = f"{self._tcp.rsplit(':', 1)[0]}:{port}"
+        if (endpoint, token) == (self._data_endpoint, self._data_token):
+            return
+        if self._data_endpoint is not None:
+            try:
+                self.data.disconnect(self._data_endpoint)
+            except zmq.ZMQError:
+                pass
+        # Options apply to the connections made after they are set (reconnections included);
+        # without a password, the NULL mechanism (a server that asks for none).
+        if token is not None:
+            self.data.plain_username = wire.PLAIN_USER
+            self.data.plain_password = token.encode()
+        self.data.connect(endpoint)
+        self._data_endpoint = endpoint
+        self._data_token = token
+
+    def close(self) -> None:
+        if self.watch is not None:
+            self.watch.stop()
+        self.dealer.close(linger=0)
+        self.data.close(linger=0)
+        self._ctx.term()
+
+
+class _Pump:
+    """The I/O thread of a remote reader: moves frames between its connections to the writer's
+    server (``_Connections``) and the ``ClientProtocol``, and what the protocol makes of them
+    into the inbox. It keeps the connection alive (heartbeats, acknowledgements, resend
+    requests) while the reader's event loop is busy."""
+
+    def __init__(self, handle: Handle, proto: ClientProtocol, inbox: _Inbox) -> None:
+        self._proto = proto
+        self._inbox = inbox
+        #: the next message the user has not consumed (written by the user's thread only)
+        self.consumed = 0
+        #: the user consumed ACK_BYTES since the last acknowledgement (set by the user's thread)
+        self.ack_due = False
+        self.welcome = threading.Event()
+        self.welcome_error: str | None = None
+        self._stop = False
+        self._ctrl_r, self._ctrl_w = socket.socketpair()
+        self._ctrl_r.setblocking(False)
+        self._ctrl_w.setblocking(False)
+        try:
+            self._conn = _Connections(handle)
+        except BaseException:
+            self._ctrl_r.close()
+            self._ctrl_w.close()
+            raise
+        self._thread = threading.Thread(target=self._run, name="aiobroadcast-tcp-reader", daemon=True)
+        self._thread.start()
 
     def poke(self) -> None:
         """Make the thread look at its timers now (from the user's thread)."""
@@ -369,13 +419,7 @@ class _Pump:
         """Send what the protocol has to say; a frame ZeroMQ does not take now is dropped (the
         protocol repeats whatever matters on a later tick)."""
         for frames in self._proto.data_to_send():
-            self._send(frames)
-
-    def _send(self, frames: list[Any]) -> None:
-        try:
-            self._dealer.send_multipart(frames, flags=zmq.NOBLOCK)
-        except zmq.Again:
-            pass
+            self._conn.send(frames)
 
     def _run(self) -> None:
         try:
@@ -383,9 +427,9 @@ class _Pump:
                 self._loop()
             finally:
                 try:
-                    self._send(self._proto.bye())
+                    self._conn.send(self._proto.bye())
                 finally:
-                    self._close_sockets()
+                    self._conn.close()
         except BaseException as exc:  # nothing more can come: say so, or a get would wait forever
             self._fail(exc)
 
@@ -399,27 +443,21 @@ class _Pump:
         elif self._inbox.terminal is None:  # (a stream that had ended keeps its end)
             self._inbox.push(_Failed(reason, exc))
 
-    def _close_sockets(self) -> None:
-        if self._watch is not None:
-            self._watch.stop()
-        self._dealer.close(linger=0)
-        self._data.close(linger=0)
-        self._ctx.term()
-
     def _loop(self) -> None:
         proto = self._proto
         poller = zmq.Poller()
-        poller.register(self._dealer, zmq.POLLIN)
-        poller.register(self._data, zmq.POLLIN)
+        conn = self._conn
+        dealer = conn.dealer
+        data = conn.data
+        poller.register(dealer, zmq.POLLIN)
+        poller.register(data, zmq.POLLIN)
         poller.register(self._ctrl_r, zmq.POLLIN)
-        watch = self._watch
+        watch = conn.watch
         if watch is not None:
             poller.register(watch.socket, zmq.POLLIN)
         self._flush()  # the HELLO
         ctrl = self._ctrl_r
         ctrl_fd = ctrl.fileno()  # what poll names it by
-        dealer = self._dealer
-        data = self._data
         inbox = self._inbox
         while not self._stop:
             ready = {s for s, _ in poller.poll(int(proto.hb_interval * 500))}
@@ -451,8 +489,9 @@ class _Pump:
                 # when decoded); small ones become bytes.
                 event = proto.receive([f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg], now)
                 if proto.data_port is not None:
-                    self._connect_data(proto.data_port, proto.data_token)
-                if event is not None and self._on_event(event):
+                    conn.connect_data(proto.data_port, proto.data_token)
+                # The control connection brings a WELCOME or a refusal; batches come on the data one.
+                if event is not None and self._on_event(cast("Welcomed | Refused", event)):
                     self._flush()
                     return  # the stream ended or the server refused us: everything it sent is queued
             # Opening costs time in proportion to the bytes (unlike taking frames in did): after
@@ -476,7 +515,7 @@ class _Pump:
                     budget -= n
                     frames.append(f.buffer if n >= wire.FRAME_ALONE else f.bytes)
                 event = proto.receive_data(frames, now, self.consumed)
-                if type(event) is Messages:
+                if isinstance(event, Messages):
                     inbox.push_batch(event, WAKE_ITEMS)
                 elif event is not None and self._on_event(event):
                     self._flush()
@@ -489,32 +528,10 @@ class _Pump:
                 self._inbox.push(event)
                 return
 
-    def _connect_data(self, port: int, token: str | None) -> None:
-        """Connect the data connection to ``port`` of the writer's host, with the PLAIN password
-        ``token`` (again if a restarted server took another port or password)."""
-        assert self._tcp is not None
-        endpoint = f"{self._tcp.rsplit(':', 1)[0]}:{port}"
-        if (endpoint, token) == (self._data_endpoint, self._data_token):
-            return
-        if self._data_endpoint is not None:
-            try:
-                self._data.disconnect(self._data_endpoint)
-            except zmq.ZMQError:
-                pass
-        # Options apply to the connections made after they are set (reconnections included);
-        # without a password, the NULL mechanism (a server that asks for none).
-        if token is not None:
-            self._data.plain_username = wire.PLAIN_USER
-            self._data.plain_password = token.encode()
-        self._data.connect(endpoint)
-        self._data_endpoint = endpoint
-        self._data_token = token
-
-    def _on_event(self, event: Welcomed | Messages | Lagged | Ended | Refused) -> bool:
-        """Act on one event of the protocol; True when it ends the stream."""
-        if isinstance(event, Messages):
-            self._inbox.push_batch(event)
-        elif isinstance(event, Lagged):
+    def _on_event(self, event: Welcomed | Lagged | Ended | Refused) -> bool:
+        """Act on one event of the protocol other than a batch (the data loop queues those
+        itself); True when it ends the stream."""
+        if isinstance(event, Lagged):
             self._inbox.push(event)
         elif isinstance(event, Welcomed):
             self.consumed = event.start
@@ -578,23 +595,28 @@ class TcpSource:
             raise
 
     async def wait_welcome(self, limit_s: float) -> None:
-        try:
-            got = await anyio.to_thread.run_sync(self._pump.welcome.wait, limit_s, abandon_on_cancel=True)
-        except BaseException:  # cancelled while connecting: nobody will use this source
-            self.close()
-            raise
-        self._check_welcome(got, limit_s)
+        """Wait for the writer's WELCOME (``welcome_steps``) in a task: in a worker thread, which
+        a cancellation abandons (``close`` releases it)."""
+        await run(self.welcome_steps(limit_s), self._welcome_in_worker)
 
     def wait_welcome_blocking(self, limit_s: float) -> None:
         """``wait_welcome`` for a thread without an event loop."""
+        run_blocking(self.welcome_steps(limit_s), self._pump.welcome.wait)
+
+    async def _welcome_in_worker(self, limit_s: float) -> bool:
+        return await anyio.to_thread.run_sync(self._pump.welcome.wait, limit_s, abandon_on_cancel=True)
+
+    def welcome_steps(self, limit_s: float) -> Steps[None]:
+        """The wait for the WELCOME, written once for both drivers (``_steps``): sleeps on it for
+        up to ``limit_s``; returns if welcomed, else closes the source and raises
+        ``TransportError`` with why (the server's refusal, a refused handshake, the I/O thread's
+        failure, or nothing within ``limit_s``). A wait that ends any other way (cancelled,
+        interrupted: the driver closes these steps) closes the source too: nobody will use it."""
         try:
-            got = self._pump.welcome.wait(limit_s)
-        except BaseException:  # interrupted while connecting: nobody will use this source
+            got = yield max(limit_s, 0.0)  # (never CHECKPOINT: a negative limit waits no time)
+        except BaseException:
             self.close()
             raise
-        self._check_welcome(got, limit_s)
-
-    def _check_welcome(self, got: bool, limit_s: float) -> None:
         if self._pump.welcome_error is not None or not got:
             reason = self._pump.welcome_error or (
                 f"no answer from the writer at {self._handle.tcp} within {limit_s:g} s "

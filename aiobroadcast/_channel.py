@@ -31,7 +31,7 @@ from ._shm.publisher import Chunks, Encoded, Publisher
 from ._shm.segment import Segment
 from ._shm.wake import Inbox
 from ._stats import WriterStatistics
-from ._steps import Steps, poll_steps, run, run_blocking
+from ._steps import CHECKPOINT, Steps, poll_steps, run, run_blocking
 
 if TYPE_CHECKING:
     from ._tcp.supervisor import ServerProcess
@@ -130,11 +130,12 @@ class WriterChannel:
             async with self.turns:
                 if yield_first:
                     await anyio.lowlevel.checkpoint()
-                self.pub.check_open()
-                if entries <= self.pub.layout.capacity or not self.pub.block:
-                    await self.publish_when_room(parts, total, oob, entries)
-                else:
-                    await self._stream(parts, total, oob, entries)
+                pub = self.pub
+                pub.check_open()
+                # Room now (the usual case after yield_first): publish without a generator.
+                if (entries <= pub.layout.capacity or not pub.block) and pub.try_publish(parts, total, oob, entries):
+                    return
+                await run(self.publish_steps(parts, total, oob, entries), self._sleep)
         finally:
             self.waiting_tasks -= 1
 
@@ -181,31 +182,35 @@ class WriterChannel:
             )
         return batch, entries
 
-    async def publish_when_room(
-        self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int = 0
-    ) -> None:
-        """Wait for room (holding the turn), then publish. Another thread's put_nowait may take
-        the room or hold the mutex meanwhile: then wait again."""
-        while True:
-            if self.pub.block:
-                await self._wait_room(entries)
-            if self.pub.try_publish(parts, total, oob, entries, gap):
-                return
-            await anyio.lowlevel.checkpoint()  # the other thread's copy takes microseconds
-            self.pub.check_open()
+    def publish_steps(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int = 0) -> Steps[None]:
+        """Wait for room, then publish; or stream a message larger than the ring (policy
+        "block") a few slots at a time. Written once for both drivers (``_steps``); the caller
+        holds the writer's turn (a task's ``turns``, a thread's lock) and has checked it is open.
 
-    async def _stream(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int) -> None:
-        """Publish a message larger than the ring, a few slots at a time."""
+        Another thread's ``put_nowait`` may take the room or hold the mutex meanwhile: then the
+        steps let it finish (its copy takes microseconds) and wait again. Closing the steps
+        midway (a cancellation, a deadline, a close) publishes nothing, or, streaming, ends the
+        message so that readers drop it whole."""
+        pub = self.pub
+        if entries <= pub.layout.capacity or not pub.block:
+            while True:
+                if pub.block and not pub.room(entries):
+                    yield from self.room_steps(entries)
+                if pub.try_publish(parts, total, oob, entries, gap):
+                    return
+                yield CHECKPOINT
+                pub.check_open()
         chunks = Chunks(parts)
-        msg = self.pub.msg
+        msg = pub.msg
         try:
             while not chunks.done:
-                await self._wait_room(1)
-                if not self.pub.stream_some(chunks, total, oob, msg):
-                    await anyio.lowlevel.checkpoint()  # another thread is finishing a put_nowait
-                    self.pub.check_open()
+                if not pub.room(1):
+                    yield from self.room_steps(1)
+                if not pub.stream_some(chunks, total, oob, msg):
+                    yield CHECKPOINT  # another thread is finishing a put_nowait
+                    pub.check_open()
         finally:
-            self.pub.end_stream(chunks, msg)
+            pub.end_stream(chunks, msg)
 
     # --- waiting for room ----------------------------------------------------------------------
     async def _wait_room(self, entries: int) -> None:
@@ -274,7 +279,7 @@ class WriterChannel:
         """Publish a marker that makes every reader raise ``ReaderLagged(missed)``."""
         self.pub.check_open()
         async with self.turns:
-            await self.publish_when_room((b"",), 0, False, 1, gap=missed)
+            await run(self.publish_steps((b"",), 0, False, 1, gap=missed), self._sleep)
         self.pub.lost_upstream += missed - 1  # the marker took their numbers; it is one message sent
 
     def set_codec(self, codec: str, schema_path: str | None) -> None:

@@ -64,7 +64,6 @@ from ._open import (
     channel_steps,
 )
 from ._reader import Source, poll_budget, wait_steps
-from ._shm.publisher import Chunks
 from ._shm.wake import wait_readable
 from ._stats import ReaderStatistics, WriterStatistics
 from ._steps import run_blocking
@@ -290,24 +289,10 @@ class BlockingWriter(_Closable, Generic[T_contra]):
     def _put_when_room(
         self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, deadline: float | None
     ) -> None:
-        w = self._w
-        sleep = self._sleeper(deadline)
+        # This writer's threads take turns on self._lock, held here: the steps run in it.
         self._lock.count(1)
         try:
-            pub = w.pub
-            if entries <= pub.layout.capacity or not pub.block:
-                while True:
-                    w.wait_room_blocking(entries, sleep)
-                    if pub.try_publish(parts, total, oob, entries):
-                        return
-            chunks = Chunks(parts)
-            msg = pub.msg
-            try:
-                while not chunks.done:
-                    w.wait_room_blocking(1, sleep)
-                    pub.stream_some(chunks, total, oob, msg)  # this writer's threads hold self._lock
-            finally:
-                pub.end_stream(chunks, msg)
+            run_blocking(self._w.publish_steps(parts, total, oob, entries), self._sleeper(deadline))
         finally:
             self._lock.count(-1)
 

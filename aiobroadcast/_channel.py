@@ -152,13 +152,9 @@ class WriterChannel:
                 if yield_first:
                     await anyio.lowlevel.checkpoint()
                 pub.check_open()
-                while True:
-                    if pub.block:
-                        await self._wait_room(entries)
-                    if pub.try_publish_many(batch, entries):
-                        return False
-                    await anyio.lowlevel.checkpoint()  # another thread's put_nowait holds the mutex
-                    pub.check_open()
+                if not pub.try_publish_many(batch, entries):
+                    await run(self.batch_steps(batch, entries), self._sleep)
+                return False
         finally:
             self.waiting_tasks -= 1
 
@@ -193,13 +189,8 @@ class WriterChannel:
         message so that readers drop it whole."""
         pub = self.pub
         if entries <= pub.layout.capacity or not pub.block:
-            while True:
-                if pub.block and not pub.room(entries):
-                    yield from self.room_steps(entries)
-                if pub.try_publish(parts, total, oob, entries, gap):
-                    return
-                yield CHECKPOINT
-                pub.check_open()
+            yield from self.when_room_steps(entries, lambda: pub.try_publish(parts, total, oob, entries, gap))
+            return
         chunks = Chunks(parts)
         msg = pub.msg
         try:
@@ -211,6 +202,25 @@ class WriterChannel:
                     pub.check_open()
         finally:
             pub.end_stream(chunks, msg)
+
+    def batch_steps(self, batch: Sequence[Encoded], entries: int) -> Steps[None]:
+        """``put_many``'s wait: room for the whole batch (``entries`` slots), then all of it at
+        once. For both drivers; the caller holds the writer's turn, as for ``publish_steps``."""
+        pub = self.pub
+        return self.when_room_steps(entries, lambda: pub.try_publish_many(batch, entries))
+
+    def when_room_steps(self, entries: int, publish: Callable[[], bool]) -> Steps[None]:
+        """Wait for room for ``entries`` slots (policy "block"), then ``publish()``; again while
+        it finds the room taken or the mutex held by another thread's ``put_nowait`` (its copy
+        takes microseconds: let it finish)."""
+        pub = self.pub
+        while True:
+            if pub.block and not pub.room(entries):
+                yield from self.room_steps(entries)
+            if publish():
+                return
+            yield CHECKPOINT
+            pub.check_open()
 
     # --- waiting for room ----------------------------------------------------------------------
     async def _wait_room(self, entries: int) -> None:

@@ -220,13 +220,9 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             batch, entries = w.encode_batch(objs)
             if not batch or w.pub.try_publish_many(batch, entries):
                 return
-            sleep = self._sleeper(deadline)
             lock.count(1)
             try:
-                while True:
-                    w.wait_room_blocking(entries, sleep)
-                    if w.pub.try_publish_many(batch, entries):
-                        return
+                run_blocking(w.batch_steps(batch, entries), self._sleeper(deadline))
             finally:
                 lock.count(-1)
         finally:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from time import perf_counter_ns
 from typing import TYPE_CHECKING
 
@@ -304,19 +305,12 @@ class WriterChannel:
         # A writer dropped without closing (or left open at exit): its server drains, then stops.
         weakref.finalize(self, server.abandon)
 
-    def stop_server_blocking(self) -> None:
-        """Ask the TCP server to stop once remote readers have drained, and wait for it."""
-        server, self.server = self.server, None
-        if server is not None:
-            server.stop()
-
-    async def stop_server(self) -> None:
-        """``stop_server_blocking``, in a thread of its own that the loop waits for. A cancellation
-        that gets through the shield (asyncio's own: ``task.cancel()``, ``asyncio.timeout``,
-        ``wait_for``, a failing ``TaskGroup`` sibling; no anyio shield stops them) ends the wait,
-        never the stop: the stop is finished here, blocking for a bounded time, before the
-        cancellation goes on (``ServerProcess.finish``)."""
-        server, self.server = self.server, None
+    async def _stop_server(self, server: ServerProcess | None) -> None:
+        """Stop ``server`` (handed over by ``closing``) in a thread of its own that the loop
+        waits for. A cancellation that gets through the shield (asyncio's own: ``task.cancel()``,
+        ``asyncio.timeout``, ``wait_for``, a failing ``TaskGroup`` sibling; no anyio shield stops
+        them) ends the wait, never the stop: the stop is finished here, blocking for a bounded
+        time, before the cancellation goes on (``ServerProcess.finish``)."""
         if server is None:
             return
         # Not anyio's worker: a worker that had not started the stop when the wait was cancelled
@@ -370,12 +364,31 @@ class WriterChannel:
                 "from another thread use put_nowait(), or anyio.from_thread.run(writer.put, obj)"
             )
 
+    @contextlib.contextmanager
+    def closing(self, abandon: bool = False) -> Iterator[ServerProcess | None]:
+        """A close, written once for both front ends: mark the ring closed (readers drain what
+        was published, then ``EndOfStream``; ``abandon``: as if this process had died, then
+        ``WriterGone``), and hand over the TCP server, if any, for the front end to stop (remote
+        readers drain what it holds, within its drain timeout), waiting its own way: the thread
+        blocks, a task waits for a thread. The files, sockets and mapping are released on every
+        way out, a cancellation included: the writer is marked closed already, so a second close
+        would do nothing, and what was cut short would stay in /dev/shm until the process exits."""
+        if abandon:
+            self.pub.abandon()
+            _fork.untrack(self)
+        else:
+            self.mark_closed()
+        server, self.server = self.server, None
+        try:
+            yield server
+        finally:
+            self.release()
+
     def close_blocking(self) -> None:
-        """``aclose`` for a thread (or a channel without a server yet): the same steps, waiting
-        for the TCP server here."""
-        self.mark_closed()
-        self.stop_server_blocking()
-        self.release()
+        """Close, from a thread (or a channel without a server yet): waits for the server here."""
+        with self.closing() as server:
+            if server is not None:
+                server.stop()
 
     def mark_closed(self) -> None:
         """The first step of a close: readers drain what was published, then ``EndOfStream``."""
@@ -383,9 +396,8 @@ class WriterChannel:
         _fork.untrack(self)
 
     async def aclose(self) -> None:
-        """Close: readers drain, then ``EndOfStream``; remote readers drain what the TCP
-        server holds (within its drain timeout). A second ``aclose`` (another task's) returns once
-        the first one is over."""
+        """Close from the writer's event loop (``closing``). A second ``aclose`` (another task's)
+        returns once the first one is over."""
         if self.closed_event is not None:
             await self.closed_event.wait()
             return
@@ -393,27 +405,18 @@ class WriterChannel:
             return
         closed = self.closed_event = anyio.Event()
         try:
-            self.mark_closed()
-            await self._stop_and_release()
+            with self.closing() as server:
+                await self._stop_server(server)
         finally:
             closed.set()
 
     async def abandon(self) -> None:
-        """Stop as if this process had died: readers drain, then get ``WriterGone``."""
+        """Stop as if this process had died: readers drain, then get ``WriterGone``; the server
+        sees the writer gone and tells remote readers."""
         if self.pub.closed:
             return
-        self.pub.abandon()
-        _fork.untrack(self)
-        await self._stop_and_release()  # the server sees the writer gone and tells remote readers
-
-    async def _stop_and_release(self) -> None:
-        """The rest of a close, once the ring is marked closed, done in full even when cancelled:
-        the writer is marked closed already, so a second ``aclose`` would do nothing, and what a
-        cancellation cut short here would stay in /dev/shm until the process exits."""
-        try:
-            await self.stop_server()
-        finally:
-            self.release()
+        with self.closing(abandon=True) as server:
+            await self._stop_server(server)
 
     def release(self) -> None:
         """The last step of a close: unlink the files, close the sockets, unmap the ring."""

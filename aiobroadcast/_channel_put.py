@@ -63,6 +63,13 @@ class Publishing:
             parts, total = self.arena.place(parts, total)
         return parts, total, oob
 
+    def encoded(self, obj: object) -> Encoded:
+        """What every put does first, before it tries the ring: the object as it is now, encoded
+        (``encode``: checked against the size limit, its tensors placed in the arena), with the
+        ring slots it takes. (``Writer.put`` has these two lines inline: its hot path.)"""
+        parts, total, oob = self.encode(obj)
+        return parts, total, oob, 1 if total <= self.payload_bytes else self.pub.layout.entries_for(total)
+
     def entries_for(self, total: int) -> int:
         return 1 if total <= self.payload_bytes else self.pub.layout.entries_for(total)
 

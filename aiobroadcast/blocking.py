@@ -41,7 +41,7 @@ from __future__ import annotations
 import threading
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from threading import get_ident
 from time import monotonic
 from types import TracebackType
@@ -51,7 +51,7 @@ from pydantic import BaseModel
 
 from . import _tuning
 from ._channel import WriterChannel
-from ._codec import Buffer, decode_pickle_view
+from ._codec import decode_pickle_view
 from ._exceptions import ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
 from ._handle import Handle
 from ._open import (
@@ -66,7 +66,7 @@ from ._open import (
 from ._reader import Source, poll_budget, wait_steps
 from ._shm.wake import wait_readable
 from ._stats import ReaderStatistics, WriterStatistics
-from ._steps import run_blocking
+from ._steps import Steps, run_blocking
 
 __all__ = [
     "BlockingCaller",
@@ -220,11 +220,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             batch, entries = w.encode_batch(objs)
             if not batch or w.pub.try_publish_many(batch, entries):
                 return
-            lock.count(1)
-            try:
-                run_blocking(w.batch_steps(batch, entries), self._sleeper(deadline))
-            finally:
-                lock.count(-1)
+            self._wait(w.batch_steps(batch, entries), deadline)
         finally:
             lock.release()
 
@@ -272,23 +268,21 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             w = self._w
             # Under the lock, so that a put from inside pickling (a __reduce__ that publishes)
             # raises WouldBlock here rather than waiting on itself.
-            parts, total, oob = w.encode(obj)
-            entries = w.entries_for(total)
+            parts, total, oob, entries = w.encoded(obj)
             if w.pub.try_publish(parts, total, oob, entries):
                 return
             if nowait:
                 raise WouldBlock
-            self._put_when_room(parts, total, oob, entries, deadline)
+            self._wait(w.publish_steps(parts, total, oob, entries), deadline)
         finally:
             lock.release()
 
-    def _put_when_room(
-        self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, deadline: float | None
-    ) -> None:
-        # This writer's threads take turns on self._lock, held here: the steps run in it.
+    def _wait(self, steps: Steps[None], deadline: float | None) -> None:
+        """Run a put's waiting steps (``publish_steps``, ``batch_steps``) in this thread, which
+        holds ``self._lock`` (this writer's threads take turns on it), counted as waiting."""
         self._lock.count(1)
         try:
-            run_blocking(self._w.publish_steps(parts, total, oob, entries), self._sleeper(deadline))
+            run_blocking(steps, self._sleeper(deadline))
         finally:
             self._lock.count(-1)
 

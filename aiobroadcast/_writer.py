@@ -49,8 +49,7 @@ class Writer(Generic[T_contra]):
         pub.check_open()
         if ch.turns.locked():
             raise WouldBlock
-        parts, total, oob = ch.encode(obj)
-        entries = ch.entries_for(total)
+        parts, total, oob, entries = ch.encoded(obj)
         if not pub.mutex.acquire(blocking=False):
             raise WouldBlock  # another thread is writing into the ring right now
         try:
@@ -77,6 +76,7 @@ class Writer(Generic[T_contra]):
             pub.check_open()
         if _get_ident() != ch.thread:
             ch.check_thread()
+        # ch.encoded(obj), inline: one call less per message.
         parts, total, oob = ch.encode(obj)  # the object as it is now
         entries = 1 if total <= ch.payload_bytes else ch.entries_for(total)
         # The usual case first, without a coroutine of its own: no task waits ahead of this one

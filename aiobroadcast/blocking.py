@@ -41,7 +41,7 @@ from __future__ import annotations
 import threading
 import warnings
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from threading import get_ident
 from time import monotonic
 from types import TracebackType
@@ -51,7 +51,7 @@ from pydantic import BaseModel
 
 from . import _tuning
 from ._channel import WriterChannel
-from ._codec import Buffer, decode_pickle_view
+from ._codec import decode_pickle_view
 from ._exceptions import ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
 from ._handle import Handle
 from ._open import (
@@ -64,9 +64,8 @@ from ._open import (
     channel_steps,
 )
 from ._reader import Source, poll_budget, sleep_blocking, wait_steps
-from ._shm.publisher import Chunks
 from ._stats import ReaderStatistics, WriterStatistics
-from ._steps import run_blocking
+from ._steps import Steps, run_blocking
 
 __all__ = [
     "BlockingCaller",
@@ -220,15 +219,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             batch, entries = w.encode_batch(objs)
             if not batch or w.pub.try_publish_many(batch, entries):
                 return
-            sleep = self._sleeper(deadline)
-            lock.count(1)
-            try:
-                while True:
-                    w.wait_room_blocking(entries, sleep)
-                    if w.pub.try_publish_many(batch, entries):
-                        return
-            finally:
-                lock.count(-1)
+            self._wait(w.batch_steps(batch, entries), deadline)
         finally:
             lock.release()
 
@@ -276,37 +267,21 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             w = self._w
             # Under the lock, so that a put from inside pickling (a __reduce__ that publishes)
             # raises WouldBlock here rather than waiting on itself.
-            parts, total, oob = w.encode(obj)
-            entries = w.entries_for(total)
+            parts, total, oob, entries = w.encoded(obj)
             if w.pub.try_publish(parts, total, oob, entries):
                 return
             if nowait:
                 raise WouldBlock
-            self._put_when_room(parts, total, oob, entries, deadline)
+            self._wait(w.publish_steps(parts, total, oob, entries), deadline)
         finally:
             lock.release()
 
-    def _put_when_room(
-        self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, deadline: float | None
-    ) -> None:
-        w = self._w
-        sleep = self._sleeper(deadline)
+    def _wait(self, steps: Steps[None], deadline: float | None) -> None:
+        """Run a put's waiting steps (``publish_steps``, ``batch_steps``) in this thread, which
+        holds ``self._lock`` (this writer's threads take turns on it), counted as waiting."""
         self._lock.count(1)
         try:
-            pub = w.pub
-            if entries <= pub.layout.capacity or not pub.block:
-                while True:
-                    w.wait_room_blocking(entries, sleep)
-                    if pub.try_publish(parts, total, oob, entries):
-                        return
-            chunks = Chunks(parts)
-            msg = pub.msg
-            try:
-                while not chunks.done:
-                    w.wait_room_blocking(1, sleep)
-                    pub.stream_some(chunks, total, oob, msg)  # this writer's threads hold self._lock
-            finally:
-                pub.end_stream(chunks, msg)
+            run_blocking(steps, self._sleeper(deadline))
         finally:
             self._lock.count(-1)
 

@@ -20,7 +20,7 @@ LAYERS: list[tuple[str, ...]] = [
     # the TCP pumps, server and supervisor (they read the ring as a reader does)
     ("_tcp",),
     # what the roles hold: the writer's channel, the reader's front
-    ("_channel", "_reader", "_wakeup"),
+    ("_channel", "_channel_put", "_channel_server", "_reader", "_wakeup"),
     # the roles and their factories
     (
         "_writer",

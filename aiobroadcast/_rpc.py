@@ -13,6 +13,7 @@ import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from inspect import isawaitable
+from time import monotonic
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, NoReturn, TypeVar, final
 
@@ -281,6 +282,117 @@ class _Book:
         )
 
 
+#: What a call needs next (``_Call.need``): a delivery from the collector, the request sent, nothing.
+_GET, _PUT, _DONE = 0, 1, 2
+#: A call's phases: waiting for the workers to attach, sending, waiting for replies, over.
+_ATTACH, _SEND, _REPLIES, _OVER = 0, 1, 2, 3
+
+
+class _Call:
+    """One call, sans-IO: its id, its request and the answers it gathered. The front end asks
+    ``need()`` and does it (``_GET``: take a delivery from the collector and hand it to ``take``,
+    or say ``ended`` when every worker ended; ``_PUT``: send ``message``, then say ``sent``) until
+    it says ``_DONE`` or the call's deadline passes; then ``finish`` (always) and ``result``.
+    Written once for ``Caller`` and ``BlockingCaller``: which reply answers this call (its id,
+    see ``_Book.absorb``: a late reply to an earlier call never does), whom to wait for, and
+    what the ones that did not answer get."""
+
+    __slots__ = ("_book", "_got", "_phase", "cid", "message")
+
+    def __init__(self, book: _Book, request: object) -> None:
+        self.cid = cid = book.begin()
+        self._book = book
+        self._got: dict[str, Reply[Any] | Failed] = {}
+        self._phase = _ATTACH
+        #: what goes on the request channel
+        self.message = (cid, request)
+
+    def need(self) -> int:
+        phase = self._phase
+        if phase == _ATTACH:
+            if self._book.unready():
+                return _GET  # first, the workers not attached yet (a request would miss them)
+            self._phase = phase = _SEND
+        if phase == _SEND:
+            return _PUT
+        if phase == _REPLIES and self._book.waiting(self._got):
+            return _GET
+        self._phase = _OVER
+        return _DONE
+
+    def take(self, delivery: object) -> None:
+        self._book.absorb(delivery, self.cid, self._got)
+
+    def ended(self) -> None:
+        """Every worker ended (the collector's stream ended): nobody is left to wait for."""
+        self._phase = _SEND if self._phase == _ATTACH else _OVER
+
+    def sent(self) -> None:
+        self._book.sent()
+        self._phase = _REPLIES
+
+    def finish(self) -> None:
+        """The call is over (returned, timed out, failed, cancelled): the next one may begin."""
+        self._book.busy = False
+
+    def result(self, timeout: float) -> dict[str, Outcome[Any]]:
+        return self._book.result(self._got, timeout)
+
+
+class _CallerCore:
+    """What ``Caller`` and ``BlockingCaller`` share (no I/O): the pool's handle, the
+    bookkeeping, whether the caller is closed, starting a call, and ``wait_ready``'s sweep and
+    error. Each front end holds one and adds its own waiting and turn-taking."""
+
+    __slots__ = ("book", "closed", "handle")
+
+    def __init__(self, requests: Handle, replies: CollectorHandle, workers: tuple[str, ...]) -> None:
+        self.book = _Book(workers)
+        self.handle = PoolHandle(requests=requests, replies=replies, workers=workers)
+        self.closed = False
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise ClosedResourceError("this caller is closed")
+
+    def start(self, request: object) -> _Call:
+        """A new call (``BroadcastError`` if one is in progress)."""
+        self.check_open()
+        return _Call(self.book, request)
+
+    def timed_out(self, timeout: float) -> dict[str, Outcome[Any]]:
+        """The answer of a call whose deadline passed before it could begin."""
+        return self.book.result({}, timeout)
+
+    def wanted(self, names: Iterable[str] | None, timeout: float | None) -> tuple[str, ...]:
+        return _ready_names(self.book.workers, names, timeout)
+
+    def not_ready(self, wanted: tuple[str, ...], timeout: float | None) -> WaitTimeout:
+        return _not_ready_error(_not_ready(self.book, wanted), timeout)
+
+    def sweep(
+        self, wanted: tuple[str, ...], get_nowait: Callable[[], object], check_now: Callable[[], None]
+    ) -> list[str]:
+        """Take what is ready, look for dead and new workers now, take what that made ready:
+        then ``book.ready`` names no worker whose process has ended (its ring's lock is free).
+        Returns the wanted workers not ready."""
+        book = self.book
+        for look in (False, True):
+            if look:
+                check_now()
+            for _ in range(_SWEEP):
+                try:
+                    d = get_nowait()
+                except WouldBlock:
+                    break
+                book.absorb(d, 0, {})
+        return _not_ready(book, wanted)
+
+    def hello(self, delivery: object) -> None:
+        """A delivery taken while waiting for workers to attach (answers met are late ones)."""
+        self.book.absorb(delivery, 0, {})
+
+
 def _error_reply(cid: int, exc: BaseException) -> tuple[int, bool, tuple[str, str]]:
     return (cid, False, (type(exc).__name__, str(exc)))
 
@@ -300,19 +412,17 @@ class Caller(Generic[Q, R]):
             raise TypeError("Caller cannot be built directly; use aiobroadcast.open_caller()")
         self._w = writer
         self._c = collector
-        self._book = _Book(workers)
-        self._handle = PoolHandle(requests=writer.handle, replies=collector.handle, workers=workers)
-        self._closed = False
+        self._core = _CallerCore(writer.handle, collector.handle, workers)
         self._turn = anyio.Lock()  # concurrent calls take turns
 
     @property
     def handle(self) -> PoolHandle:
         """What a worker needs: pass it (or its JSON) to ``open_worker`` with one of the names."""
-        return self._handle
+        return self._core.handle
 
     @property
     def workers(self) -> tuple[str, ...]:
-        return self._book.workers
+        return self._core.book.workers
 
     # The deadline is part of the answer (a NoReply per late worker), not a cancellation.
     async def call(self, request: Q, *, timeout: float) -> dict[str, Outcome[R]]:  # noqa: ASYNC109
@@ -333,7 +443,7 @@ class Caller(Generic[Q, R]):
             with anyio.CancelScope(deadline=deadline) as scope:
                 await turn.acquire()
             if scope.cancelled_caught:  # another call held the turn past this one's deadline
-                return self._book.result({}, timeout)
+                return self._core.timed_out(timeout)
         else:
             try:
                 await anyio.lowlevel.checkpoint_if_cancelled()
@@ -346,35 +456,25 @@ class Caller(Generic[Q, R]):
             turn.release()
 
     async def _call(self, request: Q, deadline: float, limit: float) -> dict[str, Outcome[R]]:
-        if self._closed:
-            raise ClosedResourceError("this caller is closed")
-        book = self._book
-        got: dict[str, Reply[Any] | Failed] = {}
-        cid = book.begin()
+        """``_Call`` driven in a task; its deadline is a cancel scope's."""
+        call = self._core.start(request)
         try:
             with anyio.CancelScope(deadline=deadline):
-                while book.unready():
-                    if not await self._absorb(cid, got):
-                        break
-                await self._w.put((cid, request))
-                book.sent()
-                while book.waiting(got):
-                    if not await self._absorb(cid, got):
-                        break
+                while (need := call.need()) != _DONE:
+                    if need == _PUT:
+                        await self._w.put(call.message)
+                        call.sent()
+                        continue
+                    try:
+                        call.take(await self._c.get())
+                    except EndOfStream:
+                        call.ended()
         finally:
-            book.busy = False
-        return book.result(got, limit)
-
-    async def _absorb(self, cid: int, got: dict[str, Reply[Any] | Failed]) -> bool:
-        try:
-            d = await self._c.get()
-        except EndOfStream:
-            return False  # every worker ended
-        self._book.absorb(d, cid, got)
-        return True
+            call.finish()
+        return call.result(limit)
 
     def statistics(self) -> CallerStatistics:
-        return self._book.statistics()
+        return self._core.book.statistics()
 
     # The timeout is part of the answer (WaitTimeout naming who is missing), as call's is.
     async def wait_ready(
@@ -390,41 +490,33 @@ class Caller(Generic[Q, R]):
         new process can attach. Raises ``WaitTimeout`` (a ``TimeoutError``) naming the workers
         that did not, after ``timeout`` seconds (None: no limit); ``InvalidArgument`` for a name
         not in the pool. Takes turns with calls; answers it meets are late ones (counted)."""
-        wanted = _ready_names(self._book.workers, names, timeout)
+        core = self._core
+        wanted = core.wanted(names, timeout)
         deadline = anyio.current_time() + (float("inf") if timeout is None else timeout)
         with anyio.CancelScope(deadline=deadline) as scope:
             await self._turn.acquire()
         if scope.cancelled_caught:
-            raise _not_ready_error(_not_ready(self._book, wanted), timeout)
+            raise core.not_ready(wanted, timeout)
         try:
-            if self._closed:
-                raise ClosedResourceError("this caller is closed")
-            while True:
-                missing = self._sweep(wanted)
-                if not missing:
-                    return
+            core.check_open()
+            c = self._c
+            while core.sweep(wanted, c.get_nowait, c._g.check_now):
                 with anyio.CancelScope(deadline=deadline) as scope:
-                    d = await self._c.get()
+                    d = await c.get()
                 if scope.cancelled_caught:
-                    raise _not_ready_error(_not_ready(self._book, wanted), timeout)
-                self._book.absorb(d, 0, {})
+                    raise core.not_ready(wanted, timeout)
+                core.hello(d)
         except EndOfStream:
-            raise _not_ready_error(_not_ready(self._book, wanted), timeout) from None
+            raise core.not_ready(wanted, timeout) from None
         finally:
             self._turn.release()
-
-    def _sweep(self, wanted: tuple[str, ...]) -> list[str]:
-        """Take what is ready, look for dead and new workers now, take what that made ready:
-        then ``book.ready`` names no worker whose process has ended (its ring's lock is free)."""
-        c = self._c
-        return _sweep(self._book, c.get_nowait, c._g.check_now, wanted)
 
     async def aclose(self) -> None:
         """Close: workers' iteration ends after the requests already sent; their replies are not
         awaited."""
-        if self._closed:
+        if self._core.closed:
             return
-        self._closed = True
+        self._core.closed = True
         try:
             await self._w.aclose()
         finally:
@@ -439,7 +531,7 @@ class Caller(Generic[Q, R]):
         await self.aclose()
 
     def __repr__(self) -> str:
-        s = self._book.statistics()
+        s = self._core.book.statistics()
         return f"<aiobroadcast.Caller workers={len(self.workers)} ready={len(s.ready)} calls={s.calls}>"
 
     def __reduce__(self) -> NoReturn:
@@ -456,13 +548,14 @@ class Caller(Generic[Q, R]):
 
 
 # --- the worker (async) -------------------------------------------------------------------------------
-@final
-class Request(Generic[Q, R]):
-    """One call as a worker receives it: ``value``, answered once with ``reply`` or ``fail``."""
+class _Answer(Generic[Q, R]):
+    """What ``Request`` and ``BlockingRequest`` share (no I/O): the request, and its one answer.
+    A front end sends ``_reply(value)`` or ``_failure(exc)`` with its sender; a reply that could
+    not be sent is ``_unsent()``: the request may still be answered (with ``fail``, say)."""
 
     __slots__ = ("_answered", "_sender", "id", "value")
 
-    def __init__(self, sender: Sender[Any], cid: int, value: Q) -> None:
+    def __init__(self, sender: Any, cid: int, value: Q) -> None:
         self._sender = sender
         self._answered = False
         self.id = cid
@@ -473,20 +566,37 @@ class Request(Generic[Q, R]):
             raise InvalidArgument(f"request {self.id} was already answered: one reply per request")
         self._answered = True
 
+    def _reply(self, value: R) -> tuple[int, bool, R]:
+        self._once()
+        return (self.id, True, value)
+
+    def _unsent(self) -> None:
+        self._answered = False
+
+    def _failure(self, exc: BaseException) -> tuple[int, bool, tuple[str, str]]:
+        self._once()
+        return _error_reply(self.id, exc)
+
+
+@final
+class Request(_Answer[Q, R]):
+    """One call as a worker receives it: ``value``, answered once with ``reply`` or ``fail``."""
+
+    __slots__ = ()
+
     async def reply(self, value: R) -> None:
         """Answer the call with ``value``. Raises ``InvalidArgument`` the second time, what
         ``Sender.put`` raises (``SerializationError``, ``CollectorGone``)."""
-        self._once()
+        answer = self._reply(value)
         try:
-            await self._sender.put((self.id, True, value))
+            await self._sender.put(answer)
         except BaseException:
-            self._answered = False  # not sent: it may still be answered (with fail, say)
+            self._unsent()
             raise
 
     async def fail(self, exc: BaseException) -> None:
         """Answer the call with an error: the caller gets ``Failed(worker, type name, message)``."""
-        self._once()
-        await self._sender.put(_error_reply(self.id, exc))
+        await self._sender.put(self._failure(exc))
 
 
 @final
@@ -676,75 +786,52 @@ class BlockingCaller(Generic[Q, R]):
             raise TypeError("BlockingCaller cannot be built directly; use aiobroadcast.blocking.open_caller()")
         self._w = writer
         self._c = collector
-        self._book = _Book(workers)
-        self._handle = PoolHandle(requests=writer.handle, replies=collector.handle, workers=workers)
+        self._core = _CallerCore(writer.handle, collector.handle, workers)
         self._lock = threading.Lock()
-        self._closed = False
 
     @property
     def handle(self) -> PoolHandle:
-        return self._handle
+        return self._core.handle
 
     @property
     def workers(self) -> tuple[str, ...]:
-        return self._book.workers
+        return self._core.book.workers
 
     def call(self, request: Q, *, timeout: float) -> dict[str, Outcome[R]]:
         """As ``Caller.call``; calls from several threads take turns (the wait counts in the timeout)."""
-        from time import monotonic
-
-        from ._exceptions import WaitTimeout
-
         _check_timeout(timeout)
         with self._lock:
-            if self._closed:
-                raise ClosedResourceError("this caller is closed")
-            book = self._book
-            got: dict[str, Reply[Any] | Failed] = {}
-            cid = book.begin()
+            call = self._core.start(request)
             deadline = monotonic() + timeout
             try:
-                while book.unready():
-                    if not self._absorb(cid, got, deadline):
-                        return book.result(got, timeout)
-                try:
-                    self._w.put((cid, request), max(0.0, deadline - monotonic()))
-                except WaitTimeout:
-                    return book.result(got, timeout)
-                book.sent()
-                while book.waiting(got):
-                    if not self._absorb(cid, got, deadline):
+                while (need := call.need()) != _DONE:
+                    left = max(0.0, deadline - monotonic())
+                    try:
+                        if need == _PUT:
+                            self._w.put(call.message, left)
+                            call.sent()
+                        else:
+                            call.take(self._c.get(left))
+                    except EndOfStream:
+                        call.ended()
+                    except WaitTimeout:
                         break
             finally:
-                book.busy = False
-            return book.result(got, timeout)
-
-    def _absorb(self, cid: int, got: dict[str, Reply[Any] | Failed], deadline: float) -> bool:
-        from time import monotonic
-
-        from ._exceptions import WaitTimeout
-
-        try:
-            d = self._c.get(max(0.0, deadline - monotonic()))
-        except (EndOfStream, WaitTimeout):
-            return False
-        self._book.absorb(d, cid, got)
-        return True
+                call.finish()
+            return call.result(timeout)
 
     def statistics(self) -> CallerStatistics:
-        return self._book.statistics()
+        return self._core.book.statistics()
 
     def wait_ready(self, names: Iterable[str] | None = None, *, timeout: float | None = None) -> None:
         """As ``Caller.wait_ready``; takes turns with calls from other threads."""
-        from time import monotonic
-
-        wanted = _ready_names(self._book.workers, names, timeout)
+        core = self._core
+        wanted = core.wanted(names, timeout)
         deadline = None if timeout is None else monotonic() + timeout
         if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-            raise _not_ready_error(_not_ready(self._book, wanted), timeout)
+            raise core.not_ready(wanted, timeout)
         try:
-            if self._closed:
-                raise ClosedResourceError("this caller is closed")
+            core.check_open()
             c = self._c
 
             def check_now() -> None:
@@ -754,24 +841,21 @@ class BlockingCaller(Generic[Q, R]):
                 finally:
                     c._lock.release()
 
-            while True:
-                missing = _sweep(self._book, c.get_nowait, check_now, wanted)
-                if not missing:
-                    return
+            while core.sweep(wanted, c.get_nowait, check_now):
                 try:
                     d = c.get(None if deadline is None else max(0.0, deadline - monotonic()))
                 except WaitTimeout:
-                    raise _not_ready_error(missing, timeout) from None
-                self._book.absorb(d, 0, {})
+                    raise core.not_ready(wanted, timeout) from None
+                core.hello(d)
         except EndOfStream:
-            raise _not_ready_error(_not_ready(self._book, wanted), timeout) from None
+            raise core.not_ready(wanted, timeout) from None
         finally:
             self._lock.release()
 
     def close(self) -> None:
-        if self._closed:
+        if self._core.closed:
             return
-        self._closed = True
+        self._core.closed = True
         try:
             self._w.close()
         finally:
@@ -799,33 +883,21 @@ class BlockingCaller(Generic[Q, R]):
 
 
 @final
-class BlockingRequest(Generic[Q, R]):
+class BlockingRequest(_Answer[Q, R]):
     """``Request`` for a ``BlockingWorker``."""
 
-    __slots__ = ("_answered", "_sender", "id", "value")
-
-    def __init__(self, sender: Any, cid: int, value: Q) -> None:
-        self._sender = sender
-        self._answered = False
-        self.id = cid
-        self.value = value
-
-    def _once(self) -> None:
-        if self._answered:
-            raise InvalidArgument(f"request {self.id} was already answered: one reply per request")
-        self._answered = True
+    __slots__ = ()
 
     def reply(self, value: R) -> None:
-        self._once()
+        answer = self._reply(value)
         try:
-            self._sender.put((self.id, True, value))
+            self._sender.put(answer)
         except BaseException:
-            self._answered = False  # not sent: it may still be answered (with fail, say)
+            self._unsent()
             raise
 
     def fail(self, exc: BaseException) -> None:
-        self._once()
-        self._sender.put(_error_reply(self.id, exc))
+        self._sender.put(self._failure(exc))
 
 
 @final
@@ -958,21 +1030,3 @@ for _public in (BlockingCaller, BlockingRequest, BlockingWorker):
 for _fn, _name in ((open_blocking_caller, "open_caller"), (open_blocking_worker, "open_worker")):
     _fn.__module__ = "aiobroadcast.blocking"
     _fn.__name__ = _fn.__qualname__ = _name
-
-
-def _sweep(
-    book: Any, get_nowait: Callable[[], Any], check_now: Callable[[], None], wanted: tuple[str, ...]
-) -> list[str]:
-    """Take what is ready, look for dead and new workers now, take what that made ready: then
-    ``book.ready`` names no worker whose process has ended (its ring's lock is free). Shared by
-    ``Caller.wait_ready`` and ``BlockingCaller.wait_ready``."""
-    for look in (False, True):
-        if look:
-            check_now()
-        for _ in range(_SWEEP):
-            try:
-                d = get_nowait()
-            except WouldBlock:
-                break
-            book.absorb(d, 0, {})
-    return _not_ready(book, wanted)

@@ -1,0 +1,119 @@
+"""A call's state machine (``_rpc._Call``), driven by hand: what ``Caller`` and ``BlockingCaller``
+both run, without processes or rings. Which reply answers which call, whom a call waits for,
+and what the ones that did not answer get."""
+
+from __future__ import annotations
+
+import pytest
+
+import aiobroadcast as ab
+from aiobroadcast._exceptions import BroadcastError, ClosedResourceError
+from aiobroadcast._fanin import Item, SourceClosed, SourceGone
+from aiobroadcast._rpc import _DONE, _GET, _HELLO, _PUT, _Book, _Call, _CallerCore
+
+
+def hello(name: str) -> Item[object]:
+    return Item(name, (_HELLO, True, 1234))
+
+
+def reply(name: str, cid: int, value: object) -> Item[object]:
+    return Item(name, (cid, True, value))
+
+
+def test_a_call_waits_for_every_worker_to_attach_then_sends_then_gathers_the_replies() -> None:
+    book = _Book(("a", "b"))
+    call = _Call(book, "req")
+    assert call.message == (1, "req")
+    assert call.need() == _GET
+    call.take(hello("a"))
+    assert call.need() == _GET  # b is not attached: a request now would miss it
+    call.take(hello("b"))
+    assert call.need() == _PUT
+    assert call.need() == _PUT  # until it is sent
+    call.sent()
+    assert call.need() == _GET
+    call.take(reply("b", 1, "B"))
+    assert call.need() == _GET
+    call.take(reply("a", 1, "A"))
+    assert call.need() == _DONE
+    call.finish()
+    assert call.result(1.0) == {"a": ab.Reply("a", "A"), "b": ab.Reply("b", "B")}
+    assert book.statistics().calls == 1
+
+
+def test_a_late_reply_never_answers_the_next_call_and_an_unknown_id_is_counted() -> None:
+    book = _Book(("a",))
+    first = _Call(book, "one")
+    first.take(hello("a"))
+    assert first.need() == _PUT
+    first.sent()
+    first.finish()  # its deadline passed
+    assert first.result(0.5) == {"a": ab.NoReply("a", "deadline", "worker 'a' did not answer within 0.5 s")}
+    second = _Call(book, "two")
+    assert second.need() == _PUT
+    second.sent()
+    second.take(reply("a", 1, "late"))  # the first call's answer
+    second.take(reply("a", 99, "?"))  # no call has this id
+    second.take(Item("a", "not a reply"))
+    second.take(Item("stranger", (2, True, "x")))
+    assert second.need() == _GET
+    second.take(reply("a", 2, "two"))
+    second.take(reply("a", 2, "again"))  # a second answer to this call: dropped, counted late
+    assert second.need() == _DONE
+    second.finish()
+    assert second.result(1.0) == {"a": ab.Reply("a", "two")}
+    s = book.statistics()
+    assert (s.calls, s.late_replies, s.unknown_replies) == (2, 2, 3)
+
+
+def test_a_failed_handler_and_ended_workers_are_answers_and_not_waited_for() -> None:
+    book = _Book(("ok", "bad", "gone", "left"))
+    call = _Call(book, 0)
+    for name in ("ok", "bad", "gone", "left"):
+        call.take(hello(name))
+    call.take(SourceGone("gone", 4321))
+    assert call.need() == _PUT
+    call.sent()
+    call.take(SourceClosed("left"))  # it ended after the request went out
+    call.take(Item("bad", (1, False, ("ValueError", "no"))))
+    assert call.need() == _GET
+    call.take(reply("ok", 1, "yes"))
+    assert call.need() == _DONE
+    call.finish()
+    out = call.result(1.0)
+    assert list(out) == ["ok", "bad", "gone", "left"]  # the order the workers were named
+    assert out["ok"] == ab.Reply("ok", "yes")
+    assert out["bad"] == ab.Failed("bad", "ValueError", "no")
+    assert out["gone"] == ab.NoReply("gone", "dead", "worker 'gone' (pid 4321) died")
+    assert out["left"] == ab.NoReply("left", "closed", "worker 'left' closed")
+
+
+def test_when_every_worker_ended_the_call_stops_waiting() -> None:
+    book = _Book(("a",))
+    call = _Call(book, 0)
+    assert call.need() == _GET
+    call.ended()  # the collector's stream ended before a worker attached
+    assert call.need() == _PUT
+    call.sent()
+    assert call.need() == _GET
+    call.ended()
+    assert call.need() == _DONE
+    call.finish()
+    assert call.result(1.0)["a"].reason == "deadline"  # type: ignore[union-attr]
+
+
+def test_one_call_at_a_time_and_a_finished_call_frees_the_turn() -> None:
+    book = _Book(("a",))
+    call = _Call(book, 0)
+    with pytest.raises(BroadcastError, match="one call at a time"):
+        _Call(book, 1)
+    call.finish()
+    assert _Call(book, 2).message == (2, 2)  # the refused call took no id
+
+
+def test_a_closed_callers_core_starts_no_call() -> None:
+    core = object.__new__(_CallerCore)  # its handle is not needed here
+    core.book, core.closed = _Book(("a",)), True
+    with pytest.raises(ClosedResourceError, match="closed"):
+        core.start("x")
+    assert core.book.statistics().calls == 0

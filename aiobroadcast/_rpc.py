@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Generator, Iterable
 from dataclasses import dataclass
 from inspect import isawaitable
 from time import monotonic
@@ -548,6 +548,73 @@ class Caller(Generic[Q, R]):
 
 
 # --- the worker (async) -------------------------------------------------------------------------------
+#: What serving needs next (``serve_steps``): the next request (None once the pool closed), the
+#: handler's answer to a request's value, a request replied to, a request failed.
+_NEXT, _HANDLE, _REPLY, _FAIL = 0, 1, 2, 3
+ServeStep = tuple[int, Any]
+ServeSteps = Generator[ServeStep, Any, int]
+
+
+def serve_steps() -> ServeSteps:
+    """A worker's ``serve`` loop, written once for ``Worker`` and ``BlockingWorker``: yields
+    ``(_NEXT, None)``, ``(_HANDLE, request)``, ``(_REPLY, (request, answer))`` or ``(_FAIL,
+    (request, exc))``; the front end does it and sends the result in (the request, None at the
+    end; the answer), or throws what it raised. An exception of the handler fails that call and
+    serving goes on; so does a reply that cannot be sent (unpicklable, too large), but not a
+    collector that is gone. Returns the number of requests served."""
+    served = 0
+    while True:
+        request = yield _NEXT, None
+        if request is None:
+            return served
+        try:
+            answer = yield _HANDLE, request
+        except Exception as exc:
+            yield _FAIL, (request, exc)
+        else:
+            try:
+                yield _REPLY, (request, answer)
+            except CollectorGone:
+                raise
+            except BroadcastError as exc:
+                yield _FAIL, (request, exc)
+        served += 1
+
+
+async def _serve(steps: ServeSteps, do: Callable[[ServeStep], Awaitable[object]]) -> int:
+    """``serve_steps`` in a task: ``await do(step)`` for each step."""
+    try:
+        step = next(steps)
+        while True:
+            try:
+                done = await do(step)
+            except BaseException as exc:
+                step = steps.throw(exc)
+            else:
+                step = steps.send(done)
+    except StopIteration as end:
+        return end.value  # type: ignore[no-any-return]
+    finally:
+        steps.close()
+
+
+def _serve_blocking(steps: ServeSteps, do: Callable[[ServeStep], object]) -> int:
+    """``serve_steps`` in a thread: ``do(step)`` for each step."""
+    try:
+        step = next(steps)
+        while True:
+            try:
+                done = do(step)
+            except BaseException as exc:
+                step = steps.throw(exc)
+            else:
+                step = steps.send(done)
+    except StopIteration as end:
+        return end.value  # type: ignore[no-any-return]
+    finally:
+        steps.close()
+
+
 class _Answer(Generic[Q, R]):
     """What ``Request`` and ``BlockingRequest`` share (no I/O): the request, and its one answer.
     A front end sends ``_reply(value)`` or ``_failure(exc)`` with its sender; a reply that could
@@ -623,10 +690,16 @@ class Worker(Generic[Q, R]):
         return self
 
     async def __anext__(self) -> Request[Q, R]:
+        request = await self._next()
+        if request is None:
+            raise StopAsyncIteration
+        return request
+
+    async def _next(self) -> Request[Q, R] | None:
         try:
             cid, value = await self._r.get()
         except (EndOfStream, ClosedResourceError):
-            raise StopAsyncIteration from None
+            return None
         return Request(self._s, cid, value)
 
     async def serve(self, handler: Any) -> int:
@@ -634,23 +707,19 @@ class Worker(Generic[Q, R]):
         the caller closes the pool; an exception the handler raises becomes that call's ``Failed``
         and the loop goes on. Returns the number of requests served. A reply that cannot be sent
         (unpicklable, too large) is answered as ``Failed`` with that error."""
-        served = 0
-        async for request in self:
-            try:
-                answer = handler(request.value)
-                if isawaitable(answer):
-                    answer = await answer
-            except Exception as exc:
-                await request.fail(exc)
-            else:
-                try:
-                    await request.reply(answer)
-                except CollectorGone:
-                    raise
-                except BroadcastError as exc:
-                    await request.fail(exc)
-            served += 1
-        return served
+
+        async def do(step: ServeStep) -> object:
+            what, arg = step
+            if what == _NEXT:
+                return await self._next()
+            if what == _HANDLE:
+                answer = handler(arg.value)
+                return (await answer) if isawaitable(answer) else answer
+            request, x = arg
+            await (request.reply(x) if what == _REPLY else request.fail(x))
+            return None
+
+        return await _serve(serve_steps(), do)
 
     async def aclose(self) -> None:
         """Leave the pool: the caller's calls report this worker ``NoReply("closed")``."""
@@ -920,29 +989,32 @@ class BlockingWorker(Generic[Q, R]):
         return self
 
     def __next__(self) -> BlockingRequest[Q, R]:
+        request = self._next()
+        if request is None:
+            raise StopIteration
+        return request
+
+    def _next(self) -> BlockingRequest[Q, R] | None:
         try:
             cid, value = self._r.get()
         except (EndOfStream, ClosedResourceError):
-            raise StopIteration from None
+            return None
         return BlockingRequest(self._s, cid, value)
 
     def serve(self, handler: Any) -> int:
         """As ``Worker.serve``, with a plain function."""
-        served = 0
-        for request in self:
-            try:
-                answer = handler(request.value)
-            except Exception as exc:
-                request.fail(exc)
-            else:
-                try:
-                    request.reply(answer)
-                except CollectorGone:
-                    raise
-                except BroadcastError as exc:
-                    request.fail(exc)
-            served += 1
-        return served
+
+        def do(step: ServeStep) -> object:
+            what, arg = step
+            if what == _NEXT:
+                return self._next()
+            if what == _HANDLE:
+                return handler(arg.value)
+            request, x = arg
+            (request.reply if what == _REPLY else request.fail)(x)
+            return None
+
+        return _serve_blocking(serve_steps(), do)
 
     def close(self) -> None:
         if self._closed:

@@ -4,12 +4,31 @@ and what the ones that did not answer get."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+import anyio
+import anyio.lowlevel
 import pytest
 
 import aiobroadcast as ab
 from aiobroadcast._exceptions import BroadcastError, ClosedResourceError
 from aiobroadcast._fanin import Item, SourceClosed, SourceGone
-from aiobroadcast._rpc import _DONE, _GET, _HELLO, _PUT, _Book, _Call, _CallerCore
+from aiobroadcast._rpc import (
+    _DONE,
+    _GET,
+    _HANDLE,
+    _HELLO,
+    _NEXT,
+    _PUT,
+    _REPLY,
+    _Book,
+    _Call,
+    _CallerCore,
+    _serve,
+    _serve_blocking,
+    serve_steps,
+)
 
 
 def hello(name: str) -> Item[object]:
@@ -117,3 +136,93 @@ def test_a_closed_callers_core_starts_no_call() -> None:
     with pytest.raises(ClosedResourceError, match="closed"):
         core.start("x")
     assert core.book.statistics().calls == 0
+
+
+# --- a worker's serving loop (``serve_steps``), driven by both front ends over fakes ----------------
+class FakeRequest:
+    """Records what the loop answered; ``reply`` raises what ``refuse`` maps the value to."""
+
+    def __init__(
+        self, value: object, log: list[tuple[str, object, object]], refuse: dict[object, BaseException]
+    ) -> None:
+        self.value = value
+        self._log = log
+        self._refuse = refuse
+
+    def reply(self, answer: object) -> None:
+        if answer in self._refuse:
+            raise self._refuse[answer]
+        self._log.append(("reply", self.value, answer))
+
+    def fail(self, exc: BaseException) -> None:
+        self._log.append(("fail", self.value, f"{type(exc).__name__}: {exc}"))
+
+
+def handler(v: object) -> object:
+    if v == "boom":
+        raise ValueError("boom")
+    return v
+
+
+def blocking_serve(values: list[object], refuse: dict[object, BaseException]) -> tuple[int, list[Any]]:
+    log: list[Any] = []
+    queue = [FakeRequest(v, log, refuse) for v in values]
+
+    def do(step: tuple[int, Any]) -> object:
+        what, arg = step
+        if what == _NEXT:
+            return queue.pop(0) if queue else None
+        if what == _HANDLE:
+            return handler(arg.value)
+        request, x = arg
+        (request.reply if what == _REPLY else request.fail)(x)
+        return None
+
+    return _serve_blocking(serve_steps(), do), log
+
+
+def async_serve(values: list[object], refuse: dict[object, BaseException]) -> tuple[int, list[Any]]:
+    log: list[Any] = []
+    queue = [FakeRequest(v, log, refuse) for v in values]
+
+    async def coroutine_handler(v: object) -> object:
+        await anyio.lowlevel.checkpoint()
+        return handler(v)
+
+    async def do(step: tuple[int, Any]) -> object:
+        what, arg = step
+        if what == _NEXT:
+            return queue.pop(0) if queue else None
+        if what == _HANDLE:
+            return await coroutine_handler(arg.value)
+        request, x = arg
+        (request.reply if what == _REPLY else request.fail)(x)
+        return None
+
+    async def main() -> tuple[int, list[Any]]:
+        return await _serve(serve_steps(), do), log
+
+    return anyio.run(main)
+
+
+@pytest.mark.parametrize("serve", [blocking_serve, async_serve])
+def test_serving_answers_each_request_and_a_handlers_error_or_an_unsendable_reply_fails_that_call(
+    serve: Callable[[list[object], dict[object, BaseException]], tuple[int, list[Any]]],
+) -> None:
+    too_big = ab.MessageTooLarge(2000, 1000)
+    served, log = serve([1, "boom", "big", 4], {"big": too_big})
+    assert served == 4
+    assert log == [
+        ("reply", 1, 1),
+        ("fail", "boom", "ValueError: boom"),
+        ("fail", "big", f"MessageTooLarge: {too_big}"),
+        ("reply", 4, 4),
+    ]
+
+
+@pytest.mark.parametrize("serve", [blocking_serve, async_serve])
+def test_serving_ends_when_the_collector_is_gone(
+    serve: Callable[[list[object], dict[object, BaseException]], tuple[int, list[Any]]],
+) -> None:
+    with pytest.raises(ab.CollectorGone):
+        serve([1, 2, 3], {2: ab.CollectorGone(1, "w")})

@@ -53,6 +53,8 @@ from ._writer import Writer
 Q = TypeVar("Q")  #: what a call sends
 R = TypeVar("R")  #: what a worker answers
 R_co = TypeVar("R_co", covariant=True)
+S = TypeVar("S")  #: a step of a role's steps
+T = TypeVar("T")  #: what a role's steps return
 
 _private = object()
 _HELLO = 0
@@ -581,8 +583,9 @@ def serve_steps() -> ServeSteps:
         served += 1
 
 
-async def _serve(steps: ServeSteps, do: Callable[[ServeStep], Awaitable[object]]) -> int:
-    """``serve_steps`` in a task: ``await do(step)`` for each step."""
+async def _drive(steps: Generator[S, Any, T], do: Callable[[S], Awaitable[object]]) -> T:
+    """Run a role's steps (``serve_steps``, ``caller_steps``, ``worker_steps``) in a task:
+    ``await do(step)`` for each, its result sent in, what it raised thrown in."""
     try:
         step = next(steps)
         while True:
@@ -598,8 +601,8 @@ async def _serve(steps: ServeSteps, do: Callable[[ServeStep], Awaitable[object]]
         steps.close()
 
 
-def _serve_blocking(steps: ServeSteps, do: Callable[[ServeStep], object]) -> int:
-    """``serve_steps`` in a thread: ``do(step)`` for each step."""
+def _drive_blocking(steps: Generator[S, Any, T], do: Callable[[S], object]) -> T:
+    """``_drive`` in a thread: ``do(step)`` for each step."""
     try:
         step = next(steps)
         while True:
@@ -719,7 +722,7 @@ class Worker(Generic[Q, R]):
             await (request.reply(x) if what == _REPLY else request.fail(x))
             return None
 
-        return await _serve(serve_steps(), do)
+        return await _drive(serve_steps(), do)
 
     async def aclose(self) -> None:
         """Leave the pool: the caller's calls report this worker ``NoReply("closed")``."""
@@ -775,6 +778,92 @@ class _PoolSpec:
         self.max_reply_bytes = max_reply_bytes
         self.directory = directory
 
+    def writer_options(self) -> dict[str, Any]:
+        """The request channel: one reader place per worker."""
+        return {
+            "capacity": self.capacity,
+            "slot_bytes": self.slot_bytes,
+            "max_readers": len(self.workers),
+            "max_message_bytes": self.max_request_bytes,
+            "directory": self.directory,
+        }
+
+    def collector_options(self) -> dict[str, Any]:
+        """The reply collector: it waits for the pool's workers."""
+        return {
+            "expect": self.workers,
+            "capacity": self.capacity,
+            "slot_bytes": self.slot_bytes,
+            "max_message_bytes": self.max_reply_bytes,
+            "directory": self.directory,
+        }
+
+
+#: A step of opening a pool's role (``caller_steps``, ``worker_steps``): what to do (a factory's
+#: name, ``"put"`` or ``"close"``), with what. Each front end does it with its own factories and
+#: methods (``_open_async``, ``_open_blocking``), driven by ``_drive``/``_drive_blocking``.
+OpenStep = tuple[str, tuple[Any, ...], dict[str, Any]]
+
+
+def caller_steps(spec: _PoolSpec) -> Generator[OpenStep, Any, tuple[Any, Any]]:
+    """Opening a caller, written once: the request channel, then the reply collector; on a
+    failure (or a cancellation) the channel is closed again. Returns (writer, collector)."""
+    writer = yield "open_writer", (), spec.writer_options()
+    try:
+        collector = yield "open_collector", (), spec.collector_options()
+    except BaseException:
+        yield "close", (writer,), {}
+        raise
+    return writer, collector
+
+
+def worker_steps(handle: object, name: str) -> Generator[OpenStep, Any, tuple[Any, Any]]:
+    """Opening a worker, written once: claim the name (the reply sender), attach to the
+    requests, say hello (calls from now on reach us); on a failure, close what was opened.
+    Returns (reader, sender)."""
+    h = _worker_start(handle, name)
+    sender = yield "open_sender", (h.replies,), {"name": name}
+    try:
+        reader = yield "open_reader", (h.requests,), {"name": name, "transport": "shm"}
+        try:
+            yield "put", (sender, (_HELLO, True, os.getpid())), {}
+        except BaseException:
+            yield "close", (reader,), {}
+            raise
+    except BaseException:
+        yield "close", (sender,), {}
+        raise
+    return reader, sender
+
+
+_ASYNC_FACTORIES: dict[str, Callable[..., Awaitable[Any]]] = {
+    "open_writer": open_writer,
+    "open_collector": open_collector,
+    "open_sender": open_sender,
+    "open_reader": open_reader,
+}
+
+
+async def _open_async(step: OpenStep) -> object:
+    what, args, kwargs = step
+    if what == "close":
+        return await args[0].aclose()
+    if what == "put":
+        return await args[0].put(args[1])
+    return await _ASYNC_FACTORIES[what](*args, **kwargs)
+
+
+def _open_blocking(step: OpenStep) -> object:
+    from . import blocking
+
+    what, args, kwargs = step
+    if what == "close":
+        return args[0].close()
+    if what == "put":
+        return args[0].put(args[1])
+    factory: Callable[..., object] = getattr(blocking, what)
+    return factory(*args, **kwargs)
+
 
 def open_caller(
     *,
@@ -792,24 +881,7 @@ def open_caller(
     spec = _PoolSpec(workers, capacity, slot_bytes, max_request_bytes, max_reply_bytes, directory)
 
     async def make() -> Caller[Any, Any]:
-        writer = await open_writer(
-            capacity=spec.capacity,
-            slot_bytes=spec.slot_bytes,
-            max_readers=len(spec.workers),
-            max_message_bytes=spec.max_request_bytes,
-            directory=spec.directory,
-        )
-        try:
-            collector = await open_collector(
-                expect=spec.workers,
-                capacity=spec.capacity,
-                slot_bytes=spec.slot_bytes,
-                max_message_bytes=spec.max_reply_bytes,
-                directory=spec.directory,
-            )
-        except BaseException:
-            await writer.aclose()
-            raise
+        writer, collector = await _drive(caller_steps(spec), _open_async)
         return Caller(_private, writer, collector, spec.workers)
 
     return _Opening(make)
@@ -828,18 +900,7 @@ def open_worker(handle: PoolHandle | str, *, name: str) -> _Opening[Worker[Any, 
     (a name not in the pool, or held by a live worker), ``CollectorGone`` (the caller closed)."""
 
     async def make() -> Worker[Any, Any]:
-        h = _worker_start(handle, name)
-        sender = await open_sender(h.replies, name=name)  # claims the name
-        try:
-            reader = await open_reader(h.requests, name=name, transport="shm")
-            try:
-                await sender.put((_HELLO, True, os.getpid()))  # attached: calls from now on reach us
-            except BaseException:
-                await reader.aclose()
-                raise
-        except BaseException:
-            await sender.aclose()
-            raise
+        reader, sender = await _drive(worker_steps(handle, name), _open_async)
         return Worker(_private, reader, sender, name)
 
     return _Opening(make)
@@ -1014,7 +1075,7 @@ class BlockingWorker(Generic[Q, R]):
             (request.reply if what == _REPLY else request.fail)(x)
             return None
 
-        return _serve_blocking(serve_steps(), do)
+        return _drive_blocking(serve_steps(), do)
 
     def close(self) -> None:
         if self._closed:
@@ -1054,46 +1115,14 @@ def open_blocking_caller(
     directory: str = DEFAULT_DIRECTORY,
 ) -> BlockingCaller[Any, Any]:
     """``aiobroadcast.blocking.open_caller``: the arguments and errors of ``open_caller``."""
-    from . import blocking
-
     spec = _PoolSpec(workers, capacity, slot_bytes, max_request_bytes, max_reply_bytes, directory)
-    writer = blocking.open_writer(
-        capacity=spec.capacity,
-        slot_bytes=spec.slot_bytes,
-        max_readers=len(spec.workers),
-        max_message_bytes=spec.max_request_bytes,
-        directory=spec.directory,
-    )
-    try:
-        collector = blocking.open_collector(
-            expect=spec.workers,
-            capacity=spec.capacity,
-            slot_bytes=spec.slot_bytes,
-            max_message_bytes=spec.max_reply_bytes,
-            directory=spec.directory,
-        )
-    except BaseException:
-        writer.close()
-        raise
+    writer, collector = _drive_blocking(caller_steps(spec), _open_blocking)
     return BlockingCaller(_private, writer, collector, spec.workers)
 
 
 def open_blocking_worker(handle: PoolHandle | str, *, name: str) -> BlockingWorker[Any, Any]:
     """``aiobroadcast.blocking.open_worker``: the arguments and errors of ``open_worker``."""
-    from . import blocking
-
-    h = _worker_start(handle, name)
-    sender = blocking.open_sender(h.replies, name=name)
-    try:
-        reader = blocking.open_reader(h.requests, name=name, transport="shm")
-        try:
-            sender.put((_HELLO, True, os.getpid()))
-        except BaseException:
-            reader.close()
-            raise
-    except BaseException:
-        sender.close()
-        raise
+    reader, sender = _drive_blocking(worker_steps(handle, name), _open_blocking)
     return BlockingWorker(_private, reader, sender, name)
 
 

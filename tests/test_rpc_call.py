@@ -12,6 +12,7 @@ import anyio.lowlevel
 import pytest
 
 import aiobroadcast as ab
+from aiobroadcast import blocking
 from aiobroadcast._exceptions import BroadcastError, ClosedResourceError
 from aiobroadcast._fanin import Item, SourceClosed, SourceGone
 from aiobroadcast._rpc import (
@@ -25,9 +26,12 @@ from aiobroadcast._rpc import (
     _Book,
     _Call,
     _CallerCore,
-    _serve,
-    _serve_blocking,
+    _drive,
+    _drive_blocking,
+    _PoolSpec,
+    caller_steps,
     serve_steps,
+    worker_steps,
 )
 
 
@@ -178,7 +182,7 @@ def blocking_serve(values: list[object], refuse: dict[object, BaseException]) ->
         (request.reply if what == _REPLY else request.fail)(x)
         return None
 
-    return _serve_blocking(serve_steps(), do), log
+    return _drive_blocking(serve_steps(), do), log
 
 
 def async_serve(values: list[object], refuse: dict[object, BaseException]) -> tuple[int, list[Any]]:
@@ -200,7 +204,7 @@ def async_serve(values: list[object], refuse: dict[object, BaseException]) -> tu
         return None
 
     async def main() -> tuple[int, list[Any]]:
-        return await _serve(serve_steps(), do), log
+        return await _drive(serve_steps(), do), log
 
     return anyio.run(main)
 
@@ -226,3 +230,47 @@ def test_serving_ends_when_the_collector_is_gone(
 ) -> None:
     with pytest.raises(ab.CollectorGone):
         serve([1, 2, 3], {2: ab.CollectorGone(1, "w")})
+
+
+# --- opening a pool's roles (``caller_steps``, ``worker_steps``), over fakes --------------------------
+def open_with_fakes(steps: Any, fail: str | None) -> tuple[list[str], Any]:
+    """Drive ``steps`` in a thread over fakes that log what is done; ``fail`` names the step that
+    raises. Returns the log and the result (or the error raised)."""
+    log: list[str] = []
+
+    def do(step: tuple[str, tuple[Any, ...], dict[str, Any]]) -> object:
+        what, args, _kwargs = step
+        log.append(what if what.startswith("open_") else f"{what} {args[0]}")
+        if what == fail:
+            raise ab.BroadcastError(f"{what} failed")
+        return what.removeprefix("open_")
+
+    try:
+        return log, _drive_blocking(steps, do)
+    except ab.BroadcastError as exc:
+        return log, exc
+
+
+def test_opening_a_caller_closes_its_request_channel_when_the_collector_cannot_be_made() -> None:
+    spec = _PoolSpec(["a", "b"], 8, 1024, None, 100, "/dev/shm")
+    assert open_with_fakes(caller_steps(spec), None) == (["open_writer", "open_collector"], ("writer", "collector"))
+    log, err = open_with_fakes(caller_steps(spec), "open_collector")
+    assert log == ["open_writer", "open_collector", "close writer"]
+    assert str(err) == "open_collector failed"
+
+
+def test_opening_a_worker_says_hello_and_closes_what_it_opened_on_a_failure() -> None:
+    with blocking.open_caller(workers=["a"], capacity=8, slot_bytes=1024) as caller:
+        handle = caller.handle
+        assert open_with_fakes(worker_steps(handle, "a"), None) == (
+            ["open_sender", "open_reader", "put sender"],
+            ("reader", "sender"),
+        )
+        log, _ = open_with_fakes(worker_steps(handle, "a"), "put")
+        assert log == ["open_sender", "open_reader", "put sender", "close reader", "close sender"]
+        log, _ = open_with_fakes(worker_steps(handle, "a"), "open_reader")
+        assert log == ["open_sender", "open_reader", "close sender"]
+        log, err = open_with_fakes(worker_steps(handle, "stranger"), None)
+        assert log == []  # nothing opened
+        assert isinstance(err, ab.InvalidArgument)
+        assert "not one of this pool's workers" in str(err)

@@ -238,8 +238,13 @@ class _Book:
             self.ready.discard(d.source)
             self.ended[d.source] = NoReply(d.source, "dead", f"worker {d.source!r} (pid {d.pid}) died")
 
+    # unready and waiting run a few times per call: plain loops, no generator made
     def unready(self) -> bool:
-        return any(w not in self.ready and w not in self.ended for w in self.workers)
+        ready, ended = self.ready, self.ended
+        for w in self.workers:  # noqa: SIM110 (any() of a generator costs more, per call)
+            if w not in ready and w not in ended:
+                return True
+        return False
 
     def sent(self) -> None:
         """The request is out: wait for the workers attached now only (one that attaches again
@@ -248,7 +253,11 @@ class _Book:
         self.absent = dict(self.ended)
 
     def waiting(self, got: dict[str, Reply[Any] | Failed]) -> bool:
-        return any(w not in got and w not in self.ended for w in self.expect)
+        ended = self.ended
+        for w in self.expect:  # noqa: SIM110 (as unready)
+            if w not in got and w not in ended:
+                return True
+        return False
 
     def begin(self) -> int:
         if self.busy:
@@ -293,8 +302,9 @@ _ATTACH, _SEND, _REPLIES, _OVER = 0, 1, 2, 3
 class _Call:
     """One call, sans-IO: its id, its request and the answers it gathered. The front end asks
     ``need()`` and does it (``_GET``: take a delivery from the collector and hand it to ``take``,
-    or say ``ended`` when every worker ended; ``_PUT``: send ``message``, then say ``sent``) until
-    it says ``_DONE`` or the call's deadline passes; then ``finish`` (always) and ``result``.
+    or say ``ended`` when every worker ended; ``_PUT``: send ``message``, then say ``sent``); each
+    of these returns what is needed next, until ``_DONE`` or the call's deadline passes; then
+    ``finish`` (always) and ``result``.
     Written once for ``Caller`` and ``BlockingCaller``: which reply answers this call (its id,
     see ``_Book.absorb``: a late reply to an earlier call never does), whom to wait for, and
     what the ones that did not answer get."""
@@ -322,16 +332,25 @@ class _Call:
         self._phase = _OVER
         return _DONE
 
-    def take(self, delivery: object) -> None:
-        self._book.absorb(delivery, self.cid, self._got)
+    def take(self, delivery: object) -> int:
+        book = self._book
+        book.absorb(delivery, self.cid, self._got)
+        if self._phase == _REPLIES:  # the usual case, written out: a reply came
+            if book.waiting(self._got):
+                return _GET
+            self._phase = _OVER
+            return _DONE
+        return self.need()
 
-    def ended(self) -> None:
+    def ended(self) -> int:
         """Every worker ended (the collector's stream ended): nobody is left to wait for."""
         self._phase = _SEND if self._phase == _ATTACH else _OVER
+        return self.need()
 
-    def sent(self) -> None:
+    def sent(self) -> int:
         self._book.sent()
         self._phase = _REPLIES
+        return self.need()
 
     def finish(self) -> None:
         """The call is over (returned, timed out, failed, cancelled): the next one may begin."""
@@ -359,7 +378,8 @@ class _CallerCore:
 
     def start(self, request: object) -> _Call:
         """A new call (``BroadcastError`` if one is in progress)."""
-        self.check_open()
+        if self.closed:
+            raise ClosedResourceError("this caller is closed")
         return _Call(self.book, request)
 
     def timed_out(self, timeout: float) -> dict[str, Outcome[Any]]:
@@ -462,15 +482,16 @@ class Caller(Generic[Q, R]):
         call = self._core.start(request)
         try:
             with anyio.CancelScope(deadline=deadline):
-                while (need := call.need()) != _DONE:
+                need = call.need()
+                while need != _DONE:
                     if need == _PUT:
                         await self._w.put(call.message)
-                        call.sent()
+                        need = call.sent()
                         continue
                     try:
-                        call.take(await self._c.get())
+                        need = call.take(await self._c.get())
                     except EndOfStream:
-                        call.ended()
+                        need = call.ended()
         finally:
             call.finish()
         return call.result(limit)
@@ -934,16 +955,17 @@ class BlockingCaller(Generic[Q, R]):
             call = self._core.start(request)
             deadline = monotonic() + timeout
             try:
-                while (need := call.need()) != _DONE:
+                need = call.need()
+                while need != _DONE:
                     left = max(0.0, deadline - monotonic())
                     try:
                         if need == _PUT:
                             self._w.put(call.message, left)
-                            call.sent()
+                            need = call.sent()
                         else:
-                            call.take(self._c.get(left))
+                            need = call.take(self._c.get(left))
                     except EndOfStream:
-                        call.ended()
+                        need = call.ended()
                     except WaitTimeout:
                         break
             finally:

@@ -1323,6 +1323,46 @@ def _close_channel(ch: WriterChannel) -> None:
         ch.release()
 
 
+class SenderPlan:
+    """``open_sender``'s arguments, checked, and what to build from them: shared by the async and
+    the blocking factories, which differ only in how they wait for a remote sender's TCP server
+    (``_open_channel`` or ``blocking_channel`` of ``remote``). A remote sender's arguments are
+    checked here, at once; a local sender's when ``local()`` opens it (it touches the collector's
+    directory, so the async factory does it when awaited)."""
+
+    __slots__ = ("_args", "remote")
+
+    def __init__(
+        self,
+        handle: CollectorHandle | str,
+        name: str,
+        schema: type[BaseModel] | None,
+        capacity: int | None,
+        slot_bytes: int | None,
+        connect_timeout: float,
+        tcp: str | None,
+        advertise: str | None,
+        keys: CurveKeys | None,
+        heartbeat_s: float,
+        data_port: int,
+    ) -> None:
+        self._args = (handle, name, schema, capacity, slot_bytes, connect_timeout)
+        #: a remote sender's (``tcp=``) ring, to open with its TCP server, and the collector's
+        #: handle; None: a local sender (``local``)
+        self.remote: tuple[_WriterSpec, CollectorHandle] | None = None
+        if tcp is not None:
+            h = CollectorHandle.parse(handle)
+            require(_name_problem(name))
+            opts = RemoteOptions(tcp, advertise, keys, heartbeat_s, data_port)
+            self.remote = remote_spec(h, schema, capacity, slot_bytes, opts), h
+
+    def local(self) -> tuple[WriterChannel, CollectorHandle]:
+        """A local sender's ring, its name claimed in the collector's directory, and the
+        collector's handle."""
+        start = _SenderStart(*self._args)
+        return start.channel, start.handle
+
+
 @overload
 def open_sender(
     handle: CollectorHandle | str,
@@ -1389,19 +1429,17 @@ def open_sender(
     (a bad name, or a name a live sender holds), ``CollectorGone`` (the collector closed or died),
     ``TransportError`` (the name of an ended sender was not released within ``connect_timeout``).
     """
-    if tcp is not None:
-        h = CollectorHandle.parse(handle)
-        require(_name_problem(name))
-        spec = remote_spec(h, schema, capacity, slot_bytes, RemoteOptions(tcp, advertise, keys, heartbeat_s, data_port))
-
-        async def make_remote() -> Sender[Any]:
-            return Sender(_private, Writer(_writer_token, await _open_channel(spec)), name, h)
-
-        return _Opening(make_remote)
+    plan = SenderPlan(
+        handle, name, schema, capacity, slot_bytes, connect_timeout, tcp, advertise, keys, heartbeat_s, data_port
+    )
 
     async def make() -> Sender[Any]:
-        start = _SenderStart(handle, name, schema, capacity, slot_bytes, connect_timeout)
-        return Sender(_private, Writer(_writer_token, start.channel), name, start.handle)
+        if plan.remote is None:
+            ch, h = plan.local()
+        else:
+            spec, h = plan.remote
+            ch = await _open_channel(spec)
+        return Sender(_private, Writer(_writer_token, ch), name, h)
 
     return _Opening(make)
 

@@ -17,18 +17,17 @@ from ._fanin import (
     CollectorHandle,
     CollectorStatistics,
     Delivery,
+    SenderPlan,
     _CollectorSpec,
     _Gather,
     _guard,
-    _name_problem,
     _orphaned,
-    _SenderStart,
     check_sender,
     sleep_steps,
 )
-from ._fanin_remote import RemoteOptions, blocking_channel, remote_spec
+from ._fanin_remote import blocking_channel
 from ._files import unlink_quietly
-from ._handle import CurveKeys, Handle, Policy, require
+from ._handle import CurveKeys, Handle, Policy
 from ._open import DEFAULT_DIRECTORY
 from ._shm.wake import wait_readable
 from ._steps import run_blocking
@@ -393,13 +392,15 @@ def open_sender(
     are those of ``aiobroadcast.open_sender`` (``tcp=``: a remote sender, whose
     ``remote_handle`` the collector attaches). Use ``with`` or call ``close()``."""
     b = _blocking()
-    if tcp is not None:
-        h = CollectorHandle.parse(handle)
-        require(_name_problem(name))
-        spec = remote_spec(h, schema, capacity, slot_bytes, RemoteOptions(tcp, advertise, keys, heartbeat_s, data_port))
-        return BlockingSender(_private, b.BlockingWriter(b._private, blocking_channel(spec)), name, h)
-    start = _SenderStart(handle, name, schema, capacity, slot_bytes, connect_timeout)
-    return BlockingSender(_private, b.BlockingWriter(b._private, start.channel), name, start.handle)
+    plan = SenderPlan(
+        handle, name, schema, capacity, slot_bytes, connect_timeout, tcp, advertise, keys, heartbeat_s, data_port
+    )
+    if plan.remote is None:
+        ch, h = plan.local()
+    else:
+        spec, h = plan.remote
+        ch = blocking_channel(spec)
+    return BlockingSender(_private, b.BlockingWriter(b._private, ch), name, h)
 
 
 # Public through aiobroadcast.blocking, and named so (repr, pickling by name, the docs).

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Generator, Iterable
 from dataclasses import dataclass
 from inspect import isawaitable
+from time import monotonic
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, NamedTuple, NoReturn, TypeVar, final
 
@@ -52,6 +53,8 @@ from ._writer import Writer
 Q = TypeVar("Q")  #: what a call sends
 R = TypeVar("R")  #: what a worker answers
 R_co = TypeVar("R_co", covariant=True)
+S = TypeVar("S")  #: a step of a role's steps
+T = TypeVar("T")  #: what a role's steps return
 
 _private = object()
 _HELLO = 0
@@ -235,8 +238,13 @@ class _Book:
             self.ready.discard(d.source)
             self.ended[d.source] = NoReply(d.source, "dead", f"worker {d.source!r} (pid {d.pid}) died")
 
+    # unready and waiting run a few times per call: plain loops, no generator made
     def unready(self) -> bool:
-        return any(w not in self.ready and w not in self.ended for w in self.workers)
+        ready, ended = self.ready, self.ended
+        for w in self.workers:  # noqa: SIM110 (any() of a generator costs more, per call)
+            if w not in ready and w not in ended:
+                return True
+        return False
 
     def sent(self) -> None:
         """The request is out: wait for the workers attached now only (one that attaches again
@@ -245,7 +253,11 @@ class _Book:
         self.absent = dict(self.ended)
 
     def waiting(self, got: dict[str, Reply[Any] | Failed]) -> bool:
-        return any(w not in got and w not in self.ended for w in self.expect)
+        ended = self.ended
+        for w in self.expect:  # noqa: SIM110 (as unready)
+            if w not in got and w not in ended:
+                return True
+        return False
 
     def begin(self) -> int:
         if self.busy:
@@ -281,6 +293,128 @@ class _Book:
         )
 
 
+#: What a call needs next (``_Call.need``): a delivery from the collector, the request sent, nothing.
+_GET, _PUT, _DONE = 0, 1, 2
+#: A call's phases: waiting for the workers to attach, sending, waiting for replies, over.
+_ATTACH, _SEND, _REPLIES, _OVER = 0, 1, 2, 3
+
+
+class _Call:
+    """One call, sans-IO: its id, its request and the answers it gathered. The front end asks
+    ``need()`` and does it (``_GET``: take a delivery from the collector and hand it to ``take``,
+    or say ``ended`` when every worker ended; ``_PUT``: send ``message``, then say ``sent``); each
+    of these returns what is needed next, until ``_DONE`` or the call's deadline passes; then
+    ``finish`` (always) and ``result``.
+    Written once for ``Caller`` and ``BlockingCaller``: which reply answers this call (its id,
+    see ``_Book.absorb``: a late reply to an earlier call never does), whom to wait for, and
+    what the ones that did not answer get."""
+
+    __slots__ = ("_book", "_got", "_phase", "cid", "message")
+
+    def __init__(self, book: _Book, request: object) -> None:
+        self.cid = cid = book.begin()
+        self._book = book
+        self._got: dict[str, Reply[Any] | Failed] = {}
+        self._phase = _ATTACH
+        #: what goes on the request channel
+        self.message = (cid, request)
+
+    def need(self) -> int:
+        phase = self._phase
+        if phase == _ATTACH:
+            if self._book.unready():
+                return _GET  # first, the workers not attached yet (a request would miss them)
+            self._phase = phase = _SEND
+        if phase == _SEND:
+            return _PUT
+        if phase == _REPLIES and self._book.waiting(self._got):
+            return _GET
+        self._phase = _OVER
+        return _DONE
+
+    def take(self, delivery: object) -> int:
+        book = self._book
+        book.absorb(delivery, self.cid, self._got)
+        if self._phase == _REPLIES:  # the usual case, written out: a reply came
+            if book.waiting(self._got):
+                return _GET
+            self._phase = _OVER
+            return _DONE
+        return self.need()
+
+    def ended(self) -> int:
+        """Every worker ended (the collector's stream ended): nobody is left to wait for."""
+        self._phase = _SEND if self._phase == _ATTACH else _OVER
+        return self.need()
+
+    def sent(self) -> int:
+        self._book.sent()
+        self._phase = _REPLIES
+        return self.need()
+
+    def finish(self) -> None:
+        """The call is over (returned, timed out, failed, cancelled): the next one may begin."""
+        self._book.busy = False
+
+    def result(self, timeout: float) -> dict[str, Outcome[Any]]:
+        return self._book.result(self._got, timeout)
+
+
+class _CallerCore:
+    """What ``Caller`` and ``BlockingCaller`` share (no I/O): the pool's handle, the
+    bookkeeping, whether the caller is closed, starting a call, and ``wait_ready``'s sweep and
+    error. Each front end holds one and adds its own waiting and turn-taking."""
+
+    __slots__ = ("book", "closed", "handle")
+
+    def __init__(self, requests: Handle, replies: CollectorHandle, workers: tuple[str, ...]) -> None:
+        self.book = _Book(workers)
+        self.handle = PoolHandle(requests=requests, replies=replies, workers=workers)
+        self.closed = False
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise ClosedResourceError("this caller is closed")
+
+    def start(self, request: object) -> _Call:
+        """A new call (``BroadcastError`` if one is in progress)."""
+        if self.closed:
+            raise ClosedResourceError("this caller is closed")
+        return _Call(self.book, request)
+
+    def timed_out(self, timeout: float) -> dict[str, Outcome[Any]]:
+        """The answer of a call whose deadline passed before it could begin."""
+        return self.book.result({}, timeout)
+
+    def wanted(self, names: Iterable[str] | None, timeout: float | None) -> tuple[str, ...]:
+        return _ready_names(self.book.workers, names, timeout)
+
+    def not_ready(self, wanted: tuple[str, ...], timeout: float | None) -> WaitTimeout:
+        return _not_ready_error(_not_ready(self.book, wanted), timeout)
+
+    def sweep(
+        self, wanted: tuple[str, ...], get_nowait: Callable[[], object], check_now: Callable[[], None]
+    ) -> list[str]:
+        """Take what is ready, look for dead and new workers now, take what that made ready:
+        then ``book.ready`` names no worker whose process has ended (its ring's lock is free).
+        Returns the wanted workers not ready."""
+        book = self.book
+        for look in (False, True):
+            if look:
+                check_now()
+            for _ in range(_SWEEP):
+                try:
+                    d = get_nowait()
+                except WouldBlock:
+                    break
+                book.absorb(d, 0, {})
+        return _not_ready(book, wanted)
+
+    def hello(self, delivery: object) -> None:
+        """A delivery taken while waiting for workers to attach (answers met are late ones)."""
+        self.book.absorb(delivery, 0, {})
+
+
 def _error_reply(cid: int, exc: BaseException) -> tuple[int, bool, tuple[str, str]]:
     return (cid, False, (type(exc).__name__, str(exc)))
 
@@ -300,19 +434,17 @@ class Caller(Generic[Q, R]):
             raise TypeError("Caller cannot be built directly; use aiobroadcast.open_caller()")
         self._w = writer
         self._c = collector
-        self._book = _Book(workers)
-        self._handle = PoolHandle(requests=writer.handle, replies=collector.handle, workers=workers)
-        self._closed = False
+        self._core = _CallerCore(writer.handle, collector.handle, workers)
         self._turn = anyio.Lock()  # concurrent calls take turns
 
     @property
     def handle(self) -> PoolHandle:
         """What a worker needs: pass it (or its JSON) to ``open_worker`` with one of the names."""
-        return self._handle
+        return self._core.handle
 
     @property
     def workers(self) -> tuple[str, ...]:
-        return self._book.workers
+        return self._core.book.workers
 
     # The deadline is part of the answer (a NoReply per late worker), not a cancellation.
     async def call(self, request: Q, *, timeout: float) -> dict[str, Outcome[R]]:  # noqa: ASYNC109
@@ -333,7 +465,7 @@ class Caller(Generic[Q, R]):
             with anyio.CancelScope(deadline=deadline) as scope:
                 await turn.acquire()
             if scope.cancelled_caught:  # another call held the turn past this one's deadline
-                return self._book.result({}, timeout)
+                return self._core.timed_out(timeout)
         else:
             try:
                 await anyio.lowlevel.checkpoint_if_cancelled()
@@ -346,35 +478,26 @@ class Caller(Generic[Q, R]):
             turn.release()
 
     async def _call(self, request: Q, deadline: float, limit: float) -> dict[str, Outcome[R]]:
-        if self._closed:
-            raise ClosedResourceError("this caller is closed")
-        book = self._book
-        got: dict[str, Reply[Any] | Failed] = {}
-        cid = book.begin()
+        """``_Call`` driven in a task; its deadline is a cancel scope's."""
+        call = self._core.start(request)
         try:
             with anyio.CancelScope(deadline=deadline):
-                while book.unready():
-                    if not await self._absorb(cid, got):
-                        break
-                await self._w.put((cid, request))
-                book.sent()
-                while book.waiting(got):
-                    if not await self._absorb(cid, got):
-                        break
+                need = call.need()
+                while need != _DONE:
+                    if need == _PUT:
+                        await self._w.put(call.message)
+                        need = call.sent()
+                        continue
+                    try:
+                        need = call.take(await self._c.get())
+                    except EndOfStream:
+                        need = call.ended()
         finally:
-            book.busy = False
-        return book.result(got, limit)
-
-    async def _absorb(self, cid: int, got: dict[str, Reply[Any] | Failed]) -> bool:
-        try:
-            d = await self._c.get()
-        except EndOfStream:
-            return False  # every worker ended
-        self._book.absorb(d, cid, got)
-        return True
+            call.finish()
+        return call.result(limit)
 
     def statistics(self) -> CallerStatistics:
-        return self._book.statistics()
+        return self._core.book.statistics()
 
     # The timeout is part of the answer (WaitTimeout naming who is missing), as call's is.
     async def wait_ready(
@@ -390,41 +513,33 @@ class Caller(Generic[Q, R]):
         new process can attach. Raises ``WaitTimeout`` (a ``TimeoutError``) naming the workers
         that did not, after ``timeout`` seconds (None: no limit); ``InvalidArgument`` for a name
         not in the pool. Takes turns with calls; answers it meets are late ones (counted)."""
-        wanted = _ready_names(self._book.workers, names, timeout)
+        core = self._core
+        wanted = core.wanted(names, timeout)
         deadline = anyio.current_time() + (float("inf") if timeout is None else timeout)
         with anyio.CancelScope(deadline=deadline) as scope:
             await self._turn.acquire()
         if scope.cancelled_caught:
-            raise _not_ready_error(_not_ready(self._book, wanted), timeout)
+            raise core.not_ready(wanted, timeout)
         try:
-            if self._closed:
-                raise ClosedResourceError("this caller is closed")
-            while True:
-                missing = self._sweep(wanted)
-                if not missing:
-                    return
+            core.check_open()
+            c = self._c
+            while core.sweep(wanted, c.get_nowait, c._g.check_now):
                 with anyio.CancelScope(deadline=deadline) as scope:
-                    d = await self._c.get()
+                    d = await c.get()
                 if scope.cancelled_caught:
-                    raise _not_ready_error(_not_ready(self._book, wanted), timeout)
-                self._book.absorb(d, 0, {})
+                    raise core.not_ready(wanted, timeout)
+                core.hello(d)
         except EndOfStream:
-            raise _not_ready_error(_not_ready(self._book, wanted), timeout) from None
+            raise core.not_ready(wanted, timeout) from None
         finally:
             self._turn.release()
-
-    def _sweep(self, wanted: tuple[str, ...]) -> list[str]:
-        """Take what is ready, look for dead and new workers now, take what that made ready:
-        then ``book.ready`` names no worker whose process has ended (its ring's lock is free)."""
-        c = self._c
-        return _sweep(self._book, c.get_nowait, c._g.check_now, wanted)
 
     async def aclose(self) -> None:
         """Close: workers' iteration ends after the requests already sent; their replies are not
         awaited."""
-        if self._closed:
+        if self._core.closed:
             return
-        self._closed = True
+        self._core.closed = True
         try:
             await self._w.aclose()
         finally:
@@ -439,7 +554,7 @@ class Caller(Generic[Q, R]):
         await self.aclose()
 
     def __repr__(self) -> str:
-        s = self._book.statistics()
+        s = self._core.book.statistics()
         return f"<aiobroadcast.Caller workers={len(self.workers)} ready={len(s.ready)} calls={s.calls}>"
 
     def __reduce__(self) -> NoReturn:
@@ -456,13 +571,82 @@ class Caller(Generic[Q, R]):
 
 
 # --- the worker (async) -------------------------------------------------------------------------------
-@final
-class Request(Generic[Q, R]):
-    """One call as a worker receives it: ``value``, answered once with ``reply`` or ``fail``."""
+#: What serving needs next (``serve_steps``): the next request (None once the pool closed), the
+#: handler's answer to a request's value, a request replied to, a request failed.
+_NEXT, _HANDLE, _REPLY, _FAIL = 0, 1, 2, 3
+ServeStep = tuple[int, Any]
+ServeSteps = Generator[ServeStep, Any, int]
+
+
+def serve_steps() -> ServeSteps:
+    """A worker's ``serve`` loop, written once for ``Worker`` and ``BlockingWorker``: yields
+    ``(_NEXT, None)``, ``(_HANDLE, request)``, ``(_REPLY, (request, answer))`` or ``(_FAIL,
+    (request, exc))``; the front end does it and sends the result in (the request, None at the
+    end; the answer), or throws what it raised. An exception of the handler fails that call and
+    serving goes on; so does a reply that cannot be sent (unpicklable, too large), but not a
+    collector that is gone. Returns the number of requests served."""
+    served = 0
+    while True:
+        request = yield _NEXT, None
+        if request is None:
+            return served
+        try:
+            answer = yield _HANDLE, request
+        except Exception as exc:
+            yield _FAIL, (request, exc)
+        else:
+            try:
+                yield _REPLY, (request, answer)
+            except CollectorGone:
+                raise
+            except BroadcastError as exc:
+                yield _FAIL, (request, exc)
+        served += 1
+
+
+async def _drive(steps: Generator[S, Any, T], do: Callable[[S], Awaitable[object]]) -> T:
+    """Run a role's steps (``serve_steps``, ``caller_steps``, ``worker_steps``) in a task:
+    ``await do(step)`` for each, its result sent in, what it raised thrown in."""
+    try:
+        step = next(steps)
+        while True:
+            try:
+                done = await do(step)
+            except BaseException as exc:
+                step = steps.throw(exc)
+            else:
+                step = steps.send(done)
+    except StopIteration as end:
+        return end.value  # type: ignore[no-any-return]
+    finally:
+        steps.close()
+
+
+def _drive_blocking(steps: Generator[S, Any, T], do: Callable[[S], object]) -> T:
+    """``_drive`` in a thread: ``do(step)`` for each step."""
+    try:
+        step = next(steps)
+        while True:
+            try:
+                done = do(step)
+            except BaseException as exc:
+                step = steps.throw(exc)
+            else:
+                step = steps.send(done)
+    except StopIteration as end:
+        return end.value  # type: ignore[no-any-return]
+    finally:
+        steps.close()
+
+
+class _Answer(Generic[Q, R]):
+    """What ``Request`` and ``BlockingRequest`` share (no I/O): the request, and its one answer.
+    A front end sends ``_reply(value)`` or ``_failure(exc)`` with its sender; a reply that could
+    not be sent is ``_unsent()``: the request may still be answered (with ``fail``, say)."""
 
     __slots__ = ("_answered", "_sender", "id", "value")
 
-    def __init__(self, sender: Sender[Any], cid: int, value: Q) -> None:
+    def __init__(self, sender: Any, cid: int, value: Q) -> None:
         self._sender = sender
         self._answered = False
         self.id = cid
@@ -473,20 +657,37 @@ class Request(Generic[Q, R]):
             raise InvalidArgument(f"request {self.id} was already answered: one reply per request")
         self._answered = True
 
+    def _reply(self, value: R) -> tuple[int, bool, R]:
+        self._once()
+        return (self.id, True, value)
+
+    def _unsent(self) -> None:
+        self._answered = False
+
+    def _failure(self, exc: BaseException) -> tuple[int, bool, tuple[str, str]]:
+        self._once()
+        return _error_reply(self.id, exc)
+
+
+@final
+class Request(_Answer[Q, R]):
+    """One call as a worker receives it: ``value``, answered once with ``reply`` or ``fail``."""
+
+    __slots__ = ()
+
     async def reply(self, value: R) -> None:
         """Answer the call with ``value``. Raises ``InvalidArgument`` the second time, what
         ``Sender.put`` raises (``SerializationError``, ``CollectorGone``)."""
-        self._once()
+        answer = self._reply(value)
         try:
-            await self._sender.put((self.id, True, value))
+            await self._sender.put(answer)
         except BaseException:
-            self._answered = False  # not sent: it may still be answered (with fail, say)
+            self._unsent()
             raise
 
     async def fail(self, exc: BaseException) -> None:
         """Answer the call with an error: the caller gets ``Failed(worker, type name, message)``."""
-        self._once()
-        await self._sender.put(_error_reply(self.id, exc))
+        await self._sender.put(self._failure(exc))
 
 
 @final
@@ -513,10 +714,16 @@ class Worker(Generic[Q, R]):
         return self
 
     async def __anext__(self) -> Request[Q, R]:
+        request = await self._next()
+        if request is None:
+            raise StopAsyncIteration
+        return request
+
+    async def _next(self) -> Request[Q, R] | None:
         try:
             cid, value = await self._r.get()
         except (EndOfStream, ClosedResourceError):
-            raise StopAsyncIteration from None
+            return None
         return Request(self._s, cid, value)
 
     async def serve(self, handler: Any) -> int:
@@ -524,23 +731,19 @@ class Worker(Generic[Q, R]):
         the caller closes the pool; an exception the handler raises becomes that call's ``Failed``
         and the loop goes on. Returns the number of requests served. A reply that cannot be sent
         (unpicklable, too large) is answered as ``Failed`` with that error."""
-        served = 0
-        async for request in self:
-            try:
-                answer = handler(request.value)
-                if isawaitable(answer):
-                    answer = await answer
-            except Exception as exc:
-                await request.fail(exc)
-            else:
-                try:
-                    await request.reply(answer)
-                except CollectorGone:
-                    raise
-                except BroadcastError as exc:
-                    await request.fail(exc)
-            served += 1
-        return served
+
+        async def do(step: ServeStep) -> object:
+            what, arg = step
+            if what == _NEXT:
+                return await self._next()
+            if what == _HANDLE:
+                answer = handler(arg.value)
+                return (await answer) if isawaitable(answer) else answer
+            request, x = arg
+            await (request.reply(x) if what == _REPLY else request.fail(x))
+            return None
+
+        return await _drive(serve_steps(), do)
 
     async def aclose(self) -> None:
         """Leave the pool: the caller's calls report this worker ``NoReply("closed")``."""
@@ -596,6 +799,92 @@ class _PoolSpec:
         self.max_reply_bytes = max_reply_bytes
         self.directory = directory
 
+    def writer_options(self) -> dict[str, Any]:
+        """The request channel: one reader place per worker."""
+        return {
+            "capacity": self.capacity,
+            "slot_bytes": self.slot_bytes,
+            "max_readers": len(self.workers),
+            "max_message_bytes": self.max_request_bytes,
+            "directory": self.directory,
+        }
+
+    def collector_options(self) -> dict[str, Any]:
+        """The reply collector: it waits for the pool's workers."""
+        return {
+            "expect": self.workers,
+            "capacity": self.capacity,
+            "slot_bytes": self.slot_bytes,
+            "max_message_bytes": self.max_reply_bytes,
+            "directory": self.directory,
+        }
+
+
+#: A step of opening a pool's role (``caller_steps``, ``worker_steps``): what to do (a factory's
+#: name, ``"put"`` or ``"close"``), with what. Each front end does it with its own factories and
+#: methods (``_open_async``, ``_open_blocking``), driven by ``_drive``/``_drive_blocking``.
+OpenStep = tuple[str, tuple[Any, ...], dict[str, Any]]
+
+
+def caller_steps(spec: _PoolSpec) -> Generator[OpenStep, Any, tuple[Any, Any]]:
+    """Opening a caller, written once: the request channel, then the reply collector; on a
+    failure (or a cancellation) the channel is closed again. Returns (writer, collector)."""
+    writer = yield "open_writer", (), spec.writer_options()
+    try:
+        collector = yield "open_collector", (), spec.collector_options()
+    except BaseException:
+        yield "close", (writer,), {}
+        raise
+    return writer, collector
+
+
+def worker_steps(handle: object, name: str) -> Generator[OpenStep, Any, tuple[Any, Any]]:
+    """Opening a worker, written once: claim the name (the reply sender), attach to the
+    requests, say hello (calls from now on reach us); on a failure, close what was opened.
+    Returns (reader, sender)."""
+    h = _worker_start(handle, name)
+    sender = yield "open_sender", (h.replies,), {"name": name}
+    try:
+        reader = yield "open_reader", (h.requests,), {"name": name, "transport": "shm"}
+        try:
+            yield "put", (sender, (_HELLO, True, os.getpid())), {}
+        except BaseException:
+            yield "close", (reader,), {}
+            raise
+    except BaseException:
+        yield "close", (sender,), {}
+        raise
+    return reader, sender
+
+
+_ASYNC_FACTORIES: dict[str, Callable[..., Awaitable[Any]]] = {
+    "open_writer": open_writer,
+    "open_collector": open_collector,
+    "open_sender": open_sender,
+    "open_reader": open_reader,
+}
+
+
+async def _open_async(step: OpenStep) -> object:
+    what, args, kwargs = step
+    if what == "close":
+        return await args[0].aclose()
+    if what == "put":
+        return await args[0].put(args[1])
+    return await _ASYNC_FACTORIES[what](*args, **kwargs)
+
+
+def _open_blocking(step: OpenStep) -> object:
+    from . import blocking
+
+    what, args, kwargs = step
+    if what == "close":
+        return args[0].close()
+    if what == "put":
+        return args[0].put(args[1])
+    factory: Callable[..., object] = getattr(blocking, what)
+    return factory(*args, **kwargs)
+
 
 def open_caller(
     *,
@@ -613,24 +902,7 @@ def open_caller(
     spec = _PoolSpec(workers, capacity, slot_bytes, max_request_bytes, max_reply_bytes, directory)
 
     async def make() -> Caller[Any, Any]:
-        writer = await open_writer(
-            capacity=spec.capacity,
-            slot_bytes=spec.slot_bytes,
-            max_readers=len(spec.workers),
-            max_message_bytes=spec.max_request_bytes,
-            directory=spec.directory,
-        )
-        try:
-            collector = await open_collector(
-                expect=spec.workers,
-                capacity=spec.capacity,
-                slot_bytes=spec.slot_bytes,
-                max_message_bytes=spec.max_reply_bytes,
-                directory=spec.directory,
-            )
-        except BaseException:
-            await writer.aclose()
-            raise
+        writer, collector = await _drive(caller_steps(spec), _open_async)
         return Caller(_private, writer, collector, spec.workers)
 
     return _Opening(make)
@@ -649,18 +921,7 @@ def open_worker(handle: PoolHandle | str, *, name: str) -> _Opening[Worker[Any, 
     (a name not in the pool, or held by a live worker), ``CollectorGone`` (the caller closed)."""
 
     async def make() -> Worker[Any, Any]:
-        h = _worker_start(handle, name)
-        sender = await open_sender(h.replies, name=name)  # claims the name
-        try:
-            reader = await open_reader(h.requests, name=name, transport="shm")
-            try:
-                await sender.put((_HELLO, True, os.getpid()))  # attached: calls from now on reach us
-            except BaseException:
-                await reader.aclose()
-                raise
-        except BaseException:
-            await sender.aclose()
-            raise
+        reader, sender = await _drive(worker_steps(handle, name), _open_async)
         return Worker(_private, reader, sender, name)
 
     return _Opening(make)
@@ -676,75 +937,53 @@ class BlockingCaller(Generic[Q, R]):
             raise TypeError("BlockingCaller cannot be built directly; use aiobroadcast.blocking.open_caller()")
         self._w = writer
         self._c = collector
-        self._book = _Book(workers)
-        self._handle = PoolHandle(requests=writer.handle, replies=collector.handle, workers=workers)
+        self._core = _CallerCore(writer.handle, collector.handle, workers)
         self._lock = threading.Lock()
-        self._closed = False
 
     @property
     def handle(self) -> PoolHandle:
-        return self._handle
+        return self._core.handle
 
     @property
     def workers(self) -> tuple[str, ...]:
-        return self._book.workers
+        return self._core.book.workers
 
     def call(self, request: Q, *, timeout: float) -> dict[str, Outcome[R]]:
         """As ``Caller.call``; calls from several threads take turns (the wait counts in the timeout)."""
-        from time import monotonic
-
-        from ._exceptions import WaitTimeout
-
         _check_timeout(timeout)
         with self._lock:
-            if self._closed:
-                raise ClosedResourceError("this caller is closed")
-            book = self._book
-            got: dict[str, Reply[Any] | Failed] = {}
-            cid = book.begin()
+            call = self._core.start(request)
             deadline = monotonic() + timeout
             try:
-                while book.unready():
-                    if not self._absorb(cid, got, deadline):
-                        return book.result(got, timeout)
-                try:
-                    self._w.put((cid, request), max(0.0, deadline - monotonic()))
-                except WaitTimeout:
-                    return book.result(got, timeout)
-                book.sent()
-                while book.waiting(got):
-                    if not self._absorb(cid, got, deadline):
+                need = call.need()
+                while need != _DONE:
+                    left = max(0.0, deadline - monotonic())
+                    try:
+                        if need == _PUT:
+                            self._w.put(call.message, left)
+                            need = call.sent()
+                        else:
+                            need = call.take(self._c.get(left))
+                    except EndOfStream:
+                        need = call.ended()
+                    except WaitTimeout:
                         break
             finally:
-                book.busy = False
-            return book.result(got, timeout)
-
-    def _absorb(self, cid: int, got: dict[str, Reply[Any] | Failed], deadline: float) -> bool:
-        from time import monotonic
-
-        from ._exceptions import WaitTimeout
-
-        try:
-            d = self._c.get(max(0.0, deadline - monotonic()))
-        except (EndOfStream, WaitTimeout):
-            return False
-        self._book.absorb(d, cid, got)
-        return True
+                call.finish()
+            return call.result(timeout)
 
     def statistics(self) -> CallerStatistics:
-        return self._book.statistics()
+        return self._core.book.statistics()
 
     def wait_ready(self, names: Iterable[str] | None = None, *, timeout: float | None = None) -> None:
         """As ``Caller.wait_ready``; takes turns with calls from other threads."""
-        from time import monotonic
-
-        wanted = _ready_names(self._book.workers, names, timeout)
+        core = self._core
+        wanted = core.wanted(names, timeout)
         deadline = None if timeout is None else monotonic() + timeout
         if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-            raise _not_ready_error(_not_ready(self._book, wanted), timeout)
+            raise core.not_ready(wanted, timeout)
         try:
-            if self._closed:
-                raise ClosedResourceError("this caller is closed")
+            core.check_open()
             c = self._c
 
             def check_now() -> None:
@@ -754,24 +993,21 @@ class BlockingCaller(Generic[Q, R]):
                 finally:
                     c._lock.release()
 
-            while True:
-                missing = _sweep(self._book, c.get_nowait, check_now, wanted)
-                if not missing:
-                    return
+            while core.sweep(wanted, c.get_nowait, check_now):
                 try:
                     d = c.get(None if deadline is None else max(0.0, deadline - monotonic()))
                 except WaitTimeout:
-                    raise _not_ready_error(missing, timeout) from None
-                self._book.absorb(d, 0, {})
+                    raise core.not_ready(wanted, timeout) from None
+                core.hello(d)
         except EndOfStream:
-            raise _not_ready_error(_not_ready(self._book, wanted), timeout) from None
+            raise core.not_ready(wanted, timeout) from None
         finally:
             self._lock.release()
 
     def close(self) -> None:
-        if self._closed:
+        if self._core.closed:
             return
-        self._closed = True
+        self._core.closed = True
         try:
             self._w.close()
         finally:
@@ -799,33 +1035,21 @@ class BlockingCaller(Generic[Q, R]):
 
 
 @final
-class BlockingRequest(Generic[Q, R]):
+class BlockingRequest(_Answer[Q, R]):
     """``Request`` for a ``BlockingWorker``."""
 
-    __slots__ = ("_answered", "_sender", "id", "value")
-
-    def __init__(self, sender: Any, cid: int, value: Q) -> None:
-        self._sender = sender
-        self._answered = False
-        self.id = cid
-        self.value = value
-
-    def _once(self) -> None:
-        if self._answered:
-            raise InvalidArgument(f"request {self.id} was already answered: one reply per request")
-        self._answered = True
+    __slots__ = ()
 
     def reply(self, value: R) -> None:
-        self._once()
+        answer = self._reply(value)
         try:
-            self._sender.put((self.id, True, value))
+            self._sender.put(answer)
         except BaseException:
-            self._answered = False  # not sent: it may still be answered (with fail, say)
+            self._unsent()
             raise
 
     def fail(self, exc: BaseException) -> None:
-        self._once()
-        self._sender.put(_error_reply(self.id, exc))
+        self._sender.put(self._failure(exc))
 
 
 @final
@@ -848,29 +1072,32 @@ class BlockingWorker(Generic[Q, R]):
         return self
 
     def __next__(self) -> BlockingRequest[Q, R]:
+        request = self._next()
+        if request is None:
+            raise StopIteration
+        return request
+
+    def _next(self) -> BlockingRequest[Q, R] | None:
         try:
             cid, value = self._r.get()
         except (EndOfStream, ClosedResourceError):
-            raise StopIteration from None
+            return None
         return BlockingRequest(self._s, cid, value)
 
     def serve(self, handler: Any) -> int:
         """As ``Worker.serve``, with a plain function."""
-        served = 0
-        for request in self:
-            try:
-                answer = handler(request.value)
-            except Exception as exc:
-                request.fail(exc)
-            else:
-                try:
-                    request.reply(answer)
-                except CollectorGone:
-                    raise
-                except BroadcastError as exc:
-                    request.fail(exc)
-            served += 1
-        return served
+
+        def do(step: ServeStep) -> object:
+            what, arg = step
+            if what == _NEXT:
+                return self._next()
+            if what == _HANDLE:
+                return handler(arg.value)
+            request, x = arg
+            (request.reply if what == _REPLY else request.fail)(x)
+            return None
+
+        return _drive_blocking(serve_steps(), do)
 
     def close(self) -> None:
         if self._closed:
@@ -910,46 +1137,14 @@ def open_blocking_caller(
     directory: str = DEFAULT_DIRECTORY,
 ) -> BlockingCaller[Any, Any]:
     """``aiobroadcast.blocking.open_caller``: the arguments and errors of ``open_caller``."""
-    from . import blocking
-
     spec = _PoolSpec(workers, capacity, slot_bytes, max_request_bytes, max_reply_bytes, directory)
-    writer = blocking.open_writer(
-        capacity=spec.capacity,
-        slot_bytes=spec.slot_bytes,
-        max_readers=len(spec.workers),
-        max_message_bytes=spec.max_request_bytes,
-        directory=spec.directory,
-    )
-    try:
-        collector = blocking.open_collector(
-            expect=spec.workers,
-            capacity=spec.capacity,
-            slot_bytes=spec.slot_bytes,
-            max_message_bytes=spec.max_reply_bytes,
-            directory=spec.directory,
-        )
-    except BaseException:
-        writer.close()
-        raise
+    writer, collector = _drive_blocking(caller_steps(spec), _open_blocking)
     return BlockingCaller(_private, writer, collector, spec.workers)
 
 
 def open_blocking_worker(handle: PoolHandle | str, *, name: str) -> BlockingWorker[Any, Any]:
     """``aiobroadcast.blocking.open_worker``: the arguments and errors of ``open_worker``."""
-    from . import blocking
-
-    h = _worker_start(handle, name)
-    sender = blocking.open_sender(h.replies, name=name)
-    try:
-        reader = blocking.open_reader(h.requests, name=name, transport="shm")
-        try:
-            sender.put((_HELLO, True, os.getpid()))
-        except BaseException:
-            reader.close()
-            raise
-    except BaseException:
-        sender.close()
-        raise
+    reader, sender = _drive_blocking(worker_steps(handle, name), _open_blocking)
     return BlockingWorker(_private, reader, sender, name)
 
 
@@ -958,21 +1153,3 @@ for _public in (BlockingCaller, BlockingRequest, BlockingWorker):
 for _fn, _name in ((open_blocking_caller, "open_caller"), (open_blocking_worker, "open_worker")):
     _fn.__module__ = "aiobroadcast.blocking"
     _fn.__name__ = _fn.__qualname__ = _name
-
-
-def _sweep(
-    book: Any, get_nowait: Callable[[], Any], check_now: Callable[[], None], wanted: tuple[str, ...]
-) -> list[str]:
-    """Take what is ready, look for dead and new workers now, take what that made ready: then
-    ``book.ready`` names no worker whose process has ended (its ring's lock is free). Shared by
-    ``Caller.wait_ready`` and ``BlockingCaller.wait_ready``."""
-    for look in (False, True):
-        if look:
-            check_now()
-        for _ in range(_SWEEP):
-            try:
-                d = get_nowait()
-            except WouldBlock:
-                break
-            book.absorb(d, 0, {})
-    return _not_ready(book, wanted)

@@ -66,6 +66,23 @@ MAX_KEYS = 16
 #: insecure mode, without joining associated data and body into one buffer)
 LARGE = 4096
 
+
+def _decrypts_in_place() -> bool:
+    """Whether this ``cryptography`` lets ``decrypt_into`` write a body over its own ciphertext.
+    Up to 50 it does; from 51 it refuses buffers that overlap (``ValueError``). Asked once, with
+    a fixed key and nonce that seal nothing of a channel."""
+    aead = AESGCM(bytes(32))
+    sealed = memoryview(bytearray(aead.encrypt(bytes(12), bytes(16), None)))
+    try:
+        aead.decrypt_into(bytes(12), sealed, None, sealed[:16])
+    except ValueError:
+        return False
+    return bytes(sealed[:16]) == bytes(16)
+
+
+#: a writable large body is opened in place (no buffer to allocate and fill) where this is true
+DECRYPTS_IN_PLACE = _decrypts_in_place()
+
 # version tag, kind, key id, then the channel id, then flags and counter (a fixed-size tail, so
 # the head is computed once per key and kind)
 _AAD_HEAD = struct.Struct("<4scI")
@@ -353,8 +370,8 @@ class Opener(_Keyed):
     def open(self, seq: int, flags: int, sealed: Any) -> Any:
         """The body of message ``seq`` (bytes, a bytearray, or a view of ``sealed``), or
         ``SealError``. Nothing of it is to be used before this returns. A large writable
-        ``sealed`` is decrypted in place: afterwards it holds the body (or, if it did not
-        open, garbage), not the sealed bytes."""
+        ``sealed`` is decrypted in place where ``cryptography`` allows it (``DECRYPTS_IN_PLACE``):
+        afterwards it holds the body (or, if it did not open, garbage), not the sealed bytes."""
         mv = sealed if type(sealed) is memoryview and sealed.format == "B" else memoryview(sealed).cast("B")
         if self.encrypting and OVERHEAD <= mv.nbytes < LARGE + OVERHEAD and 0 <= seq <= MAX_MESSAGE_SEQ:
             # The common case of small messages, kept short: it runs once per message.
@@ -378,7 +395,7 @@ class Opener(_Keyed):
             if self.encrypting:
                 if n < LARGE:
                     out: Any = key.aead.decrypt(nonce, mv[4:], aad)
-                elif not mv.readonly:
+                elif DECRYPTS_IN_PLACE and not mv.readonly:
                     # In place (a received ZeroMQ frame is writable): no buffer to allocate and
                     # fill, and the body is a view of the frame, as it was without sealing.
                     out = mv[4 : 4 + n]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import struct
 
+import cryptography
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -35,6 +36,32 @@ def test_a_sealed_body_opens_to_itself(secret: bytes | None, n: int) -> None:
     assert len(sealed) == n + seal.OVERHEAD
     assert bytes(opener.open(7, 1, bytes(sealed))) == body  # read-only: into a buffer of its own
     assert bytes(opener.open(7, 1, bytearray(sealed))) == body  # writable: in place, for large ones
+
+
+def _open_large_writable() -> bool:
+    """Open a large body from a writable frame; whether the frame now holds the body (in place)."""
+    sealer, opener = pair(None)
+    body = os.urandom(seal.LARGE * 3)
+    frame = bytearray(sealer.seal(7, 1, memoryview(body)))
+    assert bytes(opener.open(7, 1, frame)) == body
+    return bytes(frame[4 : 4 + len(body)]) == body
+
+
+def test_a_large_writable_body_opens_in_place_where_cryptography_allows_it() -> None:
+    """In place, the body is a view of the frame; otherwise the frame is left as it came."""
+    assert _open_large_writable() is seal.DECRYPTS_IN_PLACE
+
+
+def test_a_large_writable_body_opens_without_decrypting_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The way cryptography 51 and later leave: a buffer of its own (tested whatever is installed)."""
+    monkeypatch.setattr(seal, "DECRYPTS_IN_PLACE", False)
+    assert _open_large_writable() is False
+
+
+def test_decrypting_in_place_is_known_for_the_installed_cryptography() -> None:
+    """cryptography refuses ``decrypt_into`` over its own input from 51; up to 50 it allowed it."""
+    major = int(cryptography.__version__.split(".")[0])
+    assert seal.DECRYPTS_IN_PLACE is (major < 51)
 
 
 @pytest.mark.parametrize("n", [s for s in SIZES if s >= 16])

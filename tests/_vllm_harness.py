@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import random
 import socket
 import sys
 import time
@@ -23,9 +24,22 @@ from aiobroadcast.vllm import MessageQueue
 
 
 def get_open_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A free port below the kernel's ephemeral range (vLLM's takes one from it): the port is
+    bound later, by another process, and meanwhile a connection's source port or a ``bind(0)``
+    (the ranks' TCP readers, the writer's TCP server) can take any port of that range
+    (EADDRINUSE at the rendezvous). Below the range only an explicit bind takes a port."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        low = int(f.read().split()[0])
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise OSError(f"no free port in the 12000 ports below {low}")
 
 
 def update_environment_variables(envs: dict[str, str]) -> None:

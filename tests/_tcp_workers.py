@@ -36,6 +36,7 @@ import psutil
 
 import aiobroadcast as ab
 from aiobroadcast._handle import Policy
+from aiobroadcast._tcp.report import STALE_HEARTBEATS
 
 Backend = tuple[str, dict[str, Any]]
 Conn = multiprocessing.connection.Connection
@@ -346,7 +347,9 @@ async def _full_shm_write(conn: Conn, spec: FullShmSpec) -> None:
         conn.send(("full", {"listed": listed}))
         for seq in range(spec.count):
             await writer.put(message(seq))
-        await anyio.sleep(6 * hb)  # the reader has acknowledged them; no report says so
+        # The reader acknowledges them; no report can say so, and the last one the server wrote
+        # (or renewed, while nothing had changed) goes stale.
+        await anyio.sleep(STALE_HEARTBEATS * hb + 1.0)
         # A failing report exists for an instant as a temporary file before it is removed; a
         # leftover is one still there in every one of several looks, spread over two heartbeats.
         looks = []

@@ -15,6 +15,7 @@ import pytest
 
 from aiobroadcast._handle import CurveKeys
 from aiobroadcast._tcp import supervisor
+from aiobroadcast._tcp.notices import Notices
 from aiobroadcast._tcp.report import (
     RemoteReaderReport,
     ServerReport,
@@ -172,3 +173,31 @@ def test_the_server_process_starts_from_the_installed_package(
     assert cmd == [sys.executable, "-P", "-m", "aiobroadcast._tcp.server"]
     assert kw.get("env") is None  # the writer's own environment, PYTHONPATH as it is
     assert "__file__" not in Path(supervisor.__file__).read_text()
+
+
+def test_an_unchanged_report_is_renewed_in_place_and_a_changed_or_missing_one_written_whole(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An idle server's heartbeat renews its report's time (the writer's process reads that as
+    a live server with a current report) instead of writing the same file again."""
+    from test_tcp_protocol import Net, admit, publish, server
+
+    srv, net = server(), Net()
+    admit(srv, net, b"a")
+    path = report_path(str(tmp_path / "aiobroadcast-x"))
+    notices = Notices(srv, path)
+    notices.write()
+    written = os.stat(path)
+    os.utime(path, (1.0, 1.0))
+    notices.write()
+    renewed = os.stat(path)
+    assert renewed.st_ino == written.st_ino and renewed.st_mtime > 1.0  # the same file, its time now
+    publish(srv, 0)
+    notices.write()
+    report = read_report(path)
+    assert report is not None and report.end == 1 and os.stat(path).st_ino != written.st_ino
+    os.unlink(path)  # removed by someone else: written whole, without a complaint
+    notices.write()
+    report = read_report(path)
+    assert report is not None and report.end == 1 and [r.name for r in report.readers] == ["r"]
+    assert not caplog.records

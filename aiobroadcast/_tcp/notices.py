@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Any
 
 from .protocol import Rejected, ServerEvent, ServerProtocol, TimedOut
 from .report import ServerReport, write_report
@@ -29,14 +30,24 @@ class Notices:
         self._report_path = report_path
         self._report_failing = False
         self._complaints: dict[bytes, float] = {}
+        #: what the report file holds now (``protocol.report()`` when it was last written)
+        self._written: dict[str, Any] | None = None
 
     def write(self) -> None:
         """Who is connected, for ``Writer.statistics()`` and ``aiobroadcast stats``. Only a
         report: if it cannot be written (a full /dev/shm), the last one stays and readers are
-        served as before."""
-        report = ServerReport.model_validate({"pid": os.getpid(), **self._protocol.report()})
+        served as before.
+
+        A report that says what the file already says is not written again: only the file's
+        time is renewed, which tells the writer's process that the server is alive and its
+        report current (``report.health``). An idle channel's heartbeat is then one system call
+        here, not a file created, written and renamed, with its JSON built and checked."""
+        fields = self._protocol.report()
         try:
-            write_report(self._report_path, report)
+            if fields != self._written or not _renewed(self._report_path):
+                self._written = None  # if this write fails, the next one is written whole
+                write_report(self._report_path, ServerReport.model_validate({"pid": os.getpid(), **fields}))
+                self._written = fields
         except OSError as exc:
             if not self._report_failing:
                 self._report_failing = True
@@ -89,3 +100,12 @@ class Notices:
             "; dropped it" if client else "",
             event.total,
         )
+
+
+def _renewed(path: str) -> bool:
+    """Give the report at ``path`` the current time; False if it cannot (it is not there)."""
+    try:
+        os.utime(path)
+    except OSError:
+        return False
+    return True

@@ -1,6 +1,6 @@
 """What the TCP server process tells back: ``ServerReport``, a JSON file beside the channel's
-segment (``<segment>-tcp.json``) that the server rewrites at every heartbeat, and how the writer's
-process judges the server's health from outside it.
+segment (``<segment>-tcp.json``) that the server renews at every heartbeat (rewritten when it
+changed), and how the writer's process judges the server's health from outside it.
 
 The server writes the report (``write_report``); ``Writer.statistics()`` (through the supervisor)
 and ``aiobroadcast stats`` read it (``read_report``), and nothing else parses it. This module

@@ -16,13 +16,14 @@ from collections import defaultdict
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from aiobroadcast import _seal as seal
 from aiobroadcast._tcp import wire
 from aiobroadcast._tcp.protocol import (
     BUFFER_BYTES,
+    HEARTBEAT_LATEST,
     Admitted,
     ClientEvent,
     ClientProtocol,
@@ -424,7 +425,7 @@ def test_a_silent_reader_is_dropped_at_a_heartbeat_and_the_others_hear_one() -> 
     assert net.heartbeat(srv, HB) == []
     assert net.seen(b"quiet") == net.seen(b"talks") == [(wire.HEARTBEAT,)]
     net.receive(srv, b"talks", ack(0), now=TIMEOUT, published=0)
-    assert srv.next_heartbeat == 2 * HB
+    assert srv.next_heartbeat == HB + HEARTBEAT_LATEST * HB
     (out,) = net.heartbeat(srv, TIMEOUT + 0.5)
     assert isinstance(out, TimedOut) and out.ident == b"quiet" and out.silent_s == TIMEOUT + 0.5
     assert srv.dropped == 1 and [r["name"] for r in srv.report()["readers"]] == ["r"]
@@ -433,6 +434,40 @@ def test_a_silent_reader_is_dropped_at_a_heartbeat_and_the_others_hear_one() -> 
     assert net.receive(srv, b"quiet", ack(0), now=7.0, published=0) is None
     assert net.seen(b"quiet") == [(wire.UNKNOWN,)]
     assert isinstance(net.receive(srv, b"quiet", hello(resume=0), now=7.0, published=0), Admitted)
+
+
+def test_an_idle_servers_heartbeat_goes_with_a_readers_frame_from_half_a_heartbeat_on() -> None:
+    """The wake-up a reader's heartbeat costs the server carries the server's heartbeat too, so
+    an idle server wakes once a heartbeat, not twice; with nothing heard, it beats on its own."""
+    srv, net = server(), Net()
+    admit(srv, net, b"a")
+    net.heartbeat(srv, HB)
+    net.seen(b"a")
+    assert not srv.heartbeat_due(HB + 0.49 * HB, heard=True)  # too soon after the last
+    assert not srv.heartbeat_due(HB + 0.5 * HB)  # nothing heard: not yet due on its own
+    assert srv.heartbeat_due(HB + 0.5 * HB, heard=True)
+    net.receive(srv, b"a", ack(0), now=HB + 0.5 * HB, published=0)
+    assert net.heartbeat(srv, HB + 0.5 * HB) == [] and net.seen(b"a") == [(wire.HEARTBEAT,)]
+    # Nothing heard from then on: the next one goes on its own, HEARTBEAT_LATEST after the last.
+    last = HB + 0.5 * HB
+    assert not srv.heartbeat_due(last + HEARTBEAT_LATEST * HB - 0.01)
+    assert srv.heartbeat_due(last + HEARTBEAT_LATEST * HB)
+    assert srv.next_heartbeat == last + HEARTBEAT_LATEST * HB
+
+
+def test_a_reader_silent_past_its_timeout_is_dropped_by_a_heartbeat_of_its_own() -> None:
+    """With no reader talking, the server's own heartbeats still come, and still drop the
+    silent: within HEARTBEAT_LATEST heartbeats of the timeout."""
+    srv, net = server(), Net()
+    admit(srv, net, b"quiet")
+    now = 0.0
+    dropped: list[TimedOut] = []
+    while not dropped:
+        now = srv.next_heartbeat
+        assert srv.heartbeat_due(now)
+        dropped = net.heartbeat(srv, now)
+    assert TIMEOUT < now <= TIMEOUT + HEARTBEAT_LATEST * HB
+    assert [d.ident for d in dropped] == [b"quiet"]
 
 
 def test_bye_leaves_and_a_full_server_refuses_more_readers() -> None:
@@ -863,6 +898,62 @@ def test_a_starved_client_asks_again_when_the_server_says_it_has_more() -> None:
     c.data_to_send()
     c.tick(2 * HB + 0.1, consumed=0)
     assert (wire.NACK, 0) in kinds(c)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.just("heartbeat"), st.integers(0, 12)),
+            st.tuples(st.just("batch"), st.integers(1, 4)),
+            st.tuples(st.just("consume"), st.integers(0, 4)),
+            st.tuples(st.just("sleep"), st.floats(0.0, 0.999)),
+            st.tuples(st.just("wake"), st.floats(0.0, 2.0)),
+        ),
+        max_size=40,
+    ),
+    st.booleans(),
+    st.sampled_from([None, 0.7, 7.0]),
+)
+# a full queue while the server has more: no NACK (nothing to ask for room for), and no timer for one
+@example([("batch", 4), ("heartbeat", 12), ("wake", 0.5), ("wake", 0.5), ("sleep", 0.5)], True, None)
+# starved with room: the NACK's time
+@example([("batch", 2), ("heartbeat", 12), ("sleep", 0.9), ("wake", 0.0), ("wake", 1.5)], True, None)
+def test_a_client_that_sleeps_until_next_tick_misses_nothing(
+    ops: list[tuple[str, Any]], welcomed: bool, gone_timeout: float | None
+) -> None:
+    """The reader's I/O thread sleeps until ``next_tick`` (or a frame, or the user's ACK
+    request): ``tick`` at any time before it does nothing, and after ``tick`` the next one is
+    not in the past (the thread never spins on a timer that does not act)."""
+    c = client(window=4, gone_timeout=gone_timeout)
+    c.data_to_send()
+    now, consumed = 0.0, 0
+    if welcomed:
+        assert c.receive(welcome(0), now) == Welcomed(0)
+        c.tick(now, consumed)
+        c.data_to_send()
+    for op, arg in ops:
+        if op == "heartbeat":
+            c.receive(signed(wire.HEARTBEAT, wire.U64x2.pack(arg, 0)), now)
+        elif op == "batch" and c.welcomed:
+            c.receive_data(batch(c.next, min(arg, consumed + c.window - c.next) or 1), now, consumed)
+        elif op == "consume":
+            consumed = min(max(c.next, 0), consumed + arg)
+        elif op == "sleep":  # woken early (by anything): tick has nothing to do
+            due = c.next_tick(consumed)
+            t = now + arg * (due - now)
+            c.data_to_send()
+            assert c.tick(t, consumed) is None
+            assert c.data_to_send() == [], (op, arg, now, due)
+            now = t
+            continue
+        else:  # the timer: at its time, or later
+            now = max(now, c.next_tick(consumed)) + arg
+            if c.tick(now, consumed) is not None:
+                return  # the server taken for gone: the thread stops
+        c.tick(now, consumed)  # a wake-up's tick, as the I/O loop does after every frame
+        c.data_to_send()
+        assert c.next_tick(consumed) >= now
 
 
 def test_the_client_reports_gaps_end_refusal_and_silence() -> None:

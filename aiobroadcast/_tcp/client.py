@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import os
 import socket
 import threading
@@ -460,7 +461,10 @@ class _Pump:
         ctrl_fd = ctrl.fileno()  # what poll names it by
         inbox = self._inbox
         while not self._stop:
-            ready = {s for s, _ in poller.poll(int(proto.hb_interval * 500))}
+            # Until the protocol's next timer (at most a heartbeat): an idle reader wakes for
+            # its heartbeat and the server's, and nothing else.
+            wait_s = min(proto.next_tick(self.consumed) - time.monotonic(), proto.hb_interval)
+            ready = {s for s, _ in poller.poll(max(0, math.ceil(wait_s * 1000)))}
             if ctrl_fd in ready:
                 try:
                     ctrl.recv(4096)

@@ -88,6 +88,9 @@ BATCH_BYTES = 128 * 1024
 #: window, and every heartbeat): well below BUFFER_BYTES, so the server, which holds what is
 #: not acknowledged, does not wait for acknowledgements of large messages
 ACK_BYTES = 2 << 20
+#: an idle server's heartbeat goes with its readers' (``ServerProtocol.heartbeat_due``), or on
+#: its own this many heartbeat intervals after the last
+HEARTBEAT_LATEST = 1.5
 
 
 class _Held:
@@ -259,8 +262,9 @@ class ServerProtocol:
         #: the readers admitted, and the control frames to them
         self.readers = Readers(config, now=now, returning=returning, keys=sealer.keys_message)
         self._stop_at: float | None = None
-        #: when the next heartbeat is due
+        #: when the next heartbeat is due at the latest (``heartbeat_due``)
         self.next_heartbeat = now + config.hb_interval
+        self._last_beat = now  # when the last heartbeat went
 
     @property
     def dropped(self) -> int:
@@ -382,13 +386,24 @@ class ServerProtocol:
         if held.base > base:  # the keys nothing held is sealed under any more are forgotten
             self.sealer.retire(held.seqs[0] if held.seqs else held.end)
 
-    def heartbeat_due(self, now: float) -> bool:
-        return now >= self.next_heartbeat
+    def heartbeat_due(self, now: float, heard: bool = False) -> bool:
+        """Whether to send a heartbeat now. ``heard``: a reader's frame came in this turn of the
+        pump (its heartbeat, mostly); then one is due half a heartbeat after the last.
+
+        An idle server's heartbeat so goes out in the wake-up its readers' heartbeats cost it
+        anyway (they come every ``hb_interval``, so one always comes between half a heartbeat
+        and one and a half after the last): one wake-up a heartbeat instead of two, with the
+        readers' in turn answered at once. Without readers, or with readers that fell silent,
+        it goes on its own ``HEARTBEAT_LATEST`` heartbeats after the last, so the readers still
+        hear the server at least that often (they take it for gone after three silence
+        timeouts) and silent readers are still dropped within that much of their timeout."""
+        return now >= self.next_heartbeat or (heard and now >= self._last_beat + self._cfg.hb_interval / 2)
 
     def heartbeat(self, now: float) -> list[TimedOut]:
         """Drop the readers silent for longer than the timeout; tell the others how far the
         stream goes (lost if a reader's queue is full: the next one goes a heartbeat later)."""
-        self.next_heartbeat = now + self._cfg.hb_interval
+        self._last_beat = now
+        self.next_heartbeat = now + HEARTBEAT_LATEST * self._cfg.hb_interval
         beat = [wire.HEARTBEAT, wire.U64x2.pack(self._held.end, 1 if self._held.done else 0)]
         return self.readers.time_out(now, self._held.end, beat)
 
@@ -724,6 +739,17 @@ class ClientProtocol:
             self._send([wire.NACK, wire.U64.pack(self.next)])
             self._last_batch = now
         return None
+
+    def next_tick(self, consumed: int) -> float:
+        """When ``tick`` may next act on its own (ACK, HELLO, NACK, silence; ``consumed`` as
+        for ``tick``): the pump sleeps until then, a frame, or an ACK the user asks for."""
+        if not self.welcomed:
+            return self._last_heard + self.hb_interval * 4
+        gone_after = self._gone_timeout if self._gone_timeout is not None else 3 * self.hb_timeout
+        due = min(self._next_ack, self._last_heard + gone_after)
+        if self.server_end > self.next and self.next - consumed < self.window:
+            due = min(due, self._last_batch + self.hb_interval * 2)  # a NACK, if still starved
+        return due
 
     def __repr__(self) -> str:
         state = f"next {self.next}" if self.welcomed else "connecting"

@@ -323,7 +323,7 @@ class TcpServer:
                 sent += self._transmit()
             self._net.drain_data()
             proto.trim(now)
-            if proto.heartbeat_due(now):
+            if proto.heartbeat_due(now, heard=received > 0):
                 for event in proto.heartbeat(now):
                     self._notices.on_event(event)
                 self._flush()

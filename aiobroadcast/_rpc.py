@@ -48,13 +48,12 @@ from ._fanin import (
 from ._handle import Handle, _first_problem, handle_kind
 from ._open import DEFAULT_DIRECTORY, _Opening, open_reader, open_writer
 from ._reader import Reader
+from ._steps import drive, drive_blocking
 from ._writer import Writer
 
 Q = TypeVar("Q")  #: what a call sends
 R = TypeVar("R")  #: what a worker answers
 R_co = TypeVar("R_co", covariant=True)
-S = TypeVar("S")  #: a step of a role's steps
-T = TypeVar("T")  #: what a role's steps return
 
 _private = object()
 _HELLO = 0
@@ -604,41 +603,6 @@ def serve_steps() -> ServeSteps:
         served += 1
 
 
-async def _drive(steps: Generator[S, Any, T], do: Callable[[S], Awaitable[object]]) -> T:
-    """Run a role's steps (``serve_steps``, ``caller_steps``, ``worker_steps``) in a task:
-    ``await do(step)`` for each, its result sent in, what it raised thrown in."""
-    try:
-        step = next(steps)
-        while True:
-            try:
-                done = await do(step)
-            except BaseException as exc:
-                step = steps.throw(exc)
-            else:
-                step = steps.send(done)
-    except StopIteration as end:
-        return end.value  # type: ignore[no-any-return]
-    finally:
-        steps.close()
-
-
-def _drive_blocking(steps: Generator[S, Any, T], do: Callable[[S], object]) -> T:
-    """``_drive`` in a thread: ``do(step)`` for each step."""
-    try:
-        step = next(steps)
-        while True:
-            try:
-                done = do(step)
-            except BaseException as exc:
-                step = steps.throw(exc)
-            else:
-                step = steps.send(done)
-    except StopIteration as end:
-        return end.value  # type: ignore[no-any-return]
-    finally:
-        steps.close()
-
-
 class _Answer(Generic[Q, R]):
     """What ``Request`` and ``BlockingRequest`` share (no I/O): the request, and its one answer.
     A front end sends ``_reply(value)`` or ``_failure(exc)`` with its sender; a reply that could
@@ -743,7 +707,7 @@ class Worker(Generic[Q, R]):
             await (request.reply(x) if what == _REPLY else request.fail(x))
             return None
 
-        return await _drive(serve_steps(), do)
+        return await drive(serve_steps(), do)
 
     async def aclose(self) -> None:
         """Leave the pool: the caller's calls report this worker ``NoReply("closed")``."""
@@ -822,7 +786,7 @@ class _PoolSpec:
 
 #: A step of opening a pool's role (``caller_steps``, ``worker_steps``): what to do (a factory's
 #: name, ``"put"`` or ``"close"``), with what. Each front end does it with its own factories and
-#: methods (``_open_async``, ``_open_blocking``), driven by ``_drive``/``_drive_blocking``.
+#: methods (``_open_async``, ``_open_blocking``), driven by ``_steps.drive``/``drive_blocking``.
 OpenStep = tuple[str, tuple[Any, ...], dict[str, Any]]
 
 
@@ -902,7 +866,7 @@ def open_caller(
     spec = _PoolSpec(workers, capacity, slot_bytes, max_request_bytes, max_reply_bytes, directory)
 
     async def make() -> Caller[Any, Any]:
-        writer, collector = await _drive(caller_steps(spec), _open_async)
+        writer, collector = await drive(caller_steps(spec), _open_async)
         return Caller(_private, writer, collector, spec.workers)
 
     return _Opening(make)
@@ -921,7 +885,7 @@ def open_worker(handle: PoolHandle | str, *, name: str) -> _Opening[Worker[Any, 
     (a name not in the pool, or held by a live worker), ``CollectorGone`` (the caller closed)."""
 
     async def make() -> Worker[Any, Any]:
-        reader, sender = await _drive(worker_steps(handle, name), _open_async)
+        reader, sender = await drive(worker_steps(handle, name), _open_async)
         return Worker(_private, reader, sender, name)
 
     return _Opening(make)
@@ -1097,7 +1061,7 @@ class BlockingWorker(Generic[Q, R]):
             (request.reply if what == _REPLY else request.fail)(x)
             return None
 
-        return _drive_blocking(serve_steps(), do)
+        return drive_blocking(serve_steps(), do)
 
     def close(self) -> None:
         if self._closed:
@@ -1138,13 +1102,13 @@ def open_blocking_caller(
 ) -> BlockingCaller[Any, Any]:
     """``aiobroadcast.blocking.open_caller``: the arguments and errors of ``open_caller``."""
     spec = _PoolSpec(workers, capacity, slot_bytes, max_request_bytes, max_reply_bytes, directory)
-    writer, collector = _drive_blocking(caller_steps(spec), _open_blocking)
+    writer, collector = drive_blocking(caller_steps(spec), _open_blocking)
     return BlockingCaller(_private, writer, collector, spec.workers)
 
 
 def open_blocking_worker(handle: PoolHandle | str, *, name: str) -> BlockingWorker[Any, Any]:
     """``aiobroadcast.blocking.open_worker``: the arguments and errors of ``open_worker``."""
-    reader, sender = _drive_blocking(worker_steps(handle, name), _open_blocking)
+    reader, sender = drive_blocking(worker_steps(handle, name), _open_blocking)
     return BlockingWorker(_private, reader, sender, name)
 
 

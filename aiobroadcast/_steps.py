@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from collections.abc import Awaitable, Callable, Generator
 from time import perf_counter_ns
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import anyio.lowlevel
 
@@ -59,6 +59,45 @@ def run_blocking(steps: Steps[R], sleep: Callable[[float], bool]) -> R:
             step = steps.send(True if step == CHECKPOINT else sleep(step))
     except StopIteration as done:
         return done.value  # type: ignore[no-any-return]
+    finally:
+        steps.close()
+
+
+S = TypeVar("S")
+
+
+async def drive(steps: Generator[S, Any, R], do: Callable[[S], Awaitable[object]]) -> R:
+    """Run steps that ask for operations rather than sleeps (a worker's serve loop, opening a
+    pool's role) in a task: ``await do(step)`` for each step, its result sent in, what it
+    raised thrown in (the steps may catch it and go on). Closes the generator on every way out."""
+    try:
+        step = next(steps)
+        while True:
+            try:
+                done = await do(step)
+            except BaseException as exc:
+                step = steps.throw(exc)
+            else:
+                step = steps.send(done)
+    except StopIteration as end:
+        return end.value  # type: ignore[no-any-return]
+    finally:
+        steps.close()
+
+
+def drive_blocking(steps: Generator[S, Any, R], do: Callable[[S], object]) -> R:
+    """``drive`` in a thread: ``do(step)`` for each step."""
+    try:
+        step = next(steps)
+        while True:
+            try:
+                done = do(step)
+            except BaseException as exc:
+                step = steps.throw(exc)
+            else:
+                step = steps.send(done)
+    except StopIteration as end:
+        return end.value  # type: ignore[no-any-return]
     finally:
         steps.close()
 

@@ -26,13 +26,12 @@ from aiobroadcast._rpc import (
     _Book,
     _Call,
     _CallerCore,
-    _drive,
-    _drive_blocking,
     _PoolSpec,
     caller_steps,
     serve_steps,
     worker_steps,
 )
+from aiobroadcast._steps import drive, drive_blocking
 
 
 def hello(name: str) -> Item[object]:
@@ -182,7 +181,7 @@ def blocking_serve(values: list[object], refuse: dict[object, BaseException]) ->
         (request.reply if what == _REPLY else request.fail)(x)
         return None
 
-    return _drive_blocking(serve_steps(), do), log
+    return drive_blocking(serve_steps(), do), log
 
 
 def async_serve(values: list[object], refuse: dict[object, BaseException]) -> tuple[int, list[Any]]:
@@ -204,7 +203,7 @@ def async_serve(values: list[object], refuse: dict[object, BaseException]) -> tu
         return None
 
     async def main() -> tuple[int, list[Any]]:
-        return await _drive(serve_steps(), do), log
+        return await drive(serve_steps(), do), log
 
     return anyio.run(main)
 
@@ -246,7 +245,7 @@ def open_with_fakes(steps: Any, fail: str | None) -> tuple[list[str], Any]:
         return what.removeprefix("open_")
 
     try:
-        return log, _drive_blocking(steps, do)
+        return log, drive_blocking(steps, do)
     except ab.BroadcastError as exc:
         return log, exc
 

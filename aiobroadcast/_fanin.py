@@ -1161,23 +1161,28 @@ def open_collector(
     return _Opening(make)
 
 
+@dataclass(frozen=True, slots=True)
+class SenderArgs:
+    """``open_sender``'s arguments that every sender has (``RemoteOptions``: a remote one's)."""
+
+    handle: CollectorHandle | str
+    name: str
+    schema: type[BaseModel] | None
+    capacity: int | None
+    slot_bytes: int | None
+    connect_timeout: float
+
+
 class _SenderStart:
     """Opening a sender (shared by the async and blocking factories): create the ring with a
     place reserved for the collector, claim the name, knock."""
 
-    def __init__(
-        self,
-        handle: CollectorHandle | str,
-        name: str,
-        schema: type[BaseModel] | None,
-        capacity: int | None,
-        slot_bytes: int | None,
-        connect_timeout: float,
-    ) -> None:
-        h = CollectorHandle.parse(handle)
+    def __init__(self, args: SenderArgs) -> None:
+        h = CollectorHandle.parse(args.handle)
+        name, schema = args.name, args.schema
         require(_name_problem(name))
-        if not connect_timeout > 0:
-            raise InvalidArgument(f"connect_timeout must be positive, not {connect_timeout!r}")
+        if not args.connect_timeout > 0:
+            raise InvalidArgument(f"connect_timeout must be positive, not {args.connect_timeout!r}")
         if h.codec == "pydantic-json" and schema is None:
             if h.schema_path is None:
                 raise InvalidHandle("schema collector without schema_path: pass schema=")
@@ -1191,10 +1196,10 @@ class _SenderStart:
             raise CollectorGone(h.collector_pid, name)
         self.handle = h
         self.name = name
-        self.deadline = monotonic() + connect_timeout
+        self.deadline = monotonic() + args.connect_timeout
         spec = _WriterSpec(
-            capacity=h.capacity if capacity is None else capacity,
-            slot_bytes=h.slot_bytes if slot_bytes is None else slot_bytes,
+            capacity=h.capacity if args.capacity is None else args.capacity,
+            slot_bytes=h.slot_bytes if args.slot_bytes is None else args.slot_bytes,
             max_readers=1,
             policy=h.policy,
             schema=schema,
@@ -1332,34 +1337,20 @@ class SenderPlan:
 
     __slots__ = ("_args", "remote")
 
-    def __init__(
-        self,
-        handle: CollectorHandle | str,
-        name: str,
-        schema: type[BaseModel] | None,
-        capacity: int | None,
-        slot_bytes: int | None,
-        connect_timeout: float,
-        tcp: str | None,
-        advertise: str | None,
-        keys: CurveKeys | None,
-        heartbeat_s: float,
-        data_port: int,
-    ) -> None:
-        self._args = (handle, name, schema, capacity, slot_bytes, connect_timeout)
+    def __init__(self, args: SenderArgs, remote: RemoteOptions | None) -> None:
+        self._args = args
         #: a remote sender's (``tcp=``) ring, to open with its TCP server, and the collector's
         #: handle; None: a local sender (``local``)
         self.remote: tuple[_WriterSpec, CollectorHandle] | None = None
-        if tcp is not None:
-            h = CollectorHandle.parse(handle)
-            require(_name_problem(name))
-            opts = RemoteOptions(tcp, advertise, keys, heartbeat_s, data_port)
-            self.remote = remote_spec(h, schema, capacity, slot_bytes, opts), h
+        if remote is not None:
+            h = CollectorHandle.parse(args.handle)
+            require(_name_problem(args.name))
+            self.remote = remote_spec(h, args.schema, args.capacity, args.slot_bytes, remote), h
 
     def local(self) -> tuple[WriterChannel, CollectorHandle]:
         """A local sender's ring, its name claimed in the collector's directory, and the
         collector's handle."""
-        start = _SenderStart(*self._args)
+        start = _SenderStart(self._args)
         return start.channel, start.handle
 
 
@@ -1430,7 +1421,8 @@ def open_sender(
     ``TransportError`` (the name of an ended sender was not released within ``connect_timeout``).
     """
     plan = SenderPlan(
-        handle, name, schema, capacity, slot_bytes, connect_timeout, tcp, advertise, keys, heartbeat_s, data_port
+        SenderArgs(handle, name, schema, capacity, slot_bytes, connect_timeout),
+        None if tcp is None else RemoteOptions(tcp, advertise, keys, heartbeat_s, data_port),
     )
 
     async def make() -> Sender[Any]:

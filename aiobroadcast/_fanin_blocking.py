@@ -17,6 +17,7 @@ from ._fanin import (
     CollectorHandle,
     CollectorStatistics,
     Delivery,
+    SenderArgs,
     SenderPlan,
     _CollectorSpec,
     _Gather,
@@ -25,7 +26,7 @@ from ._fanin import (
     check_sender,
     sleep_steps,
 )
-from ._fanin_remote import blocking_channel
+from ._fanin_remote import RemoteOptions, blocking_channel
 from ._files import unlink_quietly
 from ._handle import CurveKeys, Handle, Policy
 from ._open import DEFAULT_DIRECTORY
@@ -393,7 +394,8 @@ def open_sender(
     ``remote_handle`` the collector attaches). Use ``with`` or call ``close()``."""
     b = _blocking()
     plan = SenderPlan(
-        handle, name, schema, capacity, slot_bytes, connect_timeout, tcp, advertise, keys, heartbeat_s, data_port
+        SenderArgs(handle, name, schema, capacity, slot_bytes, connect_timeout),
+        None if tcp is None else RemoteOptions(tcp, advertise, keys, heartbeat_s, data_port),
     )
     if plan.remote is None:
         ch, h = plan.local()

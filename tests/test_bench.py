@@ -95,6 +95,17 @@ def test_idle_cell_json() -> None:
     assert len(obj["reader_cpu_s_while_idle"]) == len(obj["wake_latency_us"]) == 2
     assert all(x >= 0 for x in obj["reader_cpu_s_while_idle"])
     assert all(x > 0 for x in obj["wake_latency_us"])
+    assert "server_cpu_s_while_idle" not in obj  # no TCP server on shared memory
+
+
+def test_idle_cell_over_tcp_reports_the_servers_cpu() -> None:
+    """Over TCP the idle cell also says what the writer's TCP server process used while the
+    channel was idle (its heartbeats): the figure the idle target of the remote path is about."""
+    args = "--mode idle --readers 1 --size 64 --count 20 --idle-s 0.6 --transport tcp --json"
+    (obj,) = objects(bench(*args.split()))
+    check_common(obj, "aiobroadcast", "idle", 1, 20)
+    assert obj["transport"] == "tcp"
+    assert obj["server_cpu_s_while_idle"] > 0  # it beats at least once in 0.6 s: never 0, never absent
 
 
 def test_missing_peer_is_skipped(tmp_path: Path) -> None:

@@ -326,6 +326,7 @@ PER_RUN = frozenset(
         "idle_s",
         "reader_cpu_s",
         "reader_cpu_s_while_idle",
+        "server_cpu_s_while_idle",
         "wake_latency_us",
     }
 )
@@ -369,6 +370,10 @@ def aggregate(cell: Cell, system: str, runs: list[dict[str, Any]]) -> dict[str, 
         out["wake_latency_us_p50"] = round(_med([x for r in wake for x in r]), 1)
         out["samples_reader_cpu_s_while_idle"] = cpu
         out["samples_wake_latency_us"] = wake
+        server = [r["server_cpu_s_while_idle"] for r in runs if "server_cpu_s_while_idle" in r]
+        if server:  # over TCP: the writer's server process
+            out["server_cpu_s_while_idle"] = round(_med(server), 4)
+            out["samples_server_cpu_s_while_idle"] = server
     return out
 
 
@@ -378,10 +383,13 @@ def figures_of(agg: dict[str, Any]) -> list[tuple[str, float]]:
         return [("msgs/s", agg["msgs_per_s"]), ("MB/s", agg["MB_per_s"])]
     if agg["mode"] in ("lat", CALL):
         return [("p50 us", agg["p50_us"]), ("p99 us", agg["p99_us"])]
-    return [
+    rows = [
         ("idle CPU s (worst reader's median)", agg["reader_cpu_s_while_idle_max"]),
         ("wake us (p50 of readers x runs)", agg["wake_latency_us_p50"]),
     ]
+    if "server_cpu_s_while_idle" in agg:
+        rows.append(("TCP server's idle CPU s (median)", agg["server_cpu_s_while_idle"]))
+    return rows
 
 
 def fmt(v: float) -> str:

@@ -28,7 +28,17 @@ from typing import Any
 
 import anyio
 
-from ._bench_figures import MODES, PACE_S, STEP_TIMEOUT_S, collect, expected, figures, reader_result, reap
+from ._bench_figures import (
+    MODES,
+    PACE_S,
+    STEP_TIMEOUT_S,
+    collect,
+    expected,
+    figures,
+    reader_result,
+    reap,
+    server_cpu_ns,
+)
 from ._common import EXIT_FAILED, EXIT_OK
 
 #: Ring sizes by message size: (largest payload, capacity). Above the last: ``LARGE_CAPACITY``
@@ -228,15 +238,19 @@ async def _writer_main(
             else:
                 for _ in range(count):
                     await put((time.perf_counter_ns(), payload))
+            server_idle_ns = None
             if mode == "idle":
+                s0 = server_cpu_ns()
                 await anyio.sleep(idle_s)
+                s1 = server_cpu_ns()
+                server_idle_ns = None if s0 is None or s1 is None else s1 - s0
                 await put((time.perf_counter_ns(), payload))
             # Collected in this thread, blocking the loop, as the peer drivers do: starting a worker
             # thread here would compete for the CPU with readers that are still waking up.
             results = run.collect()
         finally:
             run.join()
-    return run.figures(size, t0, results, idle_s)
+    return run.figures(size, t0, results, idle_s, server_idle_ns)
 
 
 def _writer_blocking(
@@ -275,14 +289,18 @@ def _writer_blocking(
             else:
                 for _ in range(count):
                     put((time.perf_counter_ns(), payload))
+            server_idle_ns = None
             if mode == "idle":
+                s0 = server_cpu_ns()
                 time.sleep(idle_s)
+                s1 = server_cpu_ns()
+                server_idle_ns = None if s0 is None or s1 is None else s1 - s0
                 put((time.perf_counter_ns(), payload))
             # Collected in this thread, as the async writer does.
             results = run.collect()
         finally:
             run.join()
-    return run.figures(size, t0, results, idle_s)
+    return run.figures(size, t0, results, idle_s, server_idle_ns)
 
 
 class _Readers:
@@ -330,8 +348,10 @@ class _Readers:
     def join(self) -> None:
         reap(self.procs)
 
-    def figures(self, size: int, t0: int, results: list[dict[str, Any]], idle_s: float) -> dict[str, Any]:
-        out = figures(self.mode, self.count, size, t0, results, idle_s)
+    def figures(
+        self, size: int, t0: int, results: list[dict[str, Any]], idle_s: float, server_idle_ns: int | None
+    ) -> dict[str, Any]:
+        out = figures(self.mode, self.count, size, t0, results, idle_s, server_idle_ns)
         out["payload_type"] = sorted({r["payload_type"] for r in results})
         return out
 

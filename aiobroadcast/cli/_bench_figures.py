@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import glob
+import os
 import queue
 import time
 from typing import Any
@@ -39,14 +41,49 @@ def reader_result(
     }
 
 
-def figures(mode: str, count: int, size: int, t0: int, results: list[dict[str, Any]], idle_s: float) -> dict[str, Any]:
+def server_cpu_ns() -> int | None:
+    """CPU time so far, in nanoseconds, of this process's TCP server children (the processes it
+    started that run ``aiobroadcast._tcp.server``), every thread counted (``/proc/PID/task/*/
+    schedstat``: nanoseconds, where ``/proc/PID/stat`` counts 10 ms ticks); None where /proc
+    cannot say (not Linux, or no server)."""
+    me, total, found = os.getpid(), 0, False
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat, "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if int(fields[1]) != me:  # the parent's pid follows the state
+                continue
+            pid = stat.split("/")[2]
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"aiobroadcast._tcp.server" not in f.read():
+                    continue
+            for task in glob.glob(f"/proc/{pid}/task/*/schedstat"):
+                with open(task, "rb") as f:
+                    total += int(f.read().split()[0])
+            found = True
+        except (OSError, IndexError, ValueError):  # it ended meanwhile, or not Linux's format
+            continue
+    return total if found else None
+
+
+def figures(
+    mode: str,
+    count: int,
+    size: int,
+    t0: int,
+    results: list[dict[str, Any]],
+    idle_s: float,
+    server_idle_ns: int | None = None,
+) -> dict[str, Any]:
     """The protocol's figures from the readers' results (``t0``: first send, perf_counter ns).
 
     - ``tput``: ``msgs_per_s`` = COUNT / (first send -> last reader has its last message),
       ``MB_per_s`` of payload (10**6 bytes).
     - ``lat``: one-way latency over all readers' samples, ``p50_us`` and ``p99_us``.
     - ``idle``: ``reader_cpu_s_while_idle`` (CPU seconds each reader used during the pause) and
-      ``wake_latency_us`` (latency of the message after the pause), one value per reader.
+      ``wake_latency_us`` (latency of the message after the pause), one value per reader; over
+      TCP also ``server_cpu_s_while_idle``, the writer's TCP server process's CPU seconds over
+      the writer's pause (``server_idle_ns``).
     """
     results = sorted(results, key=lambda r: int(r["rank"]))
     out: dict[str, Any] = {
@@ -65,6 +102,8 @@ def figures(mode: str, count: int, size: int, t0: int, results: list[dict[str, A
         out["idle_s"] = idle_s
         out["reader_cpu_s_while_idle"] = [round(float(r["idle_cpu_s"]), 3) for r in results]
         out["wake_latency_us"] = [round(int(r["wake_ns"]) / 1e3, 1) for r in results]
+        if server_idle_ns is not None:
+            out["server_cpu_s_while_idle"] = round(server_idle_ns / 1e9, 4)
     return out
 
 

@@ -88,6 +88,8 @@ BATCH_BYTES = 128 * 1024
 #: window, and every heartbeat): well below BUFFER_BYTES, so the server, which holds what is
 #: not acknowledged, does not wait for acknowledgements of large messages
 ACK_BYTES = 2 << 20
+#: a reader keeps at most this many bytes of buffers to open large bodies into (``seal.Buffers``)
+OPENED_KEEP_BYTES = 8 * ACK_BYTES
 #: an idle server's heartbeat goes with its readers' (``ServerProtocol.heartbeat_due``), or on
 #: its own this many heartbeat intervals after the last
 HEARTBEAT_LATEST = 1.5
@@ -505,11 +507,10 @@ _BAD_FRAME = (wire.FrameError, ValueError, KeyError, TypeError, IndexError, stru
 
 
 class ClientProtocol:
-    """A remote reader's side. The pump feeds it the server's frame groups (``receive`` for
-    the control connection, ``receive_data`` for the data connection) and, at least every half
-    heartbeat, the time and how far the user has consumed (``tick``); frames to send pile up
-    for ``data_to_send``. The first is the HELLO. ``data_port``: where the data connection
-    goes, as the last WELCOME said (None before one)."""
+    """A remote reader's side. The pump feeds it the server's frame groups (``receive``: the
+    control connection, ``receive_data``: the data one), and the time and how far the user has
+    consumed (``tick``, by ``next_tick`` at the latest); frames to send pile up for
+    ``data_to_send``, the HELLO first. ``data_port``: the data connection's, from WELCOME."""
 
     def __init__(
         self,
@@ -525,8 +526,10 @@ class ClientProtocol:
     ) -> None:
         self._key = key
         self._channel = channel
-        # Opens the sealed data frames with the keys WELCOME and KEYS deliver (docs/security.md).
-        self._opener = seal.Opener(channel.encode(), secret=key)
+        # Opens the data frames with the keys WELCOME and KEYS deliver (docs/security.md), large
+        # bodies into buffers used again once decoded (given back when the stream pauses).
+        self._buffers = seal.Buffers(OPENED_KEEP_BYTES)
+        self._opener = seal.Opener(channel.encode(), secret=key, buffer=self._buffers.take)
         #: the port of the server's data socket (a restarted server may take another)
         self.data_port: int | None = None
         #: the data connection's PLAIN password, as the last WELCOME said (None: no handshake)
@@ -534,22 +537,19 @@ class ClientProtocol:
         self._credit_base = 0  # the number the server counts this reader's credit from, at least
         self._keys_asked: float | None = None  # when it last asked for the keys again (UnknownKey)
         self._name = name[: wire.NAME_CHARS]  # the server refuses longer ones (and shows 64)
-        self._pid = pid
-        self._host = host[: wire.HOST_CHARS]
+        self._pid, self._host = pid, host[: wire.HOST_CHARS]
         #: the credit: what the server may send beyond what this reader acknowledged
         self.window = window
         self._gone_timeout = gone_timeout
         #: the server's timers, until its WELCOME says
-        self.hb_interval = 0.5
-        self.hb_timeout = 3.0
+        self.hb_interval, self.hb_timeout = 0.5, 3.0
         self.welcomed = False
         #: the next message expected (-1 before WELCOME)
         self.next = -1
         #: what the server said it has (its heartbeats)
         self.server_end = 0
         self._out: list[list[Any]] = []
-        self._last_heard = now
-        self._last_batch = now
+        self._last_heard = self._last_batch = now
         self._last_ack_sent = -1
         self._next_ack = now + self.hb_interval
         self._hello(None)
@@ -630,8 +630,7 @@ class ClientProtocol:
         token = welcome.get("data_token")
         if token is not None and not (isinstance(token, str) and 0 < len(token) <= wire.MAX_DATA_TOKEN):
             raise wire.FrameError("data token")
-        self.data_port = data_port  # again after a restart: that server may have another
-        self.data_token = token
+        self.data_port, self.data_token = data_port, token  # again: a restarted server's may differ
         self._credit_base = start
         if self.welcomed:
             return None  # a repeated WELCOME (our HELLO went twice): the place stays ours
@@ -730,6 +729,8 @@ class ClientProtocol:
             self._send([wire.ACK, wire.U64.pack(consumed)])
             self._last_ack_sent = consumed
             self._next_ack = now + self.hb_interval
+        if now - self._last_batch > self.hb_interval:
+            self._buffers.clear()  # nothing came for a heartbeat: give the idle buffers back
         # Starved while the server has more and we have room: something was lost in transit.
         if (
             self.server_end > self.next

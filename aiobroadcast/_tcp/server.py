@@ -16,7 +16,6 @@ one costs only its sender, and what one client can make the server hold is bound
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import json
 import logging
@@ -84,54 +83,6 @@ def _frame(sealed: bytes | bytearray) -> zmq.Frame:
 #: sent them a burst (docs/performance.md: 64 KiB with 1 reader from 4,887 to 6,333 msgs/s, medians
 #: of 5 alternated runs). Small messages still go many to a turn (64 KiB of them).
 TURN_BYTES = 64 * 1024
-
-#: references to a pooled buffer that nobody uses: the pool's deque, and ``sys.getrefcount``'s
-#: own argument and the caller's name for it
-_IDLE_REFS = 3
-
-
-class _Buffers:
-    """The buffers large sealed bodies are written into, used again once nothing refers to them.
-
-    A sealed body is held (``_Held``) and shared with ZeroMQ (a ``zmq.Frame`` made without a copy
-    keeps a reference to its buffer until ZeroMQ has sent it to every reader); once the readers
-    acknowledged it and ZeroMQ let go, only this pool refers to it, and the next body of the same
-    size is sealed into it. A new ``bytearray`` per body would cost a zero-fill, and for bodies of
-    megabytes fresh pages from the kernel, each faulted in and cleared (half the server's CPU
-    at 4 MiB). Bodies are released in about the order they were sealed, so the oldest buffer is
-    the one to look at. At most ``keep_bytes`` are pooled; ``clear`` gives back the idle ones."""
-
-    def __init__(self, keep_bytes: int) -> None:
-        self._bufs: collections.deque[bytearray] = collections.deque()
-        self._bytes = 0
-        self._keep = keep_bytes
-
-    def take(self, n: int) -> bytearray:
-        bufs = self._bufs
-        while bufs:
-            buf = bufs[0]
-            if sys.getrefcount(buf) > _IDLE_REFS:
-                break  # still held or still being sent
-            if len(buf) == n:
-                bufs.rotate(-1)
-                return buf
-            bufs.popleft()  # idle, of another size
-            self._bytes -= len(buf)
-        buf = bytearray(n)
-        if self._bytes + n <= self._keep:
-            bufs.append(buf)
-            self._bytes += n
-        return buf
-
-    def clear(self) -> None:
-        """Forget the idle buffers (the stream paused: give the memory back)."""
-        bufs = self._bufs
-        for _ in range(len(bufs)):
-            buf = bufs.popleft()
-            if sys.getrefcount(buf) > _IDLE_REFS:
-                bufs.append(buf)
-            else:
-                self._bytes -= len(buf)
 
 
 class RingFeed:
@@ -215,7 +166,7 @@ class TcpServer:
         # A body is sealed once, with the group key of this server process (a restarted server
         # draws another; readers get it in WELCOME). Insecure: authenticated, not encrypted.
         # What is held, and what ZeroMQ still sends after the readers acknowledged it.
-        self._buffers = _Buffers(2 * buffer_bytes)
+        self._buffers = seal.Buffers(2 * buffer_bytes)
         sealer = seal.Sealer(
             handle.token.encode(),
             secret=hmac_key if insecure else None,

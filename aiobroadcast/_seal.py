@@ -193,7 +193,7 @@ class Buffers:
     the next body is opened into it; a body the user still holds a view of (zero-copy reads,
     out-of-band pickle buffers) is never handed out again. A new ``bytearray`` per body would
     cost a zero-fill, and fresh pages from the kernel, each faulted in and cleared (half the
-    server's CPU at 4 MiB; 10-18 % of a remote reader's throughput at 64 KiB). Bodies are
+    server's CPU at 4 MiB; 8-18 % of a remote reader's throughput at 64 KiB). Bodies are
     released in about the order they were taken, so the oldest buffer is the one to look at. At
     most ``keep_bytes`` are pooled; ``clear`` gives back the idle ones. The pool itself is used
     by one thread; the references it counts may be dropped by any."""

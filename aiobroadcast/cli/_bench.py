@@ -364,7 +364,7 @@ def aggregate(cell: Cell, system: str, runs: list[dict[str, Any]]) -> dict[str, 
         cpu = [r["reader_cpu_s_while_idle"] for r in runs]
         wake = [r["wake_latency_us"] for r in runs]
         out["idle_s"] = first["idle_s"]
-        out["reader_cpu_s_while_idle"] = [round(_med(col), 3) for col in zip(*cpu, strict=True)]
+        out["reader_cpu_s_while_idle"] = [round(_med(col), 4) for col in zip(*cpu, strict=True)]
         out["wake_latency_us"] = [round(_med(col), 1) for col in zip(*wake, strict=True)]
         out["reader_cpu_s_while_idle_max"] = max(out["reader_cpu_s_while_idle"])
         out["wake_latency_us_p50"] = round(_med([x for r in wake for x in r]), 1)
@@ -397,7 +397,7 @@ def fmt(v: float) -> str:
         return f"{v:,.0f}"
     if v >= 100:
         return f"{v:.1f}"
-    return f"{v:.3g}" if v >= 0.01 else f"{v:.3f}"
+    return f"{v:.3g}" if v >= 0.01 else f"{v:.4f}"
 
 
 def format_table(head: list[str], rows: list[list[str]]) -> str:

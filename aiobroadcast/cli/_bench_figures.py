@@ -100,7 +100,7 @@ def figures(
         out["p99_us"] = round(lats[int(len(lats) * 0.99)] / 1e3, 1)
     else:
         out["idle_s"] = idle_s
-        out["reader_cpu_s_while_idle"] = [round(float(r["idle_cpu_s"]), 3) for r in results]
+        out["reader_cpu_s_while_idle"] = [round(float(r["idle_cpu_s"]), 4) for r in results]
         out["wake_latency_us"] = [round(int(r["wake_ns"]) / 1e3, 1) for r in results]
         if server_idle_ns is not None:
             out["server_cpu_s_while_idle"] = round(server_idle_ns / 1e9, 4)

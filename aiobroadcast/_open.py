@@ -35,6 +35,7 @@ from ._shm import layout as _layout
 from ._shm import segment as _segment
 from ._shm.arena import arena_path
 from ._shm.subscriber import ShmSource
+from ._steps import drive
 from ._tcp.settings import ServerSettings
 from ._tcp.supervisor import SERVER_START_S, ServerProcess, read_answer
 from ._writer import Writer
@@ -338,19 +339,13 @@ def channel_steps(spec: _WriterSpec) -> ChannelSteps:
 
 
 async def _open_channel(spec: _WriterSpec) -> WriterChannel:
-    """``channel_steps`` in a task: the server's answer is waited for in a worker thread."""
-    steps = channel_steps(spec)
-    try:
-        start = next(steps)
-        while True:
-            try:
-                answer = await anyio.to_thread.run_sync(start.answer, abandon_on_cancel=True)
-            except BaseException as e:
-                start = steps.throw(e)
-            else:
-                start = steps.send(answer)
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
+    """``channel_steps`` in a task (``_steps.drive``): the server's answer is waited for in a
+    worker thread, which a cancellation abandons (the steps then kill the server)."""
+
+    async def answer(start: _ServerStart) -> dict[str, Any]:
+        return await anyio.to_thread.run_sync(start.answer, abandon_on_cancel=True)
+
+    return await drive(channel_steps(spec), answer)
 
 
 class WriterOptions(TypedDict, total=False):

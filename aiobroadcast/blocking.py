@@ -65,7 +65,7 @@ from ._open import (
 )
 from ._reader import Source, poll_budget, sleep_blocking, wait_steps
 from ._stats import ReaderStatistics, WriterStatistics
-from ._steps import Steps, run_blocking
+from ._steps import Steps, drive_blocking, run_blocking
 
 __all__ = [
     "BlockingCaller",
@@ -495,19 +495,9 @@ def open_writer(*, schema: type[BaseModel] | None = None, **options: Unpack[Writ
 
 
 def _blocking_channel(spec: _WriterSpec) -> WriterChannel:
-    """``channel_steps`` in this thread: the server's answer is waited for here."""
-    steps = channel_steps(spec)
-    try:
-        start = next(steps)
-        while True:
-            try:
-                answer = start.answer()
-            except BaseException as e:
-                start = steps.throw(e)
-            else:
-                start = steps.send(answer)
-    except StopIteration as done:
-        return done.value  # type: ignore[no-any-return]
+    """``channel_steps`` in this thread (``_steps.drive_blocking``): the server's answer is
+    waited for here."""
+    return drive_blocking(channel_steps(spec), lambda start: start.answer())
 
 
 @overload

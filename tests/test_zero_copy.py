@@ -4,7 +4,7 @@ slot they point into until the reader's next ``get``, so the writer cannot overw
 from __future__ import annotations
 
 import array
-from typing import Literal
+from typing import Any, Literal
 
 import anyio
 import numpy as np
@@ -153,3 +153,26 @@ async def test_bytes_an_object_is_built_from_stay_bytes_and_nothing_is_lost(tran
                 k3, keyed = await reader.get()
                 assert k3 == 3 and keyed == {payload(5): "key"} and type(next(iter(keyed))) is bytes
                 assert await reader.get() == (4, "after")
+
+
+@pytest.mark.parametrize("zero_copy", [False, True])
+async def test_over_tcp_what_the_user_keeps_of_a_body_is_never_written_over(zero_copy: bool) -> None:
+    """A remote reader opens large bodies into buffers it uses again (``seal.Buffers``: where
+    ``cryptography`` cannot open them in place, from 51 on). What the user keeps of a body (a
+    view of it, an array on its out-of-band buffer) stays as it was while later bodies are opened,
+    some of them into the buffers of the bodies the user let go."""
+    async with ab.open_writer(capacity=8, slot_bytes=2 * BIG, tcp="tcp://127.0.0.1:0") as writer:
+        async with ab.open_reader(writer.handle, transport="tcp", zero_copy=zero_copy) as reader:
+            kept: dict[int, tuple[Any, Any]] = {}
+            with anyio.fail_after(60):
+                for first in range(0, 40, 4):  # four bodies in flight at a time
+                    for k in range(first, first + 4):
+                        await writer.put((k, np.full(8192, float(k)), payload(k)))
+                    for k in range(first, first + 4):
+                        n, arr, body = await reader.get()
+                        assert n == k
+                        if k % 2:
+                            kept[k] = (arr, body)  # the even ones are dropped: their buffers free
+            for k, (arr, body) in kept.items():
+                assert np.array_equal(arr, np.full(8192, float(k))), f"message {k}'s array was written over"
+                assert body == payload(k), f"message {k}'s body was written over"

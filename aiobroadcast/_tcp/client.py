@@ -1,8 +1,9 @@
 """A remote reader's source: ZeroMQ I/O in a thread, messages handed to the event loop.
 
 The thread keeps the connection alive (heartbeats, acknowledgements, resend requests) even
-while the reader's event loop is busy; the loop only pops decoded-on-demand messages from a
-queue bounded by the credit window.
+while the reader's event loop is busy; the loop pops decoded-on-demand messages from a queue
+bounded by the credit window. In a paced stream an asyncio loop asleep on that queue takes the
+frames itself (docs/tcp.md, "The reader's loop reads while it sleeps").
 """
 
 from __future__ import annotations
@@ -17,12 +18,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from time import perf_counter_ns
 from typing import Any, cast
 
 import anyio
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from .. import _tuning
 from .._exceptions import (
     DeserializationError,
     EndOfStream,
@@ -43,6 +46,9 @@ from .sockets import recv_parts
 
 #: bytes of data frames the I/O thread opens before it looks at acknowledgements again
 DATA_TURN_BYTES = 8 << 20
+#: bytes of data frames the reader's event loop opens in a turn of its own (``_Pump.loop_turn``)
+#: before it leaves the rest to the I/O thread, which opens the next while the loop hands this out
+LOOP_TURN_BYTES = 64 << 10
 #: messages queued before the I/O thread wakes a reader asleep on the queue while more frames
 #: are coming (once it has opened all that came, it wakes it whatever the count): each wake-up
 #: costs the reader a trip through its event loop, which costs more than a message of 64 KiB
@@ -109,6 +115,12 @@ class _Inbox:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
+        #: how long the last ``wait`` slept (ns): whether the stream is dense
+        self._slept_ns = _tuning.DENSE_NS
+        #: the event loop's duplicate of the data connection's descriptor (``_Pump.loop_fd``),
+        #: and whether a ``wait`` polls it now (then that wait closes it, if ``close`` came)
+        self.loop_fd = -1
+        self._fd_in_loop = False
 
     def push(self, item: Lagged | Ended | Refused | _Failed) -> None:
         with self.lock:
@@ -171,32 +183,66 @@ class _Inbox:
         with self.lock:
             self._sleeping = False
 
-    async def wait(self, limit_s: float) -> bool:
+    async def wait(self, limit_s: float, pump: _Pump | None = None) -> bool:
         """Sleep on a future in this asyncio loop until the I/O thread queues something (or
         ``close`` or ``wake`` is called), or ``limit_s`` passes; True if woken. If nothing is
         queued it announces the sleep under the lock the I/O thread queues under, so a message
         queued meanwhile is seen here or wakes the future: none is missed. Raises
-        ``anyio.ClosedResourceError`` once closed."""
+        ``anyio.ClosedResourceError`` once closed.
+
+        With ``pump``, and after a sleep of ``DENSE_NS`` or more (a paced or idle stream), the
+        loop also polls the data connection while it sleeps, and takes what comes itself
+        (``_Pump.loop_turn``): a paced message then reaches the reader without a wake-up of the
+        I/O thread and a second of this loop. In a dense stream the I/O thread takes the frames,
+        opening the next while this loop hands out the last."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[bool] = loop.create_future()
         with self.lock:
             if self.items:
+                self._slept_ns = 0
                 return True
             if self._closed:
                 raise anyio.ClosedResourceError
             self._sleeping = True
             self._waiter = (loop, fut)
+            # The descriptor is this wait's to close from now on, if ``close`` comes meanwhile.
+            fd = self.loop_fd if pump is not None and self._slept_ns >= _tuning.DENSE_NS else -1
+            self._fd_in_loop = fd >= 0
+        polled = pump is not None and pump.sleeps_in_loop(fd >= 0)
+        if polled:
+            assert pump is not None
+            loop.add_reader(fd, self._readable, loop, fd, fut, pump)
         timer = loop.call_later(limit_s, _wake_waiter, fut, False)
+        start = perf_counter_ns()
         try:
             return await fut
         finally:
+            self._slept_ns = perf_counter_ns() - start
             timer.cancel()
+            if polled:
+                assert pump is not None
+                pump.loop_reads = False
+                loop.remove_reader(fd)
             with self.lock:
                 self._sleeping = False
                 self._waiter = None
+                self._fd_in_loop = False
                 closed = self._closed
+                if closed and fd >= 0:
+                    os.close(fd)  # (close left it to this wait)
             if closed:
                 raise anyio.ClosedResourceError
+
+    def _readable(self, loop: asyncio.AbstractEventLoop, fd: int, fut: asyncio.Future[bool], pump: _Pump) -> None:
+        """The data connection's descriptor is readable while a task sleeps in ``wait``."""
+        if not pump.loop_turn():
+            # The I/O thread holds the connection (its turn may be past the data connection:
+            # it is poked for another), or it stopped: stop polling a descriptor this loop
+            # would find readable at every turn.
+            loop.remove_reader(fd)
+            pump.loop_gives_up()
+        if self.items and not fut.done():
+            fut.set_result(True)
 
     @property
     def fd(self) -> int:
@@ -220,6 +266,9 @@ class _Inbox:
         with self.lock:
             self._closed = True
             waiter = self._waiter
+            if self.loop_fd >= 0 and not self._fd_in_loop:
+                os.close(self.loop_fd)
+            self.loop_fd = -1
         if self._wake_r.fileno() >= 0:
             with contextlib.suppress(RuntimeError):  # no event loop here, so no task can be parked
                 anyio.notify_closing(self._wake_r)
@@ -374,27 +423,168 @@ class _Connections:
         self._ctx.term()
 
 
-class _Pump:
-    """The I/O thread of a remote reader: moves frames between its connections to the writer's
-    server (``_Connections``) and the ``ClientProtocol``, and what the protocol makes of them
-    into the inbox. It keeps the connection alive (heartbeats, acknowledgements, resend
-    requests) while the reader's event loop is busy."""
+class _Intake:
+    """What comes on a remote reader's connections, through the ``ClientProtocol`` into the
+    inbox, and what the protocol says back: run with ``lock`` held, by the I/O thread (``_Pump``)
+    or by the reader's event loop (``_Pump.loop_turn``)."""
 
-    def __init__(self, handle: Handle, proto: ClientProtocol, inbox: _Inbox) -> None:
+    _conn: _Connections
+
+    def __init__(self, proto: ClientProtocol, inbox: _Inbox) -> None:
         self._proto = proto
         self._inbox = inbox
         #: the next message the user has not consumed (written by the user's thread only)
         self.consumed = 0
-        #: the user consumed ACK_BYTES since the last acknowledgement (set by the user's thread)
-        self.ack_due = False
         self.welcome = threading.Event()
         self.welcome_error: str | None = None
+        #: Held by whichever thread uses the protocol and the connections' sockets: the I/O
+        #: thread on each turn, the reader's event loop in ``_Pump.loop_turn``.
+        self.lock = threading.Lock()
+        self._data_pending = False  # a data turn ended before ZMQ_EVENTS said there was no more
+        self._ended = False  # the stream ended (in either thread): the I/O thread stops
+        self._out: list[list[Any]] = []  # frames the protocol made in the event loop's turns
+
+    def _flush(self) -> None:
+        """Send what the protocol has to say (with the lock held), and what it said in the
+        event loop's turns; a frame ZeroMQ does not take now is dropped (the protocol repeats
+        whatever matters on a later tick)."""
+        out, self._out = self._out, []
+        out.extend(self._proto.data_to_send())
+        for frames in out:
+            self._conn.send(frames)
+
+    def _fail(self, exc: BaseException) -> None:
+        """The I/O thread (or the loop's turn) failed: end the stream for the reader
+        (``TransportError``), after what is queued already, and wake a sleeping ``get``; before
+        the WELCOME, ``open_reader`` raises it."""
+        reason = f"the remote reader's I/O thread failed: {exc!r}"
+        if not self.welcome.is_set():
+            self.welcome_error = reason
+            self.welcome.set()
+        elif self._inbox.terminal is None:  # (a stream that had ended keeps its end)
+            self._inbox.push(_Failed(reason, exc))
+
+    def _turn(self, control: bool, data: bool) -> bool:
+        """The I/O thread's turn with the lock: what came on the control connection (if poll
+        found it ready), then on the data connection (``data``: poll found its descriptor readable).
+        True when the stream ended."""
+        proto = self._proto
+        conn = self._conn
+        dealer = conn.dealer
+        now = time.monotonic()
+        # What poll found ready, then ZMQ_EVENTS, say whether a message is there (no
+        # exception raised per turn of the loop).
+        for _ in range(256 if control else 0):
+            if not cast(int, dealer.get(_EVENTS)) & _POLLIN:
+                break
+            try:
+                msg = recv_parts(dealer)
+            except zmq.Again:
+                break
+            # Large frames stay ZeroMQ's buffers (the bodies are views of them, copied once
+            # when decoded); small ones become bytes.
+            event = proto.receive([f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg], now)
+            if proto.data_port is not None:
+                conn.connect_data(proto.data_port, proto.data_token)
+            # The control connection brings a WELCOME or a refusal; batches come on the data one.
+            if event is not None and self._on_event(cast("Welcomed | Refused", event)):
+                return True
+        return self._data_turn(now, WAKE_ITEMS, DATA_TURN_BYTES, data)
+
+    def _data_turn(self, now: float, wake_at: int, budget: int, readable: bool) -> bool:
+        """Take what came on the data connection (with the lock held), by ZMQ_EVENTS: its
+        descriptor, which both threads poll, only says to look. True when the stream ended.
+        ``readable``: the descriptor was found readable, so the first receive is tried without
+        the question (one call less on the way of a paced message; else ``zmq.Again``, and the
+        question).
+
+        Opening costs time in proportion to the bytes (unlike taking frames in did): after
+        ``budget`` bytes the turn ends (``_data_pending``: the I/O thread comes back at once), so
+        acknowledgements and NACKs are not held back for seconds behind large bodies (the server
+        would take the reader for silent). A reader asleep on the queue is woken once ``wake_at``
+        are queued, or when all that came is opened: not once per batch."""
+        proto = self._proto
+        data = self._conn.data
+        inbox = self._inbox
+        self._data_pending = True
+        for i in range(256):
+            if budget <= 0:
+                return False
+            if (i or not readable) and not cast(int, data.get(_EVENTS)) & _POLLIN:
+                break
+            try:
+                msg = recv_parts(data)
+            except zmq.Again:
+                if i or not readable:
+                    break
+                # (A receive may leave ZeroMQ's commands for later, and the descriptor readable:
+                # ZMQ_EVENTS takes them, then says.)
+                continue
+            frames = []
+            for f in msg:
+                n = len(f)
+                budget -= n
+                frames.append(f.buffer if n >= wire.FRAME_ALONE else f.bytes)
+            event = proto.receive_data(frames, now, self.consumed)
+            if isinstance(event, Messages):
+                inbox.push_batch(event, wake_at)
+            elif event is not None and self._on_event(event):
+                return True
+        else:
+            return False
+        self._data_pending = False
+        return False
+
+    def _on_event(self, event: Welcomed | Lagged | Ended | Refused) -> bool:
+        """Act on one event of the protocol other than a batch (the data loop queues those
+        itself); True when it ends the stream."""
+        if isinstance(event, Lagged):
+            self._inbox.push(event)
+        elif isinstance(event, Welcomed):
+            self.consumed = event.start
+            self.welcome.set()
+        elif isinstance(event, Refused) and not event.welcomed:
+            self.welcome_error = f"the writer refused this reader: {event.reason}"
+            self.welcome.set()
+            return True
+        else:
+            self._inbox.push(event)
+            return True
+        return False
+
+
+class _Pump(_Intake):
+    """The I/O thread of a remote reader: moves frames between its connections to the writer's
+    server (``_Connections``) and the ``ClientProtocol``, and what the protocol makes of them
+    into the inbox. It keeps the connection alive (heartbeats, acknowledgements, resend
+    requests) while the reader's event loop is busy. The reader's loop, asleep in a paced
+    stream, takes data frames itself (``loop_turn``), under the same lock."""
+
+    def __init__(self, handle: Handle, proto: ClientProtocol, inbox: _Inbox) -> None:
+        super().__init__(proto, inbox)
+        #: the user consumed ACK_BYTES since the last acknowledgement (set by the user's thread)
+        self.ack_due = False
         self._stop = False
+        #: The reader's event loop polls the data connection (while a task sleeps there): set and
+        #: cleared by that loop. ``watching``: whether this thread polls it (set by this thread).
+        self.loop_reads = False
+        self.watching = True
+        self._loop_polled = False  # the loop's last sleep polled the data connection
         self._ctrl_r, self._ctrl_w = socket.socketpair()
         self._ctrl_r.setblocking(False)
         self._ctrl_w.setblocking(False)
         try:
             self._conn = _Connections(handle)
+            try:
+                #: The data connection's descriptor (ZMQ_FD: readable when ZeroMQ has news for
+                #: the socket; ZMQ_EVENTS says which). The inbox's ``loop_fd``, a duplicate, is
+                #: the event loop's: the inbox closes it once no loop polls it, whenever the
+                #: socket itself closes.
+                self._data_fd = cast(int, self._conn.data.get(zmq.FD))
+                inbox.loop_fd = os.dup(self._data_fd)
+            except BaseException:
+                self._conn.close()
+                raise
         except BaseException:
             self._ctrl_r.close()
             self._ctrl_w.close()
@@ -416,54 +606,40 @@ class _Pump:
         self._ctrl_r.close()
         self._ctrl_w.close()
 
-    def _flush(self) -> None:
-        """Send what the protocol has to say; a frame ZeroMQ does not take now is dropped (the
-        protocol repeats whatever matters on a later tick)."""
-        for frames in self._proto.data_to_send():
-            self._conn.send(frames)
-
     def _run(self) -> None:
         try:
             try:
                 self._loop()
             finally:
-                try:
-                    self._conn.send(self._proto.bye())
-                finally:
-                    self._conn.close()
+                with self.lock:
+                    self._ended = True  # the event loop's turns take nothing more
+                    try:
+                        self._conn.send(self._proto.bye())
+                    finally:
+                        self._conn.close()
         except BaseException as exc:  # nothing more can come: say so, or a get would wait forever
             self._fail(exc)
-
-    def _fail(self, exc: BaseException) -> None:
-        """The thread failed: end the stream for the reader (``TransportError``), after what is
-        queued already, and wake a sleeping ``get``; before the WELCOME, ``open_reader`` raises it."""
-        reason = f"the remote reader's I/O thread failed: {exc!r}"
-        if not self.welcome.is_set():
-            self.welcome_error = reason
-            self.welcome.set()
-        elif self._inbox.terminal is None:  # (a stream that had ended keeps its end)
-            self._inbox.push(_Failed(reason, exc))
 
     def _loop(self) -> None:
         proto = self._proto
         poller = zmq.Poller()
         conn = self._conn
         dealer = conn.dealer
-        data = conn.data
+        data_fd = self._data_fd
         poller.register(dealer, zmq.POLLIN)
-        poller.register(data, zmq.POLLIN)
+        poller.register(data_fd, zmq.POLLIN)
+        watching = True  # whether this thread polls the data connection
         poller.register(self._ctrl_r, zmq.POLLIN)
         watch = conn.watch
         if watch is not None:
             poller.register(watch.socket, zmq.POLLIN)
-        self._flush()  # the HELLO
+        with self.lock:
+            self._flush()  # the HELLO
+            wait_s = proto.hb_interval
         ctrl = self._ctrl_r
         ctrl_fd = ctrl.fileno()  # what poll names it by
         inbox = self._inbox
         while not self._stop:
-            # Until the protocol's next timer (at most a heartbeat): an idle reader wakes for
-            # its heartbeat and the server's, and nothing else.
-            wait_s = min(proto.next_tick(self.consumed) - time.monotonic(), proto.hb_interval)
             ready = {s for s, _ in poller.poll(max(0, math.ceil(wait_s * 1000)))}
             if ctrl_fd in ready:
                 try:
@@ -479,75 +655,90 @@ class _Pump:
                 if watch.done:
                     poller.unregister(watch.socket)
                     watch = None
-            now = time.monotonic()
-            # What poll found ready, then ZMQ_EVENTS, say whether a message is there (no
-            # exception raised per turn of the loop).
-            for _ in range(256 if dealer in ready else 0):
-                if not cast(int, dealer.get(_EVENTS)) & _POLLIN:
-                    break
-                try:
-                    msg = recv_parts(dealer)
-                except zmq.Again:
-                    break
-                # Large frames stay ZeroMQ's buffers (the bodies are views of them, copied once
-                # when decoded); small ones become bytes.
-                event = proto.receive([f.buffer if len(f) >= wire.FRAME_ALONE else f.bytes for f in msg], now)
-                if proto.data_port is not None:
-                    conn.connect_data(proto.data_port, proto.data_token)
-                # The control connection brings a WELCOME or a refusal; batches come on the data one.
-                if event is not None and self._on_event(cast("Welcomed | Refused", event)):
+            with self.lock:
+                if self._ended or self._turn(dealer in ready, data_fd in ready):
                     self._flush()
                     return  # the stream ended or the server refused us: everything it sent is queued
-            # Opening costs time in proportion to the bytes (unlike taking frames in did): after
-            # DATA_TURN_BYTES the loop goes round, so acknowledgements and NACKs are not held
-            # back for seconds behind large bodies (the server would take the reader for silent).
-            # A reader asleep on the queue is woken once WAKE_ITEMS are queued, or when all that
-            # came is opened: not once per batch.
-            budget = DATA_TURN_BYTES
-            for i in range(256 if data in ready else 0):
-                # The first receive needs no question (poll found a message there): one call
-                # less on the way of a paced message.
-                if i and (budget <= 0 or not cast(int, data.get(_EVENTS)) & _POLLIN):
-                    break
-                try:
-                    msg = recv_parts(data)
-                except zmq.Again:
-                    break
-                frames = []
-                for f in msg:
-                    n = len(f)
-                    budget -= n
-                    frames.append(f.buffer if n >= wire.FRAME_ALONE else f.bytes)
-                event = proto.receive_data(frames, now, self.consumed)
-                if isinstance(event, Messages):
-                    inbox.push_batch(event, WAKE_ITEMS)
-                elif event is not None and self._on_event(event):
-                    self._flush()
-                    return  # the stream ended: everything it sent is queued
-            inbox.wake_if_sleeping()
-            ack, self.ack_due = self.ack_due, False
-            event = proto.tick(now, self.consumed, ack)
-            self._flush()
+                inbox.wake_if_sleeping()
+                ack, self.ack_due = self.ack_due, False
+                event = proto.tick(time.monotonic(), self.consumed, ack)
+                self._flush()
+                # The data connection is the event loop's while a task sleeps there
+                # (``loop_turn``): this thread leaves it out of its poll then, and takes what
+                # came at its other turns. Decided under the lock, which a task going to sleep
+                # without polling it takes to see whether this thread does (else it pokes it).
+                self.watching = not self.loop_reads
+                # Until the protocol's next timer (at most a heartbeat): an idle reader wakes
+                # for its heartbeat and the server's, and nothing else.
+                wait_s = min(proto.next_tick(self.consumed) - time.monotonic(), proto.hb_interval)
+                if self._data_pending:
+                    wait_s = 0
             if event is not None:
-                self._inbox.push(event)
+                inbox.push(event)
                 return
+            if self.watching != watching:
+                watching = self.watching
+                if watching:
+                    poller.register(data_fd, zmq.POLLIN)
+                else:
+                    poller.unregister(data_fd)
 
-    def _on_event(self, event: Welcomed | Lagged | Ended | Refused) -> bool:
-        """Act on one event of the protocol other than a batch (the data loop queues those
-        itself); True when it ends the stream."""
-        if isinstance(event, Lagged):
-            self._inbox.push(event)
-        elif isinstance(event, Welcomed):
-            self.consumed = event.start
-            self.welcome.set()
-        elif isinstance(event, Refused) and not event.welcomed:
-            self.welcome_error = f"the writer refused this reader: {event.reason}"
-            self.welcome.set()
-            return True
-        else:
-            self._inbox.push(event)
-            return True
-        return False
+    def sleeps_in_loop(self, direct: bool) -> bool:
+        """A task of the reader's event loop goes to sleep on the inbox, and wants to poll the
+        data connection itself (``direct``) or not; whether it may. This thread decides whether
+        it polls the connection at the end of each turn, with the lock held (``watching``): so
+        under the lock, ``loop_reads`` set here is seen by the next such decision, and a thread
+        that decided not to poll it is poked if the loop does not either.
+
+        If a turn holds the lock now, the loop polls nothing itself. That turn decides after
+        ``loop_reads`` was cleared (it is poked if it did not), unless it decided while the
+        last sleep polled: then it is poked too. (Not at every sleep of a dense stream, where
+        this thread is in a turn most of the time.)"""
+        polled, self._loop_polled = self._loop_polled, direct
+        if not self.lock.acquire(False):
+            if polled or not self.watching:
+                self.poke()
+            self._loop_polled = False
+            return False
+        try:
+            self.loop_reads = direct
+            if not direct and not self.watching:
+                self.poke()  # this thread left the data connection to the loop: take it back
+        finally:
+            self.lock.release()
+        return direct
+
+    def loop_gives_up(self) -> None:
+        """The loop stops polling the data connection before its sleep ends (``loop_turn``
+        found the lock held): this thread takes it back, at once."""
+        self.loop_reads = False
+        self.poke()
+
+    def loop_turn(self) -> bool:
+        """A turn of the reader's event loop, asleep on the inbox, when the data connection's
+        descriptor is readable: it takes what came itself, without the hop through this thread
+        (docs/tcp.md, "The reader's loop reads while it sleeps"). False if this thread holds
+        the connection now (it takes what came, and wakes the sleeper), or it is closing."""
+        if not self.lock.acquire(False):
+            return False
+        try:
+            if self._stop or self._ended:
+                return False
+            proto = self._proto
+            due = proto.next_tick(self.consumed)
+            try:
+                self._ended = self._data_turn(time.monotonic(), 1 << 30, LOOP_TURN_BYTES, True)
+            except BaseException as exc:  # (as in the thread: the stream ends with the reason)
+                self._ended = True
+                self._fail(exc)
+            self._out.extend(proto.data_to_send())
+            # What only this thread can do (send; wake sooner for a timer; take more; stop).
+            poke = bool(self._out) or self._ended or self._data_pending or proto.next_tick(self.consumed) < due
+        finally:
+            self.lock.release()
+        if poke:
+            self.poke()
+        return True
 
 
 class TcpSource:
@@ -702,7 +893,7 @@ class TcpSource:
             # It announces the sleep again, with its future, under the lock the I/O thread
             # queues under. (A message queued since begin_sleep wakes through the socket
             # instead: its byte only ever ends a later generic or blocking wait early.)
-            return await self._inbox.wait(limit_s)
+            return await self._inbox.wait(limit_s, self._pump)
         with anyio.move_on_after(limit_s):
             await anyio.wait_readable(self._inbox.fd)
         return self.drain_inbox()

@@ -117,8 +117,8 @@ class _Inbox:
         self._wake_w.setblocking(False)
         #: how long the last ``wait`` slept (ns): whether the stream is dense
         self._slept_ns = _tuning.DENSE_NS
-        #: the event loop's duplicate of the data connection's descriptor (``_Pump.loop_fd``),
-        #: and whether a ``wait`` polls it now (then that wait closes it, if ``close`` came)
+        #: the event loop's duplicate of the data connection's descriptor (made by ``_Pump``),
+        #: and whether a ``wait`` may poll it now (then that wait closes it, if ``close`` came)
         self.loop_fd = -1
         self._fd_in_loop = False
 
@@ -209,12 +209,12 @@ class _Inbox:
             fd = self.loop_fd if pump is not None and self._slept_ns >= _tuning.DENSE_NS else -1
             self._fd_in_loop = fd >= 0
         polled = pump is not None and pump.sleeps_in_loop(fd >= 0)
-        if polled:
-            assert pump is not None
-            loop.add_reader(fd, self._readable, loop, fd, fut, pump)
         timer = loop.call_later(limit_s, _wake_waiter, fut, False)
         start = perf_counter_ns()
         try:
+            if polled:
+                assert pump is not None
+                loop.add_reader(fd, self._readable, loop, fd, fut, pump)
             return await fut
         finally:
             self._slept_ns = perf_counter_ns() - start

@@ -570,6 +570,7 @@ class _Pump(_Intake):
         self.loop_reads = False
         self.watching = True
         self._loop_polled = False  # the loop's last sleep polled the data connection
+        self._wake_at = 0.0  # when this thread's poll ends at the latest (set by it, under the lock)
         self._ctrl_r, self._ctrl_w = socket.socketpair()
         self._ctrl_r.setblocking(False)
         self._ctrl_w.setblocking(False)
@@ -636,6 +637,7 @@ class _Pump(_Intake):
         with self.lock:
             self._flush()  # the HELLO
             wait_s = proto.hb_interval
+            self._wake_at = time.monotonic() + wait_s
         ctrl = self._ctrl_r
         ctrl_fd = ctrl.fileno()  # what poll names it by
         inbox = self._inbox
@@ -670,9 +672,10 @@ class _Pump(_Intake):
                 self.watching = not self.loop_reads
                 # Until the protocol's next timer (at most a heartbeat): an idle reader wakes
                 # for its heartbeat and the server's, and nothing else.
-                wait_s = min(proto.next_tick(self.consumed) - time.monotonic(), proto.hb_interval)
-                if self._data_pending:
-                    wait_s = 0
+                now = time.monotonic()
+                due = min(proto.next_tick(self.consumed), now + proto.hb_interval)
+                self._wake_at = now if self._data_pending else due
+                wait_s = self._wake_at - now
             if event is not None:
                 inbox.push(event)
                 return
@@ -725,15 +728,16 @@ class _Pump(_Intake):
             if self._stop or self._ended:
                 return False
             proto = self._proto
-            due = proto.next_tick(self.consumed)
             try:
                 self._ended = self._data_turn(time.monotonic(), 1 << 30, LOOP_TURN_BYTES, True)
             except BaseException as exc:  # (as in the thread: the stream ends with the reason)
                 self._ended = True
                 self._fail(exc)
             self._out.extend(proto.data_to_send())
-            # What only this thread can do (send; wake sooner for a timer; take more; stop).
-            poke = bool(self._out) or self._ended or self._data_pending or proto.next_tick(self.consumed) < due
+            # What only this thread can do (send; wake sooner than it planned, for a timer this
+            # turn moved; take more; stop).
+            sooner = proto.next_tick(self.consumed) < self._wake_at
+            poke = bool(self._out) or self._ended or self._data_pending or sooner
         finally:
             self.lock.release()
         if poke:

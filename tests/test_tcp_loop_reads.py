@@ -23,9 +23,18 @@ import pytest
 
 import aiobroadcast as ab
 import aiobroadcast.blocking as abb
+from aiobroadcast import _tuning
 from aiobroadcast._tcp import client
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+def no_safety_net(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A remote reader's sleep ends on its own after ``_tuning.REMOTE_SLEEP_S`` (a safety net):
+    made long here, so that a lost wake-up shows as a message seconds late, not hidden by it."""
+    monkeypatch.setattr(_tuning, "REMOTE_SLEEP_S", 60.0)
+
 
 #: heartbeat_s of the writers: a lost wake-up costs a message up to this long
 SLOW_HB = 5.0

@@ -4,8 +4,8 @@ reader's ``get`` sleeps on a future the I/O thread resolves. Neither may lose a 
 neither may keep spinning once the stream stops.
 
 Real writer, real server process, real remote reader over loopback. The heartbeat is long
-(``SLOW_HB``): a lost wake-up would then show as a message that comes only with the next
-heartbeat (the server's poll and the reader's sleep both end at the heartbeat), seconds late,
+(``SLOW_HB``), and so is the limit of a reader's sleep: a lost wake-up would then show as a
+message that comes only with the next heartbeat (the server's poll ends there), seconds late,
 instead of being hidden by a short one. Bounds on time are liveness bounds, never latency.
 """
 
@@ -20,8 +20,18 @@ import pytest
 from _peers import the_server
 
 import aiobroadcast as ab
+from aiobroadcast import _tuning
+from aiobroadcast._tcp import client
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(autouse=True)
+def no_safety_net(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A remote reader's sleep ends on its own after ``_tuning.REMOTE_SLEEP_S`` (a safety net):
+    made long here, so that a lost wake-up shows as a message seconds late, not hidden by it."""
+    monkeypatch.setattr(_tuning, "REMOTE_SLEEP_S", 60.0)
+
 
 #: heartbeat_s of these writers: a lost wake-up costs a message up to this long (or twice)
 SLOW_HB = 5.0
@@ -104,3 +114,36 @@ async def test_the_server_and_the_reader_sleep_once_a_dense_stream_stops(anyio_b
             await w.put(-1)
             with anyio.fail_after(PROMPT_S * 5):
                 assert await r.get() == -1
+
+
+async def test_an_idle_remote_readers_sleep_ends_on_its_own_after_the_safety_net(
+    anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A get parked on an idle remote stream sleeps ``_tuning.REMOTE_SLEEP_S`` at a time (its
+    I/O thread wakes it for whatever comes; the limit only bounds a lost wake-up), then parks
+    again, and still takes the message that comes at last."""
+    monkeypatch.setattr(_tuning, "REMOTE_SLEEP_S", 0.25)
+    ends: list[bool] = []
+    sleep = client.TcpSource.sleep
+
+    async def counted(self: client.TcpSource, limit_s: float) -> bool:
+        woken = await sleep(self, limit_s)
+        ends.append(woken)
+        return woken
+
+    monkeypatch.setattr(client.TcpSource, "sleep", counted)
+    async with ab.open_writer(tcp="tcp://127.0.0.1:0", heartbeat_s=SLOW_HB) as w:
+        async with ab.open_reader(w.handle, transport="tcp", name="idle") as r:
+            with anyio.fail_after(30):
+                async with anyio.create_task_group() as tg:
+                    got: list[int] = []
+
+                    async def read() -> None:
+                        got.append(await r.get())
+
+                    tg.start_soon(read)
+                    await anyio.sleep(1.5)  # 6 limits of the sleep; a heartbeat is 5 s
+                    await w.put(7)
+            assert got == [7]
+    assert ends.count(False) >= 3  # the sleep's own ends (1.5 s / 0.25 s, on a loaded machine)
+    assert ends[-1] is True  # the message woke the last one

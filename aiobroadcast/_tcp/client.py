@@ -912,7 +912,9 @@ class TcpSource:
 
     @property
     def sleep_limit_s(self) -> float:
-        return self._proto.hb_interval * 2
+        # A safety net only: the I/O thread wakes the sleeper for what it queues, the stream's
+        # end and the server's silence.
+        return _tuning.REMOTE_SLEEP_S
 
     @property
     def inbox_fd(self) -> int:

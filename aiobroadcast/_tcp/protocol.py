@@ -90,9 +90,13 @@ BATCH_BYTES = 128 * 1024
 ACK_BYTES = 2 << 20
 #: a reader keeps at most this many bytes of buffers to open large bodies into (``seal.Buffers``)
 OPENED_KEEP_BYTES = 8 * ACK_BYTES
-#: an idle server's heartbeat goes with its readers' (``ServerProtocol.heartbeat_due``), or on
-#: its own this many heartbeat intervals after the last
-HEARTBEAT_LATEST = 1.5
+#: an idle server's heartbeat goes with a reader's frame that comes at least this many heartbeat
+#: intervals after its last one (``ServerProtocol.heartbeat_due``): with every second heartbeat of
+#: a reader, so a reader wakes for the server's every second interval, not every one ...
+HEARTBEAT_HEARD = 1.25
+#: ... or on its own this many intervals after the last, or sooner when a reader's silence
+#: reaches the timeout then (it is dropped at that heartbeat)
+HEARTBEAT_LATEST = 2.5
 
 
 class _Held:
@@ -390,24 +394,29 @@ class ServerProtocol:
 
     def heartbeat_due(self, now: float, heard: bool = False) -> bool:
         """Whether to send a heartbeat now. ``heard``: a reader's frame came in this turn of the
-        pump (its heartbeat, mostly); then one is due half a heartbeat after the last.
+        pump (its heartbeat, mostly); then one is due ``HEARTBEAT_HEARD`` heartbeats after the
+        last.
 
-        An idle server's heartbeat so goes out in the wake-up its readers' heartbeats cost it
-        anyway (they come every ``hb_interval``, so one always comes between half a heartbeat
-        and one and a half after the last): one wake-up a heartbeat instead of two, with the
-        readers' in turn answered at once. Without readers, or with readers that fell silent,
-        it goes on its own ``HEARTBEAT_LATEST`` heartbeats after the last, so the readers still
-        hear the server at least that often (they take it for gone after three silence
-        timeouts) and silent readers are still dropped within that much of their timeout."""
-        return now >= self.next_heartbeat or (heard and now >= self._last_beat + self._cfg.hb_interval / 2)
+        An idle server's heartbeat so goes out in a wake-up its readers' heartbeats cost it
+        anyway (they come every ``hb_interval``, so one always comes between ``HEARTBEAT_HEARD``
+        heartbeats and one more after the last), and only with every second one: the server
+        wakes once a reader's heartbeat, not twice, and a reader wakes for the server's every
+        second interval. Without readers, or with readers that fell silent, it goes on its own
+        ``HEARTBEAT_LATEST`` heartbeats after the last, so the readers still hear the server at
+        least that often (they take it for gone after three silence timeouts), or sooner, at
+        the moment a reader's silence passes the timeout (``heartbeat``): a silent reader is
+        dropped then, not up to a heartbeat later."""
+        answer_from = self._last_beat + HEARTBEAT_HEARD * self._cfg.hb_interval
+        return now >= self.next_heartbeat or (heard and now >= answer_from)
 
     def heartbeat(self, now: float) -> list[TimedOut]:
         """Drop the readers silent for longer than the timeout; tell the others how far the
         stream goes (lost if a reader's queue is full: the next one goes a heartbeat later)."""
         self._last_beat = now
-        self.next_heartbeat = now + HEARTBEAT_LATEST * self._cfg.hb_interval
         beat = [wire.HEARTBEAT, wire.U64x2.pack(self._held.end, 1 if self._held.done else 0)]
-        return self.readers.time_out(now, self._held.end, beat)
+        out = self.readers.time_out(now, self._held.end, beat)
+        self.next_heartbeat = min(now + HEARTBEAT_LATEST * self._cfg.hb_interval, self.readers.silent_at())
+        return out
 
     def stop(self, deadline: float) -> None:
         """Stop once every reader has everything, or at ``deadline``."""

@@ -12,6 +12,7 @@ side are defined here too (``protocol.py`` exports them).
 
 from __future__ import annotations
 
+import math
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -328,6 +329,13 @@ class Readers:
                 self.send(ident, beat)
         self.reader_left(now)
         return out
+
+    def silent_at(self) -> float:
+        """A moment (a millisecond) after the first of the readers has been silent for longer
+        than the timeout, if nothing more comes from it: ``time_out`` drops it then; infinity
+        without readers."""
+        heard = min((c.last_heard for c in self.clients.values()), default=math.inf)
+        return heard + self._cfg.hb_timeout + 0.001
 
     def awaiting_return(self, now: float) -> bool:
         """Whether readers of the server this one replaces may still come back (for at most

@@ -53,11 +53,13 @@ LIVENESS_S = 0.5
 #: whose upstream died wakes its readers as it stops). Longer than LIVENESS_S, so an idle
 #: reader wakes rarely; short enough that a lost wake-up costs a message 2 s at most.
 WATCHED_LIVENESS_S = 2.0
-#: How long a remote reader's task sleeps at most before it looks at its queue again. A safety
-#: net only: its I/O thread wakes it for every message it queues, for the stream's end and for
-#: the server's silence. Each of these wake-ups of an idle reader's loop costs several hundred
-#: microseconds of CPU on a small VM, so it is rare.
-REMOTE_SLEEP_S = 2.0
+#: How long a remote reader's task sleeps at most before it looks at its queue again. A last
+#: resort only: its I/O thread wakes it for every message it queues, for the stream's end and for
+#: the server's silence, and every turn of that thread (at least one a heartbeat) wakes a sleeper
+#: that has something queued, so a wake-up lost on the way costs a message a heartbeat at most.
+#: Each wake-up of an idle reader's loop costs several hundred microseconds of CPU on a small VM
+#: (about 1 ms per 5 s at a 2 s limit), so it is rare.
+REMOTE_SLEEP_S = 10.0
 #: ``sweep_stale`` leaves a channel's files alone while they are this new: a writer may be in the
 #: middle of creating them (its lock not taken yet).
 STALE_MIN_AGE_S = 2.0

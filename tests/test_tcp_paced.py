@@ -20,6 +20,7 @@ import pytest
 from _peers import the_server
 
 import aiobroadcast as ab
+import aiobroadcast.blocking as abb
 from aiobroadcast import _tuning
 from aiobroadcast._tcp import client
 
@@ -147,3 +148,29 @@ async def test_an_idle_remote_readers_sleep_ends_on_its_own_after_the_safety_net
             assert got == [7]
     assert ends.count(False) >= 3  # the sleep's own ends (1.5 s / 0.25 s, on a loaded machine)
     assert ends[-1] is True  # the message woke the last one
+
+
+def test_a_lost_wake_up_costs_a_remote_message_a_heartbeat_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sleep's own limit is a last resort: when the wake-up that announces a message is lost
+    (here every first one of a message's), the I/O thread's next turn (its heartbeat, at the
+    latest) wakes the sleeper for what is queued. Blocking reader: it waits on the inbox's
+    descriptor, so every wake-up goes through ``_Inbox.wake``."""
+    monkeypatch.setattr(_tuning, "REMOTE_SLEEP_S", 60.0)
+    calls = 0
+    wake = client._Inbox.wake
+
+    def lossy(self: client._Inbox) -> None:
+        nonlocal calls
+        calls += 1
+        if calls % 2 == 0:
+            wake(self)
+
+    monkeypatch.setattr(client._Inbox, "wake", lossy)
+    with abb.open_writer(tcp="tcp://127.0.0.1:0", heartbeat_s=0.2) as w:
+        with abb.open_reader(w.handle, transport="tcp", name="lossy") as r:
+            for i in range(5):
+                w.put(i)
+                # Long before the sleep's own limit (60 s), not within the first wake-up.
+                assert r.get(timeout=PROMPT_S * 5) == i
+    assert calls >= 6  # wake-ups were lost (every odd one: a message that came while the reader
+    # was not asleep yet needed none)

@@ -912,8 +912,8 @@ class TcpSource:
 
     @property
     def sleep_limit_s(self) -> float:
-        # A safety net only: the I/O thread wakes the sleeper for what it queues, the stream's
-        # end and the server's silence.
+        # A last resort only: the I/O thread wakes the sleeper for what it queues (and again at
+        # each of its turns while something is queued), the stream's end and the server's silence.
         return _tuning.REMOTE_SLEEP_S
 
     @property

@@ -11,6 +11,7 @@ latency.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
 import threading
@@ -211,3 +212,34 @@ async def test_closing_a_reader_whose_loop_polls_the_connection(anyio_backend: A
             if round_ == 0:
                 fds = _open_fds()  # (after what the first reader leaves for good: threads' pools)
         assert _open_fds() <= fds
+
+
+@pytest.mark.parametrize("anyio_backend", [pytest.param("asyncio", id="asyncio")])
+async def test_a_sleep_whose_add_reader_fails_hands_the_connection_back(
+    anyio_backend: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loop cannot register the data descriptor (``add_reader`` raises): that get raises
+    it, the sleep's end still hands the connection back to the I/O thread (``loop_reads``
+    cleared), and the next gets take every message, promptly."""
+    async with ab.open_writer(tcp="tcp://127.0.0.1:0", heartbeat_s=SLOW_HB) as w:
+        async with ab.open_reader(w.handle, transport="tcp", name="refused") as r:
+            loop = asyncio.get_running_loop()
+            add_reader = loop.add_reader
+            failed: list[int] = []
+
+            def refuse_once(fd: int, *args: Any) -> None:
+                if not failed:
+                    failed.append(fd)
+                    raise OSError("add_reader refused")
+                add_reader(fd, *args)
+
+            monkeypatch.setattr(loop, "add_reader", refuse_once)
+            pump = r._src._pump  # type: ignore[attr-defined]
+            with anyio.fail_after(PROMPT_S), pytest.raises(OSError, match="add_reader refused"):
+                await r.get()  # the first sleep polls the connection itself
+            assert failed and not pump.loop_reads
+            for i in range(20):
+                await anyio.sleep(0.002)
+                with anyio.fail_after(PROMPT_S):  # a lost wake-up: it comes with a heartbeat
+                    await w.put(i)
+                    assert await r.get() == i

@@ -53,13 +53,14 @@ async def test_mixed_sizes_come_in_order_with_exact_statistics(anyio_backend: An
     byte budget, in one ring: each get returns the next one, and the reader's statistics count
     exactly what was handed out, whatever was taken out of the ring ahead."""
     sent: list[Any] = []
-    async with ab.open_writer(capacity=64, slot_bytes=40_000) as writer:
+    one = _tuning.AHEAD_BYTES * 2 // 5  # a one-slot message: three of them cross AHEAD_BYTES
+    async with ab.open_writer(capacity=64, slot_bytes=one + 1024) as writer:
         async with ab.open_reader(writer.handle) as reader:
             for i in range(50):
                 if i == 10:
-                    sent.append(b"L" * 100_000)  # three slots
+                    sent.append(b"L" * (one * 5 // 2))  # three slots
                 elif 20 <= i < 24:
-                    sent.append(b"M" * 39_000)  # one slot each, together above AHEAD_BYTES
+                    sent.append(b"M" * one)  # one slot each, together above AHEAD_BYTES
                 else:
                     sent.append(i)
                 await writer.put(sent[-1])
@@ -78,23 +79,24 @@ async def test_mixed_sizes_come_in_order_with_exact_statistics(anyio_backend: An
 async def test_a_batch_is_bounded_in_messages_and_bytes() -> None:
     """One get takes at most ``AHEAD_MESSAGES`` messages out of the ring, and stops after the
     message that crosses ``AHEAD_BYTES``: the writer's view of the reader shows it."""
-    async with ab.open_writer(capacity=128, slot_bytes=30_000) as writer:
+    small = _tuning.AHEAD_MESSAGES + 8
+    big = b"B" * (_tuning.AHEAD_BYTES // 3 + 1)  # one slot each; the third crosses AHEAD_BYTES
+    async with ab.open_writer(capacity=64, slot_bytes=len(big) + 1024) as writer:
         async with ab.open_reader(writer.handle, name="r") as reader:
-            for i in range(100):
+            for i in range(small):
                 await writer.put(i)
             assert await reader.get() == 0
             (info,) = writer.statistics().readers
             assert info.received == _tuning.AHEAD_MESSAGES  # taken out of the ring
-            assert info.lag == 100 - _tuning.AHEAD_MESSAGES
+            assert info.lag == small - _tuning.AHEAD_MESSAGES
             assert reader.statistics().received == 1  # handed out
-            assert [await reader.get() for _ in range(99)] == list(range(1, 100))
+            assert [await reader.get() for _ in range(small - 1)] == list(range(1, small))
 
-            big = b"B" * 25_000  # one slot each; the third crosses 64 KiB
             for _ in range(6):
                 await writer.put(big)
             assert await reader.get() == big
             (info,) = writer.statistics().readers
-            assert info.received == 100 + 3
+            assert info.received == small + 3
             assert [await reader.get() for _ in range(5)] == [big] * 5
 
 

@@ -381,6 +381,33 @@ class _Senders:
         unlink_quietly(link)
 
 
+def take_many(g: _Gather, limit: int) -> list[Any]:
+    """The next delivery (``g.take()``; an empty list if none is ready), then, up to ``limit``,
+    the deliveries ``g.take()`` would hand out next from what the collector holds already: the
+    rest of the batch the current sender's ring gave in this turn (``_Gather.take``'s fast path).
+    So a batch is what as many takes would return, in their order, and holds at most one ring's
+    batch of decoded items (``AHEAD_MESSAGES``, about ``AHEAD_BYTES`` of bodies): a batch of
+    large items never piles up the whole of every ring. Only the first take touches a ring, so
+    only it can raise (nothing taken) or be interrupted."""
+    obj = g.take()
+    if obj is _NOTHING:
+        return []
+    out = [obj]
+    f = g._cur
+    if f is not None:
+        ahead = f.ahead
+        take = g.take
+        while len(out) < limit and ahead and g._turn < _tuning.AHEAD_MESSAGES:
+            out.append(take())
+    return out
+
+
+def check_max_items(max_items: object) -> int:
+    if type(max_items) is not int or max_items < 1:
+        raise InvalidArgument(f"max_items must be a positive integer, not {max_items!r}")
+    return max_items
+
+
 class _Gather(_Senders):
     """The collector's state: the rendezvous directory, its one inbox, the senders' rings and
     the turns among them. Shared by ``Collector`` and ``BlockingCollector``; one taker at a time
@@ -731,6 +758,25 @@ class Collector(Generic[T_co]):
                 return obj  # type: ignore[no-any-return]
             await self._wait()
 
+    async def get_many(self, max_items: int = _tuning.AHEAD_MESSAGES) -> list[Delivery[T_co]]:
+        """Wait for the next delivery, then return it with the ones the collector took with it
+        from the same sender's ring (docs/fan-in.md, "Batches"), up to ``max_items``: what as
+        many ``get`` calls would return, in their order and turns, for one call. At most one
+        ring's batch (32 items, about 256 KiB of bodies). Cancel-safe: a cancelled ``get_many``
+        has taken nothing. Raises like ``get``, having taken nothing."""
+        check_max_items(max_items)
+        if _get_ident() != self._thread:
+            self._check_thread()
+        if self._since_yield >= _tuning.YIELD_EVERY:
+            await self._yield_turn()
+        g = self._g
+        while True:
+            batch = take_many(g, max_items)
+            if batch:
+                self._since_yield += len(batch)
+                return batch
+            await self._wait()
+
     def statistics(self) -> CollectorStatistics:
         return self._g.statistics(self._tasks_waiting)
 
@@ -998,7 +1044,7 @@ class Sender(Generic[T_contra]):
                 "collector.get() or async for); to receive in this process, open a collector here"
             )
 
-        get_nowait = get
+        get_nowait = get_many = get
 
 
 # --- opening ----------------------------------------------------------------------------------------

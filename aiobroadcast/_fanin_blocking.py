@@ -23,8 +23,10 @@ from ._fanin import (
     _Gather,
     _guard,
     _orphaned,
+    check_max_items,
     check_sender,
     sleep_steps,
+    take_many,
 )
 from ._fanin_remote import RemoteOptions, blocking_channel
 from ._files import unlink_quietly
@@ -86,6 +88,27 @@ class BlockingCollector(Generic[T_co]):
                 return obj  # type: ignore[no-any-return]
             if self._closing:
                 raise ClosedResourceError("this collector was closed while get() waited")
+            self._wait(deadline)
+
+    def get_many(self, max_items: int = _tuning.AHEAD_MESSAGES, timeout: float | None = None) -> list[Delivery[T_co]]:
+        """Wait for the next delivery, then return it with the ones the collector took with it
+        (``Collector.get_many``), up to ``max_items``. ``timeout`` as for ``get``."""
+        check_max_items(max_items)
+        b = _blocking()
+        deadline = None if timeout is None else b._deadline(timeout)
+        if self._lock.owner == get_ident():
+            raise WouldBlock("get_many() called from inside this collector's own get() on this thread")
+        while True:
+            lock = self._lock
+            lock.acquire(None)
+            try:
+                batch = take_many(self._g, max_items)
+            finally:
+                lock.release()
+            if batch:
+                return batch
+            if self._closing:
+                raise ClosedResourceError("this collector was closed while get_many() waited")
             self._wait(deadline)
 
     def statistics(self) -> CollectorStatistics:
@@ -292,7 +315,7 @@ class BlockingSender(Generic[T_contra]):
                 "(aiobroadcast.blocking.open_collector(), then collector.get())"
             )
 
-        get_nowait = get
+        get_nowait = get_many = get
 
 
 @overload

@@ -352,8 +352,18 @@ def test_gather_cell_json(api: tuple[str, ...]) -> None:
     assert obj["received"] == [1500] and obj["in_order"] is True
     assert obj["msgs_per_s"] > 0 and "FAILED" not in obj
     assert obj["api"] == ("blocking" if api else "async")
+    assert obj["take"] == "get_many"
     wrong = bench("--mode", "tput", "--senders", "2", "--size", "64", "--count", "10")
     assert wrong.returncode == 2 and "--senders" in wrong.stderr
+
+
+@pytest.mark.parametrize("api", [(), ("--blocking",)], ids=["async", "blocking"])
+def test_the_gather_driver_takes_one_delivery_per_get_when_asked(api: tuple[str, ...]) -> None:
+    """``--get-one``: the collector takes with ``get`` (the figure before ``get_many``)."""
+    proc = script("-m", "aiobroadcast.cli._bench_gather", "2", "64", "300", "--get-one", *api)
+    (obj,) = objects(proc)[-1:]
+    assert (obj["take"], obj["received"], obj["in_order"]) == ("get", [600], True)
+    assert "FAILED" not in obj
 
 
 def test_call_cell_json() -> None:

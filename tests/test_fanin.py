@@ -227,7 +227,7 @@ async def test_wrong_handle_kinds_and_duplicate_names_are_clear_errors() -> None
 @pytest.mark.anyio
 async def test_roles_have_no_foreign_methods_at_run_time() -> None:
     async with ab.open_collector() as collector, ab.open_sender(collector.handle, name="s") as sender:
-        for attr in ("get", "get_nowait"):
+        for attr in ("get", "get_nowait", "get_many"):
             with pytest.raises(AttributeError, match="only the collector receives"):
                 getattr(sender, attr)
             assert not hasattr(sender, attr)
@@ -237,6 +237,8 @@ async def test_roles_have_no_foreign_methods_at_run_time() -> None:
     with blocking.open_collector() as bc, blocking.open_sender(bc.handle, name="s") as bs:
         with pytest.raises(AttributeError, match="only the collector receives"):
             bs.get  # type: ignore[attr-defined]  # noqa: B018
+        with pytest.raises(AttributeError, match="only the collector receives"):
+            bs.get_many  # type: ignore[attr-defined]  # noqa: B018
         with pytest.raises(AttributeError, match="open_sender"):
             bc.put  # type: ignore[attr-defined]  # noqa: B018
     with pytest.raises(TypeError, match="open_collector"):

@@ -9,7 +9,9 @@ The protocol's mode ``gather`` (the peers' PROTOCOL.md): each sender sends COUNT
 every sender's ``seq`` in order. ``msgs_per_s`` = N*COUNT / (the earliest first send, every
 sender attached -> the collector has the last message); ``MB_per_s`` of payload. Prints one JSON
 object on its last line; ``FAILED`` says what went wrong, if anything. ``--blocking``: both sides
-use ``aiobroadcast.blocking`` (no event loop).
+use ``aiobroadcast.blocking`` (no event loop). The collector takes with ``get_many`` (what is
+ready, a batch at a time, as faster-fifo's driver takes with its ``get_many``); ``--get-one``:
+with ``get``, one delivery per call.
 """
 
 from __future__ import annotations
@@ -158,7 +160,9 @@ class _Check:
             self.problem = f"{d!r} before all of its items"
 
 
-async def _collect_async(senders: int, size: int, count: int, capacity: int, slot_bytes: int, loop: str) -> Any:
+async def _collect_async(
+    senders: int, size: int, count: int, capacity: int, slot_bytes: int, loop: str, one: bool
+) -> Any:
     from .. import Item, open_collector
 
     async with open_collector(capacity=capacity, slot_bytes=slot_bytes) as collector:
@@ -171,13 +175,23 @@ async def _collect_async(senders: int, size: int, count: int, capacity: int, slo
             total = senders * count
             run.go.set()
             got = 0
-            while got < total:
-                d = await get()
-                if type(d) is Item:
-                    item(d.value)
-                    got += 1
-                else:
-                    check.event(d, count)
+            if one:
+                while got < total:
+                    d = await get()
+                    if type(d) is Item:
+                        item(d.value)
+                        got += 1
+                    else:
+                        check.event(d, count)
+            else:
+                get_many = collector.get_many
+                while got < total:
+                    for d in await get_many():
+                        if type(d) is Item:
+                            item(d.value)
+                            got += 1
+                        else:
+                            check.event(d, count)
             t_end = time.perf_counter_ns()
             errors = run.errors()
         finally:
@@ -185,7 +199,7 @@ async def _collect_async(senders: int, size: int, count: int, capacity: int, slo
     return got, t_end, check, errors
 
 
-def _collect_blocking(senders: int, size: int, count: int, capacity: int, slot_bytes: int, loop: str) -> Any:
+def _collect_blocking(senders: int, size: int, count: int, capacity: int, slot_bytes: int, loop: str, one: bool) -> Any:
     from .. import Item
     from ..blocking import open_collector
 
@@ -199,13 +213,23 @@ def _collect_blocking(senders: int, size: int, count: int, capacity: int, slot_b
             total = senders * count
             run.go.set()
             got = 0
-            while got < total:
-                d = get()
-                if type(d) is Item:
-                    item(d.value)
-                    got += 1
-                else:
-                    check.event(d, count)
+            if one:
+                while got < total:
+                    d = get()
+                    if type(d) is Item:
+                        item(d.value)
+                        got += 1
+                    else:
+                        check.event(d, count)
+            else:
+                get_many = collector.get_many
+                while got < total:
+                    for d in get_many():
+                        if type(d) is Item:
+                            item(d.value)
+                            got += 1
+                        else:
+                            check.event(d, count)
             t_end = time.perf_counter_ns()
             errors = run.errors()
         finally:
@@ -238,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--slot-bytes", type=int)
     p.add_argument("--loop", choices=("uvloop", "asyncio", "trio"), default=default_loop())
     p.add_argument("--blocking", action="store_true", help="senders and collector use aiobroadcast.blocking")
+    p.add_argument("--get-one", action="store_true", help="the collector takes with get(), not get_many()")
     args = p.parse_args(argv)
     loop = BLOCKING if args.blocking else args.loop
     capacity, slot_bytes = ring_for_gather(args.size, args.senders)
@@ -255,10 +280,11 @@ def main(argv: list[str] | None = None) -> int:
         "capacity": capacity,
         "slot_bytes": slot_bytes,
         "api": "blocking" if args.blocking else "async",
+        "take": "get" if args.get_one else "get_many",
     }
     collect = _collect_blocking if args.blocking else _collect_async
     got, t_end, check, errors = _run_loop(
-        loop, collect, args.senders, args.size, args.count, capacity, slot_bytes, loop
+        loop, collect, args.senders, args.size, args.count, capacity, slot_bytes, loop, args.get_one
     )
     total = args.senders * args.count
     out["received"] = [got]

@@ -398,7 +398,10 @@ def take_many(g: _Gather, limit: int) -> list[Any]:
         ahead = f.ahead
         take = g.take
         while len(out) < limit and ahead and g._turn < _tuning.AHEAD_MESSAGES:
-            out.append(take())
+            obj = take()
+            if obj is _NOTHING:  # another thread's get_nowait took the last one meanwhile
+                break
+            out.append(obj)
     return out
 
 

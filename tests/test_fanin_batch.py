@@ -3,11 +3,14 @@ order and turns, a ring's batch at a time; bounded; errors and interruptions tak
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import Any
 
 import anyio
 import pytest
+from _fanin_workers import CtrlCOnce, Undecodable, remote_writer_proc
+from _workers import spawn
 
 import aiobroadcast as ab
 from aiobroadcast import _tuning, blocking
@@ -24,31 +27,6 @@ BACKENDS = pytest.mark.parametrize(
     [("asyncio", {"use_uvloop": False}), ("asyncio", {"use_uvloop": True}), ("trio", {})],
     ids=["asyncio", "uvloop", "trio"],
 )
-
-
-def _refuse() -> None:
-    raise ValueError("cannot be built here")
-
-
-class Undecodable:
-    def __reduce__(self) -> Any:
-        return (_refuse, ())
-
-
-class CtrlCOnce:
-    """Unpickling it raises KeyboardInterrupt the first time (a Ctrl-C in the collector)."""
-
-    fired = False
-
-    def __reduce__(self) -> Any:
-        return (_ctrl_c_once, ())
-
-
-def _ctrl_c_once() -> str:
-    if not CtrlCOnce.fired:
-        CtrlCOnce.fired = True
-        raise KeyboardInterrupt
-    return "decoded"
 
 
 def _check_batches(batches: list[list[Any]], max_items: int) -> tuple[dict[str, list[Any]], list[Any]]:
@@ -129,6 +107,26 @@ async def test_a_batch_holds_at_most_max_items_and_one_rings_batch_of_bytes() ->
         # A ring's batch of large items is three (bytes), below max_items; the third ring batch
         # has the last two and small ones after them, handed out four at most at a time.
         assert batches == [[big] * 3, [big] * 3, [big, big, 0, 1], [2, 3, 4, 5], [6, 7, 8, 9]]
+
+
+@pytest.mark.anyio
+async def test_a_remote_senders_items_come_one_per_batch_in_order() -> None:
+    """A remote sender's items are decoded one per take (nothing is taken ahead): a batch of
+    one each, in order, then its close."""
+    async with ab.open_collector(expect=["far"]) as collector:
+        with spawn(remote_writer_proc, 20, "close") as far:
+            await collector.attach(await far.recv("handle"), name="far")
+            batches: list[list[Any]] = []
+            with anyio.fail_after(15):
+                while True:
+                    try:
+                        batches.append(await collector.get_many())
+                    except ab.EndOfStream:
+                        break
+                assert await far.recv("closed") == 20  # its files removed before it is reaped
+    items, events = _check_batches(batches, 1)
+    assert items == {"far": list(range(20))}
+    assert events == [ab.SourceClosed("far")]
 
 
 @pytest.mark.anyio
@@ -223,3 +221,57 @@ def test_a_blocking_get_many_with_nothing_to_take_times_out_having_taken_nothing
             collector.get_many(timeout=0.05)
         sender.put(1)
         assert collector.get_many(timeout=5) == [ab.Item("s", 1)]
+
+
+@pytest.mark.parametrize("many", [False, True], ids=["get", "get_many"])
+@pytest.mark.anyio
+async def test_a_thread_taking_with_get_nowait_beside_the_loop_takes_each_item_once(many: bool) -> None:
+    """Another thread calls ``get_nowait`` (as the collector's error for a foreign thread's
+    ``get`` suggests) while the loop's task takes with ``get`` or ``get_many``; the interpreter
+    switches threads as often as it can. The thread may take the last item of a batch between
+    two takes of ``get_many``: the batch then ends, with no placeholder in it."""
+    total = 20_000
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        async with ab.open_collector(capacity=256) as collector, ab.open_sender(collector.handle, name="s") as sender:
+            side: list[Any] = []
+            errors: list[BaseException] = []
+            stop = threading.Event()
+
+            def take_beside() -> None:
+                while not stop.is_set():
+                    try:
+                        side.append(collector.get_nowait())
+                    except ab.WouldBlock:
+                        pass
+                    except BaseException as exc:
+                        errors.append(exc)
+                        return
+
+            async def produce() -> None:
+                for i in range(total):
+                    await sender.put(i)
+
+            mine: list[Any] = []
+            thread = threading.Thread(target=take_beside)
+            thread.start()
+            try:
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(produce)
+                    while len(mine) + len(side) < total and not errors:
+                        with anyio.move_on_after(0.05):  # the thread may have taken the rest
+                            if many:
+                                mine.extend(await collector.get_many())
+                            else:
+                                mine.append(await collector.get())
+            finally:
+                stop.set()
+                thread.join()
+            assert not errors
+            got = mine + side
+            assert all(type(d) is ab.Item for d in got)
+            assert sorted(d.value for d in got) == list(range(total))
+            assert collector.statistics().received == total
+    finally:
+        sys.setswitchinterval(switch)

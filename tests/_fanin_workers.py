@@ -157,3 +157,29 @@ def _netns_collect(conn: Conn, count: int) -> None:
         got = [collector.get(timeout=30) for _ in range(count)]
         conn.send(("took", [d.value if isinstance(d, ab.Item) else repr(d) for d in got]))
         time.sleep(3600)
+
+
+# --- items the collector cannot decode (pickled by the tests, unpickled in the collector) --------
+class CtrlCOnce:
+    """Unpickling it raises KeyboardInterrupt the first time (a Ctrl-C in the collector)."""
+
+    fired = False
+
+    def __reduce__(self) -> Any:
+        return (_ctrl_c_once, ())
+
+
+def _ctrl_c_once() -> str:
+    if not CtrlCOnce.fired:
+        CtrlCOnce.fired = True
+        raise KeyboardInterrupt
+    return "decoded"
+
+
+def _refuse() -> None:
+    raise ValueError("cannot be built here")
+
+
+class Undecodable:
+    def __reduce__(self) -> Any:
+        return (_refuse, ())

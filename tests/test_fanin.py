@@ -15,7 +15,7 @@ from typing import Any
 import anyio
 import pytest
 from _blocking_workers import recv
-from _fanin_workers import collector_proc, remote_writer_proc, sender_proc
+from _fanin_workers import CtrlCOnce, Undecodable, collector_proc, remote_writer_proc, sender_proc
 from _workers import spawn
 from pydantic import BaseModel
 
@@ -313,31 +313,6 @@ class Reentrant:
         return (str, ("outer",))
 
 
-class CtrlCOnce:
-    """Unpickling it raises KeyboardInterrupt the first time (a Ctrl-C in the collector)."""
-
-    fired = False
-
-    def __reduce__(self) -> Any:
-        return (_ctrl_c_once, ())
-
-
-def _ctrl_c_once() -> str:
-    if not CtrlCOnce.fired:
-        CtrlCOnce.fired = True
-        raise KeyboardInterrupt
-    return "decoded"
-
-
-def _refuse() -> None:
-    raise ValueError("cannot be built here")
-
-
-class Undecodable:
-    def __reduce__(self) -> Any:
-        return (_refuse, ())
-
-
 class CtrlCPickling:
     def __reduce__(self) -> Any:
         raise KeyboardInterrupt
@@ -345,6 +320,7 @@ class CtrlCPickling:
 
 @pytest.mark.anyio
 async def test_bad_items_raise_in_the_sender_and_nothing_accepted_is_lost() -> None:
+    CtrlCOnce.fired = False
     async with (
         ab.open_collector(capacity=8, slot_bytes=256, max_message_bytes=1000) as collector,
         ab.open_sender(collector.handle, name="s") as sender,

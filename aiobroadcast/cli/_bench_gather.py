@@ -9,9 +9,9 @@ The protocol's mode ``gather`` (the peers' PROTOCOL.md): each sender sends COUNT
 every sender's ``seq`` in order. ``msgs_per_s`` = N*COUNT / (the earliest first send, every
 sender attached -> the collector has the last message); ``MB_per_s`` of payload. Prints one JSON
 object on its last line; ``FAILED`` says what went wrong, if anything. ``--blocking``: both sides
-use ``aiobroadcast.blocking`` (no event loop). The collector takes with ``get_many`` (what is
-ready, a batch at a time, as faster-fifo's driver takes with its ``get_many``); ``--get-one``:
-with ``get``, one delivery per call.
+use ``aiobroadcast.blocking`` (no event loop). The collector takes with ``get_many`` (a sender's
+ring batch per call, as faster-fifo's driver takes with its ``get_many``); ``--get-one``: with
+``get``, one delivery per call.
 """
 
 from __future__ import annotations
@@ -143,6 +143,9 @@ class _Check:
         self.next = {f"s{r}": 0 for r in range(senders)}
         self.first_ts: int | None = None
         self.problem: str | None = None
+        from .. import Item
+
+        self._item_type = Item
 
     def item(self, value: Any) -> None:
         ts, name, seq, _payload = value
@@ -151,6 +154,18 @@ class _Check:
         self.next[name] = seq + 1
         if seq == 0 and (self.first_ts is None or ts < self.first_ts):
             self.first_ts = ts
+
+    def batch(self, deliveries: list[Any], count: int) -> int:
+        """Check what a ``get_many`` returned; the number of items among it."""
+        n = 0
+        item, item_type = self.item, self._item_type
+        for d in deliveries:
+            if type(d) is item_type:
+                item(d.value)
+                n += 1
+            else:
+                self.event(d, count)
+        return n
 
     def event(self, d: Any, count: int) -> None:
         """A sender's close is expected once it sent everything; anything else is a failure."""
@@ -184,14 +199,9 @@ async def _collect_async(
                     else:
                         check.event(d, count)
             else:
-                get_many = collector.get_many
+                get_many, batch = collector.get_many, check.batch
                 while got < total:
-                    for d in await get_many():
-                        if type(d) is Item:
-                            item(d.value)
-                            got += 1
-                        else:
-                            check.event(d, count)
+                    got += batch(await get_many(), count)
             t_end = time.perf_counter_ns()
             errors = run.errors()
         finally:
@@ -222,14 +232,9 @@ def _collect_blocking(senders: int, size: int, count: int, capacity: int, slot_b
                     else:
                         check.event(d, count)
             else:
-                get_many = collector.get_many
+                get_many, batch = collector.get_many, check.batch
                 while got < total:
-                    for d in get_many():
-                        if type(d) is Item:
-                            item(d.value)
-                            got += 1
-                        else:
-                            check.event(d, count)
+                    got += batch(get_many(), count)
             t_end = time.perf_counter_ns()
             errors = run.errors()
         finally:

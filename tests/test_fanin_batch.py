@@ -205,12 +205,15 @@ def test_blocking_threads_each_take_distinct_batches_until_the_end() -> None:
             t.start()
         for t in threads:
             t.join()
-        items, events = _check_batches(batches, 64)
-        assert sorted(items["s"]) == list(range(total))  # each once
+        # (Batches are listed in the order the threads got back to the list, not taken.)
+        assert all(1 <= len(b) <= 64 for b in batches)
+        taken = [d for b in batches for d in b]
+        assert sorted(d.value for d in taken if isinstance(d, ab.Item)) == list(range(total))  # each once
+        assert [d for d in taken if not isinstance(d, ab.Item)] == [ab.SourceClosed("s")]
         for b in batches:  # a batch is a run of consecutive deliveries
             values = [d.value for d in b if isinstance(d, ab.Item)]
-            assert values == sorted(values)
-        assert events == [ab.SourceClosed("s")]
+            if values:
+                assert values == list(range(values[0], values[0] + len(values)))
         with pytest.raises(ab.EndOfStream):
             collector.get_many(timeout=0.01)
 

@@ -4,7 +4,7 @@ same engine (``_fanin._Gather``) and rings as the async roles (docs/fan-in.md). 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from threading import get_ident
 from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, final, overload
 
@@ -78,38 +78,14 @@ class BlockingCollector(Generic[T_co]):
     def get(self, timeout: float | None = None) -> Delivery[T_co]:
         """Wait for the next delivery (blocking this thread in ``poll()`` on the collector's one
         socket). ``timeout``: ``WaitTimeout`` after that many seconds, having taken nothing."""
-        b = _blocking()
-        deadline = None if timeout is None else b._deadline(timeout)
-        if self._lock.owner == get_ident():
-            raise WouldBlock("get() called from inside this collector's own get() on this thread")
-        while True:
-            obj = self._take()
-            if obj is not _NOTHING:
-                return obj  # type: ignore[no-any-return]
-            if self._closing:
-                raise ClosedResourceError("this collector was closed while get() waited")
-            self._wait(deadline)
+        return self._until(self._g.take, timeout, "get")  # type: ignore[no-any-return]
 
     def get_many(self, max_items: int = _tuning.AHEAD_MESSAGES, timeout: float | None = None) -> list[Delivery[T_co]]:
         """Wait for the next delivery, then return it with the ones the collector took with it
         (``Collector.get_many``), up to ``max_items``. ``timeout`` as for ``get``."""
         check_max_items(max_items)
-        b = _blocking()
-        deadline = None if timeout is None else b._deadline(timeout)
-        if self._lock.owner == get_ident():
-            raise WouldBlock("get_many() called from inside this collector's own get() on this thread")
-        while True:
-            lock = self._lock
-            lock.acquire(None)
-            try:
-                batch = take_many(self._g, max_items)
-            finally:
-                lock.release()
-            if batch:
-                return batch
-            if self._closing:
-                raise ClosedResourceError("this collector was closed while get_many() waited")
-            self._wait(deadline)
+        g = self._g
+        return self._until(lambda: take_many(g, max_items) or _NOTHING, timeout, "get_many")  # type: ignore[no-any-return]
 
     def statistics(self) -> CollectorStatistics:
         self._lock.acquire(None)
@@ -200,6 +176,27 @@ class BlockingCollector(Generic[T_co]):
             return self._g.take()
         finally:
             lock.release()
+
+    def _until(self, take: Callable[[], Any], timeout: float | None, what: str) -> Any:
+        """``take()`` under the lock until it finds something (``get``, ``get_many``), sleeping
+        on the inbox between tries; ``WaitTimeout`` after ``timeout`` seconds, having taken
+        nothing."""
+        b = _blocking()
+        deadline = None if timeout is None else b._deadline(timeout)
+        lock = self._lock
+        if lock.owner == get_ident():
+            raise WouldBlock(f"{what}() called from inside this collector's own get() on this thread")
+        while True:
+            lock.acquire(None)
+            try:
+                obj = take()
+            finally:
+                lock.release()
+            if obj is not _NOTHING:
+                return obj
+            if self._closing:
+                raise ClosedResourceError(f"this collector was closed while {what}() waited")
+            self._wait(deadline)
 
     def _wait(self, deadline: float | None) -> None:
         b = _blocking()

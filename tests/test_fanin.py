@@ -434,6 +434,11 @@ def test_a_fork_child_inherits_no_role_and_may_open_its_own_sender() -> None:
                         code = code or 3
                     except ab.ClosedResourceError as exc:
                         code = code or (0 if "open_sender" in str(exc) else 4)
+                    try:
+                        collector.get_many(timeout=0.01)
+                        code = code or 5
+                    except ab.ClosedResourceError as exc:
+                        code = code or (0 if "open_sender" in str(exc) else 6)
                     with blocking.open_sender(collector.handle, name="child") as own:
                         own.put("child's own")
                 finally:

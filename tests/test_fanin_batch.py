@@ -278,3 +278,31 @@ async def test_a_thread_taking_with_get_nowait_beside_the_loop_takes_each_item_o
             assert collector.statistics().received == total
     finally:
         sys.setswitchinterval(switch)
+
+
+class TakesWhileDecoded:
+    """Unpickling it calls the blocking collector's ``get_many`` (a ``__setstate__`` that reads)."""
+
+    collector: Any = None
+    seen: list[str] = []  # noqa: RUF012
+
+    def __reduce__(self) -> Any:
+        return (_take_inside, ())
+
+
+def _take_inside() -> str:
+    try:
+        TakesWhileDecoded.collector.get_many(timeout=0.01)
+        TakesWhileDecoded.seen.append("took")
+    except ab.WouldBlock as exc:
+        TakesWhileDecoded.seen.append("WouldBlock" if "get_many() called from inside" in str(exc) else repr(exc))
+    return "decoded"
+
+
+def test_a_get_many_from_inside_decoding_raises_would_block_and_takes_nothing_twice() -> None:
+    with blocking.open_collector() as collector, blocking.open_sender(collector.handle, name="s") as sender:
+        TakesWhileDecoded.collector, TakesWhileDecoded.seen = collector, []
+        sender.put(TakesWhileDecoded())
+        sender.put("next")
+        assert collector.get_many(timeout=5) == [ab.Item("s", "decoded"), ab.Item("s", "next")]
+        assert TakesWhileDecoded.seen == ["WouldBlock"]

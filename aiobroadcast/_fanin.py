@@ -970,7 +970,9 @@ class Sender(Generic[T_contra]):
         for a sender of this host."""
         return self._remote
 
-    def _check(self) -> None:
+    def _check(self, after: bool = False) -> None:
+        """``check_sender`` before a put, or ``after`` one (then an item the collector took before
+        it left is not reported as lost)."""
         pub = self._pub
         check_sender(
             pub.closed,
@@ -981,6 +983,7 @@ class Sender(Generic[T_contra]):
             self._watch,
             self._collector,
             self._name,
+            pub.head if after else None,
         )
 
     def put_nowait(self, obj: T_contra) -> None:
@@ -989,7 +992,7 @@ class Sender(Generic[T_contra]):
         self._check()
         self._w.put_nowait(obj)
         if not self._words[self._active]:
-            self._check()
+            self._check(after=True)
 
     async def put(self, obj: T_contra) -> None:
         """Send ``obj``, waiting while the collector is a full ring behind. Cancel-safe. Raises
@@ -1004,13 +1007,13 @@ class Sender(Generic[T_contra]):
             self._check()
         await self._w.put(obj)
         if not words[active]:
-            self._check()
+            self._check(after=True)
 
     async def put_many(self, objs: Iterable[T_contra]) -> None:
         """Send several items, in order, as one operation (``Writer.put_many``)."""
         self._check()
         await self._w.put_many(objs)
-        self._check()
+        self._check(after=True)
 
     async def aclose(self) -> None:
         """Close: the collector takes what was sent, then reports ``SourceClosed(name)``."""
@@ -1355,13 +1358,23 @@ def check_sender(
     watch: CollectorWatch | NoWatch,
     collector: CollectorHandle,
     name: str,
+    published: int | None = None,
 ) -> None:
     """A sender's check before and after a put (both front ends): ``ClosedResourceError`` once
     it is closed (``refusal``: a fork child's, said so with ``owner()``), ``CollectorGone`` once
-    its collector left its place (``words[active]`` is 0) or died. Nothing more is read once closed."""
+    its collector left its place (``words[active]`` is 0) or died. Nothing more is read once closed.
+
+    After a put, ``published`` is the ring's head (one past the entry just published): a
+    collector that took every entry up to it before leaving took the item, and the put is done
+    (the next one raises). ``CollectorGone`` means "not taken": a put whose item was taken and
+    used must not say otherwise (a worker's reply to the call that was the pool's last, say).
+    The place's cursor is loaded after its ``active`` word, each with acquire: a collector stores
+    its cursor before it leaves, so the cursor read is at least the one it left with."""
     if closed:
         raise ClosedResourceError(_sender_refusal(owner()) if refusal else "this sender is closed")
     if not words[active] or watch.dead():
+        if published is not None and words[active - R_ACTIVE + R_CURSOR] >= published:
+            return
         raise CollectorGone(collector.collector_pid, name)
 
 

@@ -247,7 +247,8 @@ class BlockingSender(Generic[T_contra]):
         """As ``Sender.remote_handle``: what a collector attaches (a remote sender), else None."""
         return self._remote
 
-    def _check(self) -> None:
+    def _check(self, after: bool = False) -> None:
+        """As ``Sender._check``: before a put, or ``after`` one."""
         pub = self._pub
         closed = self._w._closing or pub.closed
         check_sender(
@@ -259,6 +260,7 @@ class BlockingSender(Generic[T_contra]):
             self._watch,
             self._collector,
             self._name,
+            pub.head if after else None,
         )
 
     def put_nowait(self, obj: T_contra) -> None:
@@ -266,20 +268,20 @@ class BlockingSender(Generic[T_contra]):
         ``CollectorGone``."""
         self._check()
         self._w.put_nowait(obj)
-        self._check()
+        self._check(after=True)
 
     def put(self, obj: T_contra, timeout: float | None = None) -> None:
         """Send ``obj``, blocking while the ring is full. Raises like ``BlockingWriter.put``, and
         ``CollectorGone`` once the collector has closed or died."""
         self._check()
         self._w.put(obj, timeout)
-        self._check()
+        self._check(after=True)
 
     def put_many(self, objs: Iterable[T_contra], timeout: float | None = None) -> None:
         """Send several items as one operation (``BlockingWriter.put_many``)."""
         self._check()
         self._w.put_many(objs, timeout)
-        self._check()
+        self._check(after=True)
 
     def close(self) -> None:
         """Close: the collector takes what was sent, then reports ``SourceClosed(name)``."""

@@ -157,6 +157,88 @@ async def test_put_raises_collector_gone_once_the_collector_closes() -> None:
             sender.put_nowait(3)
 
 
+@pytest.mark.parametrize("method", ["put", "put_nowait", "put_many"])
+@pytest.mark.parametrize("taken", [True, False], ids=["taken", "left"])
+def test_a_put_whose_item_the_collector_took_before_it_closed_returns(method: str, taken: bool) -> None:
+    """The collector takes the item just published, then closes, before the sender looks at its
+    place again: the item was delivered, so the put returns (a worker's reply to the pool's last
+    call, then ``Caller.aclose``, raced so). The next put raises ``CollectorGone``. A collector
+    that leaves without taking the item still makes that put raise: "not taken". The close is
+    made to land between the publish and the sender's look after it, where another process's
+    would land by chance."""
+    one: Any = ["x"] if method == "put_many" else "x"
+    with blocking.open_collector(capacity=8, slot_bytes=256) as collector:
+        with blocking.open_sender(collector.handle, name="s") as sender:
+            publish = getattr(sender._w, method)  # the sender's writer: published once it returns
+            got: list[Any] = []
+
+            def publish_then_the_collector_leaves(*args: Any) -> None:
+                publish(*args)
+                if taken:
+                    got.append(collector.get(timeout=WITHIN_S))
+                collector.close()
+
+            setattr(sender._w, method, publish_then_the_collector_leaves)
+            if taken:
+                getattr(sender, method)(one)
+                assert got == [ab.Item("s", "x")]
+            else:
+                with pytest.raises(ab.CollectorGone, match="closed or died"):
+                    getattr(sender, method)(one)
+            with pytest.raises(ab.CollectorGone):
+                getattr(sender, method)(one)
+
+
+@pytest.mark.parametrize("method", ["put", "put_nowait", "put_many"])
+@pytest.mark.parametrize("taken", [True, False], ids=["taken", "left"])
+@pytest.mark.anyio
+async def test_an_async_put_whose_item_the_collector_took_before_it_closed_returns(method: str, taken: bool) -> None:
+    """As the blocking test above, for ``Sender``."""
+    one: Any = ["x"] if method == "put_many" else "x"
+    collector = await ab.open_collector(capacity=8, slot_bytes=256)
+    async with ab.open_sender(collector.handle, name="s") as sender:
+        publish = getattr(sender._w, method)
+        got: list[Any] = []
+
+        async def leave() -> None:
+            if taken:
+                got.append(collector.get_nowait())
+            await collector.aclose()
+
+        if method == "put_nowait":
+
+            def publish_now(obj: Any) -> None:
+                publish(obj)
+                # A method without an await: the collector leaves in one step of its coroutine
+                # (aclose waits for nothing here; the test fails if it ever does).
+                with pytest.raises(StopIteration):
+                    leave().send(None)
+
+            setattr(sender._w, method, publish_now)
+        else:
+
+            async def publish_then_leave(obj: Any) -> None:
+                await publish(obj)
+                await leave()
+
+            setattr(sender._w, method, publish_then_leave)
+        call = getattr(sender, method)
+        if taken:
+            res = call(one)
+            if method != "put_nowait":
+                await res
+            assert got == [ab.Item("s", "x")]
+        else:
+            with pytest.raises(ab.CollectorGone, match="closed or died"):
+                res = call(one)
+                if method != "put_nowait":
+                    await res
+        with pytest.raises(ab.CollectorGone):
+            res = call(one)
+            if method != "put_nowait":
+                await res
+
+
 def test_a_put_blocked_on_a_killed_collector_raises_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
     with spawn(collector_proc, 4) as child:
         h = recv(child, "handle")

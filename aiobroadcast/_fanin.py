@@ -44,6 +44,7 @@ from ._exceptions import (
     ReaderLagged,
     TooManyReaders,
     TransportError,
+    WaitTimeout,
     WouldBlock,
     WriterGone,
 )
@@ -761,6 +762,21 @@ class Collector(Generic[T_co]):
                 return obj  # type: ignore[no-any-return]
             await self._wait()
 
+    async def _get_before(self, deadline: float) -> Delivery[T_co]:
+        """``get`` until ``deadline`` (``time.monotonic``), then ``WaitTimeout`` having taken
+        nothing: the sleeps end at the deadline, without a cancel scope (a caller's call)."""
+        if _get_ident() != self._thread:
+            self._check_thread()
+        if self._since_yield >= _tuning.YIELD_EVERY:
+            await self._yield_turn()
+        g = self._g
+        while True:
+            obj = g.take()
+            if obj is not _NOTHING:
+                self._since_yield += 1
+                return obj  # type: ignore[no-any-return]
+            await self._wait(lambda: _left(deadline))
+
     async def get_many(self, max_items: int = _tuning.AHEAD_MESSAGES) -> list[Delivery[T_co]]:
         """Wait for the next delivery, then return it with the ones the collector took with it
         from the same sender's ring (docs/fan-in.md, "Batches"), up to ``max_items``: what as
@@ -868,18 +884,22 @@ class Collector(Generic[T_co]):
         self._since_yield = 0
         await anyio.lowlevel.checkpoint()
 
-    async def _wait(self) -> None:
+    async def _wait(self, left_s: Callable[[], float | None] | None = None) -> None:
+        """Wait for the ring to change: as the one sleeper, or behind it. ``left_s``: the time
+        left before a deadline (None: no deadline); raises ``WaitTimeout`` once it passed."""
         self._tasks_waiting += 1
         try:
             if self._leading:
                 followers = self._followers
                 if followers is None:
                     followers = self._followers = anyio.Event()
-                await followers.wait()
+                left = None if left_s is None else left_s()
+                with anyio.move_on_after(float("inf") if left is None else left):
+                    await followers.wait()
             else:
                 self._leading = True
                 try:
-                    await self._sleep()
+                    await self._sleep(left_s or _no_deadline)
                 finally:
                     self._leading = False
                     followers = self._followers
@@ -892,9 +912,9 @@ class Collector(Generic[T_co]):
         if g.closed:
             raise ClosedResourceError(g.refusal or "this collector was closed while get() waited")
 
-    async def _sleep(self) -> None:
+    async def _sleep(self, left_s: Callable[[], float | None]) -> None:
         g = self._g
-        self._slept_ns = await run(sleep_steps(g, self._slept_ns, lambda: g.closed, _no_deadline), self._sleep_inbox)
+        self._slept_ns = await run(sleep_steps(g, self._slept_ns, lambda: g.closed, left_s), self._sleep_inbox)
 
     async def _sleep_inbox(self, limit_s: float) -> bool:
         try:
@@ -905,6 +925,14 @@ class Collector(Generic[T_co]):
 
 def _no_deadline() -> float | None:
     return None
+
+
+def _left(deadline: float) -> float:
+    """Seconds left before ``deadline`` (``time.monotonic``); ``WaitTimeout`` once it passed."""
+    left = deadline - monotonic()
+    if left <= 0:
+        raise WaitTimeout("the deadline passed")
+    return left
 
 
 def sleep_steps(g: _Gather, slept_ns: int, stop: Callable[[], bool], left_s: Callable[[], float | None]) -> Steps[int]:

@@ -86,6 +86,11 @@ async def test_a_call_gets_every_reply_a_handlers_error_as_text_and_a_closed_wor
             assert (s.late_replies, s.unknown_replies) == (0, 0)
 
 
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [("asyncio", {"use_uvloop": False}), ("asyncio", {"use_uvloop": True}), "trio"],
+    ids=["asyncio", "uvloop", "trio"],
+)
 @pytest.mark.anyio
 async def test_a_late_reply_is_dropped_and_counted_and_an_unknown_id_too() -> None:
     async with ab.open_caller(workers=["slow", "rogue"], capacity=8, slot_bytes=1024) as caller:
@@ -140,6 +145,50 @@ def test_blocking_caller_reports_a_killed_worker_dead_and_goes_on() -> None:
             assert caller.call(10, timeout=WITHIN_S)["w0"] == ab.Reply("w0", ("w0", 10))
             assert caller.statistics().late_replies == 1
             assert caller.statistics().ended == (("w1", "dead"),)
+
+
+@pytest.mark.parametrize(
+    "anyio_backend",
+    [("asyncio", {"use_uvloop": False}), ("asyncio", {"use_uvloop": True}), "trio"],
+    ids=["asyncio", "uvloop", "trio"],
+)
+@pytest.mark.anyio
+async def test_a_call_waits_for_room_until_its_deadline_and_then_sends_nothing() -> None:
+    """A worker busy with a long request reads no more: the request ring fills, and a call that
+    finds it full waits for room within its own timeout only, then answers "deadline" for
+    every worker, its request not sent."""
+    async with ab.open_caller(workers=["busy"], capacity=2, slot_bytes=1024) as caller:
+        h = caller.handle.to_json()
+        with spawn(worker_proc, h, "busy", "blocking") as busy:
+            await busy.recv("ready")
+            assert (await caller.call("hello", timeout=WITHIN_S))["busy"] == ab.Reply("busy", ("busy", "hello"))
+            first = await caller.call(("sleep", 3.0), timeout=0.2)  # taken: the worker sleeps on it
+            assert first["busy"].reason == "deadline"  # type: ignore[union-attr]
+            sent = caller._w.statistics().sent
+            for _ in range(caller._w.statistics().capacity):  # fill the ring the worker does not read
+                assert (await caller.call("queued", timeout=0.05))["busy"].reason == "deadline"  # type: ignore[union-attr]
+            assert caller._w.statistics().sent == sent + 2
+            start = time.monotonic()
+            full = await caller.call("no room", timeout=0.3)
+            assert 0.25 <= time.monotonic() - start < WITHIN_S
+            assert full == {"busy": ab.NoReply("busy", "deadline", "worker 'busy' did not answer within 0.3 s")}
+            assert caller._w.statistics().sent == sent + 2  # "no room" was not sent
+            # Once the worker is back, it answers what was sent, in order; then the next call.
+            assert (await caller.call("after", timeout=WITHIN_S))["busy"] == ab.Reply("busy", ("busy", "after"))
+            assert caller.statistics().late_replies == 3  # the sleep and the two queued
+
+
+@pytest.mark.anyio
+async def test_a_call_from_another_thread_is_refused_before_anything_is_sent() -> None:
+    async with ab.open_caller(workers=["w"]) as caller:
+
+        async def elsewhere() -> None:
+            await caller.call("x", timeout=1)
+
+        with pytest.raises(ab.BroadcastError, match=r"caller's call\(\) belongs to the thread"):
+            await anyio.to_thread.run_sync(anyio.run, elsewhere)
+        assert caller._w.statistics().sent == 0
+        assert caller.statistics().calls == 0
 
 
 @pytest.mark.anyio

@@ -487,7 +487,8 @@ class Caller(Generic[Q, R]):
         """``_Call`` driven in a task, until ``deadline`` (``time.monotonic``). No cancel scope on
         the usual path: the request is published at once (a scope only if the ring is full), and
         the collector's own sleeps end at the deadline (``Collector._get_before``). A scope per
-        call (its timer made and cancelled) cost about a tenth of a paced call's round trip."""
+        call (its timer made and cancelled, the task's state looked up) was a measurable part of
+        a paced call's round trip (docs/performance.md, "Calls: fewer frames ...")."""
         call = self._core.start(request)
         try:
             need = call.need()

@@ -56,15 +56,14 @@ def wait_steps(spin_ns: int, ready: Callable[[], bool], limit_s: Callable[[], fl
 
 
 def sleep_steps(src: Source, limit_s: float) -> Steps[bool]:
-    """One sleep of a reader on its source's inbox (``_steps``):
+    """One sleep of a reader on its source's inbox, written once for both front ends (``_steps``):
     announce the sleep (``begin_sleep``: from now on a new message wakes the inbox), re-check
     (done by ``begin_sleep``: if something came meanwhile, no sleep), wait for a wake-up for up to
     ``limit_s``, end the sleep (``end_sleep``: on a quiet end, the source checks the writer is
     alive). In that order, so no wake-up is lost: a message published before the announcement
     is seen by the re-check, one after it wakes the inbox. The wait is the one step a front end
-    does its own way (``sleep_blocking`` drives these steps; ``sleep_async`` writes the same three
-    steps out); ``end_sleep`` runs on every way out of it (cancellation, a close). True if a
-    wake-up came."""
+    does its own way (``sleep_async``, ``sleep_blocking``); ``end_sleep`` runs on every way out of
+    it (cancellation, a close). True if a wake-up came."""
     if src.begin_sleep():
         return False
     woken = False
@@ -76,24 +75,33 @@ def sleep_steps(src: Source, limit_s: float) -> Steps[bool]:
 
 
 async def sleep_async(src: Source, limit_s: float) -> bool:
-    """``sleep_steps`` in a task, written out: the wait is the source's own in the running event
-    loop. A close meanwhile ends it quietly (the caller looks at its own closed state).
+    """``sleep_steps`` in a task: the wait is the source's own in the running event loop. A close
+    meanwhile ends it quietly (the caller looks at its own closed state).
 
-    Written out rather than driven (``_steps.run`` over the generator), and called straight from
-    ``Reader._wait`` when the reader does not poll first (a paced or idle stream: a waiting
-    worker's every request): a pool's worker wakes once per call, with its code and data cold,
-    and each coroutine and generator frame between the wake-up and ``get`` returning costs there.
-    Alternated runs of the call benchmark: about 5-10 % less CPU per worker (docs/performance.md)."""
-    if src.begin_sleep():
-        return False
-    woken = False
+    Driven here by hand, not through ``_steps.run``, and called straight from ``Reader._wait``
+    when the reader does not poll first (a paced or idle stream: a waiting worker's every
+    request): a pool's worker wakes once per call, with its code and data cold, and each
+    coroutine frame between the wake-up and ``get`` returning costs there (docs/performance.md).
+    The steps' ``finally`` (``end_sleep``) runs on every way out: ``close`` on an error or a
+    cancellation, the last ``send`` otherwise."""
+    steps = sleep_steps(src, limit_s)
     try:
-        woken = await src.sleep(limit_s)
+        limit = next(steps)
+    except StopIteration as done:  # the ring changed while the sleep was announced
+        return done.value  # type: ignore[no-any-return]
+    try:
+        woken = await src.sleep(limit)
     except anyio.ClosedResourceError:
-        pass  # closed by aclose() meanwhile (the sleep is ended): Reader raises ClosedResourceError
-    finally:
-        src.end_sleep(woken)
-    return woken
+        steps.close()
+        return False  # closed by aclose() meanwhile (the sleep is ended): Reader raises ClosedResourceError
+    except BaseException:
+        steps.close()
+        raise
+    try:
+        steps.send(woken)
+    except StopIteration as done:
+        return done.value  # type: ignore[no-any-return]
+    raise AssertionError("sleep_steps sleeps once")
 
 
 def sleep_blocking(src: Source, limit_s: float) -> bool:
@@ -327,7 +335,7 @@ class Reader(Generic[T_co]):
                 try:
                     src = self._src
                     spin = poll_budget(self._spin_ns, self._slept_ns)
-                    if not spin:  # wait_steps without its poll, written out (see sleep_async)
+                    if not spin:  # wait_steps without its poll: one sleep, driven by hand (see sleep_async)
                         start = perf_counter_ns()
                         await sleep_async(src, src.sleep_limit_s)
                         self._slept_ns = perf_counter_ns() - start

@@ -3,6 +3,7 @@ shared memory."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from typing import Any
@@ -29,6 +30,14 @@ def cpu_s(pid: int) -> float:
 @pytest.fixture
 def anyio_backend() -> Any:
     return ("asyncio", {"use_uvloop": False})
+
+
+#: For the tests whose waits each event loop does its own way (a call's deadline, its cancellation).
+EVERY_LOOP = pytest.mark.parametrize(
+    "anyio_backend",
+    [("asyncio", {"use_uvloop": False}), ("asyncio", {"use_uvloop": True}), "trio"],
+    ids=["asyncio", "uvloop", "trio"],
+)
 
 
 @pytest.mark.anyio
@@ -86,11 +95,7 @@ async def test_a_call_gets_every_reply_a_handlers_error_as_text_and_a_closed_wor
             assert (s.late_replies, s.unknown_replies) == (0, 0)
 
 
-@pytest.mark.parametrize(
-    "anyio_backend",
-    [("asyncio", {"use_uvloop": False}), ("asyncio", {"use_uvloop": True}), "trio"],
-    ids=["asyncio", "uvloop", "trio"],
-)
+@EVERY_LOOP
 @pytest.mark.anyio
 async def test_a_late_reply_is_dropped_and_counted_and_an_unknown_id_too() -> None:
     async with ab.open_caller(workers=["slow", "rogue"], capacity=8, slot_bytes=1024) as caller:
@@ -147,11 +152,7 @@ def test_blocking_caller_reports_a_killed_worker_dead_and_goes_on() -> None:
             assert caller.statistics().ended == (("w1", "dead"),)
 
 
-@pytest.mark.parametrize(
-    "anyio_backend",
-    [("asyncio", {"use_uvloop": False}), ("asyncio", {"use_uvloop": True}), "trio"],
-    ids=["asyncio", "uvloop", "trio"],
-)
+@EVERY_LOOP
 @pytest.mark.anyio
 async def test_a_call_waits_for_room_until_its_deadline_and_then_sends_nothing() -> None:
     """A worker busy with a long request reads no more: the request ring fills, and a call that
@@ -176,6 +177,42 @@ async def test_a_call_waits_for_room_until_its_deadline_and_then_sends_nothing()
             # Once the worker is back, it answers what was sent, in order; then the next call.
             assert (await caller.call("after", timeout=WITHIN_S))["busy"] == ab.Reply("busy", ("busy", "after"))
             assert caller.statistics().late_replies == 3  # the sleep and the two queued
+
+
+@pytest.mark.parametrize(
+    ("anyio_backend", "how"),
+    [
+        (("asyncio", {"use_uvloop": False}), "anyio"),
+        (("asyncio", {"use_uvloop": True}), "anyio"),
+        ("trio", "anyio"),
+        (("asyncio", {"use_uvloop": False}), "asyncio"),
+        (("asyncio", {"use_uvloop": True}), "asyncio"),
+    ],
+    ids=["asyncio-scope", "uvloop-scope", "trio-scope", "asyncio-timeout", "uvloop-timeout"],
+)
+@pytest.mark.anyio
+async def test_a_call_cancelled_while_it_waits_for_replies_leaves_the_next_call_its_own(
+    anyio_backend: Any, how: str
+) -> None:
+    """A call's deadline is not a cancel scope any more, so a cancellation from outside (an anyio
+    scope, or asyncio's own ``asyncio.timeout``: ``task.cancel()``) must still end it mid-wait,
+    free its turn, and leave nothing behind: the reply it was waiting for arrives later and is
+    dropped as late, never returned by the next call."""
+    async with ab.open_caller(workers=["w"], capacity=8, slot_bytes=1024) as caller:
+        with spawn(worker_proc, caller.handle.to_json(), "w", "blocking") as w:
+            await w.recv("ready")
+            if how == "anyio":
+                with anyio.move_on_after(0.2) as scope:
+                    await caller.call(("sleep", 1.0), timeout=WITHIN_S)
+                assert scope.cancelled_caught
+            else:
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.2):
+                        await caller.call(("sleep", 1.0), timeout=WITHIN_S)
+            got = await caller.call("next", timeout=WITHIN_S)
+            assert got == {"w": ab.Reply("w", ("w", "next"))}
+            s = caller.statistics()
+            assert (s.calls, s.late_replies, s.unknown_replies) == (2, 1, 0)
 
 
 @pytest.mark.anyio

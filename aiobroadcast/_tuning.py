@@ -60,8 +60,9 @@ LIVENESS_S = 0.5
 WATCHED_LIVENESS_S = 2.0
 #: How long a remote reader's task sleeps at most before it looks at its queue again. A last
 #: resort only: its I/O thread wakes it for every message it queues, for the stream's end and for
-#: the server's silence, and every turn of that thread (at least one a heartbeat) wakes a sleeper
-#: that has something queued, so a wake-up lost on the way costs a message a heartbeat at most.
+#: the server's silence, and every turn of that thread (at least one every two heartbeats, the
+#: interval of an idle reader's own heartbeat) wakes a sleeper that has something queued, so a
+#: wake-up lost on the way costs a message two heartbeats at most.
 #: Each wake-up of an idle reader's loop costs several hundred microseconds of CPU on a small VM
 #: (about 1 ms per 5 s at a 2 s limit), so it is rare.
 REMOTE_SLEEP_S = 10.0

@@ -150,10 +150,10 @@ async def test_an_idle_remote_readers_sleep_ends_on_its_own_after_the_safety_net
     assert ends[-1] is True  # the message woke the last one
 
 
-def test_a_lost_wake_up_costs_a_remote_message_a_heartbeat_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_lost_wake_up_costs_a_remote_message_two_heartbeats_at_most(monkeypatch: pytest.MonkeyPatch) -> None:
     """The sleep's own limit is a last resort: when the wake-up that announces a message is lost
-    (here every first one of a message's), the I/O thread's next turn (its heartbeat, at the
-    latest) wakes the sleeper for what is queued. Blocking reader: it waits on the inbox's
+    (here every first one of a message's), the I/O thread's next turn (its idle heartbeat, two
+    intervals on, at the latest) wakes the sleeper for what is queued. Blocking reader: it waits on the inbox's
     descriptor, so every wake-up goes through ``_Inbox.wake``."""
     monkeypatch.setattr(_tuning, "REMOTE_SLEEP_S", 60.0)
     calls = 0

@@ -25,6 +25,7 @@ from aiobroadcast._tcp.protocol import (
     BUFFER_BYTES,
     HEARTBEAT_HEARD,
     HEARTBEAT_LATEST,
+    IDLE_ACK_HEARTBEATS,
     Admitted,
     ClientEvent,
     ClientProtocol,
@@ -848,9 +849,41 @@ def test_the_client_says_hello_then_takes_messages_in_order_and_acknowledges_by_
     assert kinds(c) == []  # 1 more consumed: less than half the window
     c.tick(0.3, consumed=8)
     assert kinds(c) == [(wire.ACK, 8)]
-    c.tick(0.3 + HB, consumed=8)
-    assert kinds(c) == [(wire.ACK, 8)]  # once a heartbeat anyway: it is the reader's heartbeat too
+    c.tick(0.3 + IDLE_ACK_HEARTBEATS * HB, consumed=8)
+    assert kinds(c) == [(wire.ACK, 8)]  # again anyway: it is the reader's heartbeat too
     assert c.rejected_frames == 0
+
+
+def test_an_idle_clients_heartbeat_goes_every_second_interval_and_one_with_news_every_interval() -> None:
+    """An ACK that says nothing new is only the reader's heartbeat: idle, it goes every
+    ``IDLE_ACK_HEARTBEATS`` intervals (the idle server and reader wake half as often); as soon as
+    something came or was consumed, the next goes a heartbeat after the last, as before. Either
+    way the server, which drops a reader after ``hb_timeout``, hears it well within that."""
+    assert IDLE_ACK_HEARTBEATS * HB * 2 < TIMEOUT  # two idle heartbeats may be lost before a drop
+    c = client(window=100)
+    c.data_to_send()
+    c.receive(welcome(0, window=100), 0.0)
+    c.receive_data(batch(0, 1), 0.0, consumed=0)
+    c.tick(0.0, consumed=1, ack=True)
+    assert kinds(c) == [(wire.ACK, 1)]
+    # Nothing since: the next is due two intervals on, not one (and the I/O thread sleeps until then).
+    assert c.next_tick(consumed=1) == IDLE_ACK_HEARTBEATS * HB
+    c.tick(HB, consumed=1)
+    assert kinds(c) == []
+    c.tick(IDLE_ACK_HEARTBEATS * HB, consumed=1)
+    assert kinds(c) == [(wire.ACK, 1)]
+    last = IDLE_ACK_HEARTBEATS * HB
+    # A message comes (not consumed yet): the next heartbeat is an interval after the last again.
+    c.receive_data(batch(1, 1), last + 0.1, consumed=1)
+    assert c.next_tick(consumed=1) == last + HB
+    c.tick(last + HB, consumed=1)
+    assert kinds(c) == [(wire.ACK, 1)]
+    last += HB
+    # Consumed since the last ACK, with nothing new come: news too, an interval after the last.
+    assert c.next_tick(consumed=2) == last + HB
+    assert c.next_tick(consumed=1) == last + IDLE_ACK_HEARTBEATS * HB
+    c.tick(last + HB, consumed=2)
+    assert kinds(c) == [(wire.ACK, 2)]
 
 
 def test_the_client_acknowledges_at_once_when_asked_to_and_never_twice_the_same() -> None:
@@ -925,6 +958,8 @@ def test_a_starved_client_asks_again_when_the_server_says_it_has_more() -> None:
 @example([("batch", 4), ("heartbeat", 12), ("wake", 0.5), ("wake", 0.5), ("sleep", 0.5)], True, None)
 # starved with room: the NACK's time
 @example([("batch", 2), ("heartbeat", 12), ("sleep", 0.9), ("wake", 0.0), ("wake", 1.5)], True, None)
+# idle after an ACK, then starved: the NACK a tick sends does not make a later ACK due in the past
+@example([("wake", 0.0), ("sleep", 0.75), ("heartbeat", 1)], True, None)
 def test_a_client_that_sleeps_until_next_tick_misses_nothing(
     ops: list[tuple[str, Any]], welcomed: bool, gone_timeout: float | None
 ) -> None:

@@ -41,7 +41,7 @@ from .._stats import ReaderStatistics
 from .._steps import Steps, run, run_blocking
 from . import wire
 from .errors import protocol_error, zmq_errors
-from .protocol import ACK_BYTES, ClientProtocol, Ended, Lagged, Messages, Refused, Welcomed
+from .protocol import ACK_BYTES, IDLE_ACK_HEARTBEATS, ClientProtocol, Ended, Lagged, Messages, Refused, Welcomed
 from .sockets import recv_parts
 
 #: bytes of data frames the I/O thread opens before it looks at acknowledgements again
@@ -670,10 +670,11 @@ class _Pump(_Intake):
                 # came at its other turns. Decided under the lock, which a task going to sleep
                 # without polling it takes to see whether this thread does (else it pokes it).
                 self.watching = not self.loop_reads
-                # Until the protocol's next timer (at most a heartbeat): an idle reader wakes
-                # for its heartbeat and the server's, and nothing else.
+                # Until the protocol's next timer (at most an idle ACK's interval, two
+                # heartbeats): an idle reader wakes for its heartbeat and the server's, and
+                # nothing else.
                 now = time.monotonic()
-                due = min(proto.next_tick(self.consumed), now + proto.hb_interval)
+                due = min(proto.next_tick(self.consumed), now + IDLE_ACK_HEARTBEATS * proto.hb_interval)
                 self._wake_at = now if self._data_pending else due
                 wait_s = self._wake_at - now
             if event is not None:

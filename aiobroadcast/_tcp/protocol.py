@@ -97,6 +97,12 @@ HEARTBEAT_HEARD = 1.25
 #: ... or on its own this many intervals after the last, or sooner when a reader's silence
 #: reaches the timeout then (it is dropped at that heartbeat)
 HEARTBEAT_LATEST = 2.5
+#: a reader's ACK that has nothing new to say (its user consumed nothing and nothing came since
+#: the last) is its heartbeat only, and goes this many heartbeat intervals after the last: an
+#: idle remote channel wakes the server, and the reader for the server's answer, half as often.
+#: The server still drops a reader silent for ``hb_timeout`` (6 intervals: 3 idle ACKs missed),
+#: and any ACK with news goes within one interval, as before.
+IDLE_ACK_HEARTBEATS = 2
 
 
 class _Held:
@@ -398,10 +404,11 @@ class ServerProtocol:
         last.
 
         An idle server's heartbeat so goes out in a wake-up its readers' heartbeats cost it
-        anyway (they come every ``hb_interval``, so one always comes between ``HEARTBEAT_HEARD``
-        heartbeats and one more after the last), and only with every second one: the server
-        wakes once a reader's heartbeat, not twice, and a reader wakes for the server's every
-        second interval. Without readers, or with readers that fell silent, it goes on its own
+        anyway (they come every ``hb_interval``, or every ``IDLE_ACK_HEARTBEATS`` when idle, so
+        one always comes between ``HEARTBEAT_HEARD`` and ``HEARTBEAT_LATEST`` heartbeats after the
+        last), and at most with every second one: the server wakes once a reader's heartbeat,
+        not twice, and a reader wakes for the server's at most every second interval. Without
+        readers, or with readers that fell silent, it goes on its own
         ``HEARTBEAT_LATEST`` heartbeats after the last, so the readers still hear the server at
         least that often (they take it for gone after three silence timeouts), or sooner, at
         the moment a reader's silence passes the timeout (``heartbeat``): a silent reader is
@@ -515,6 +522,22 @@ ClientEvent = Welcomed | Messages | Lagged | Ended | Refused
 _BAD_FRAME = (wire.FrameError, ValueError, KeyError, TypeError, IndexError, struct.error)
 
 
+class _AckTimer:
+    """When a remote reader's periodic ACK (its heartbeat) is due: a heartbeat after the last
+    one, or ``IDLE_ACK_HEARTBEATS`` after it while it would say nothing new (nothing consumed
+    and nothing came since: the same ``consumed`` and ``next``)."""
+
+    def __init__(self, now: float) -> None:
+        self.at, self.consumed, self.next = now, -1, -1
+
+    def sent(self, now: float, consumed: int, next_: int) -> None:
+        self.at, self.consumed, self.next = now, consumed, next_
+
+    def due(self, consumed: int, next_: int, interval: float) -> float:
+        quiet = consumed == self.consumed and next_ == self.next
+        return self.at + interval * (IDLE_ACK_HEARTBEATS if quiet else 1)
+
+
 class ClientProtocol:
     """A remote reader's side. The pump feeds it the server's frame groups (``receive``: the
     control connection, ``receive_data``: the data one), and the time and how far the user has
@@ -559,8 +582,7 @@ class ClientProtocol:
         self.server_end = 0
         self._out: list[list[Any]] = []
         self._last_heard = self._last_batch = now
-        self._last_ack_sent = -1
-        self._next_ack = now + self.hb_interval
+        self._ack = _AckTimer(now)
         self._hello(None)
 
     def data_to_send(self) -> list[list[Any]]:
@@ -718,10 +740,9 @@ class ClientProtocol:
 
     def tick(self, now: float, consumed: int, ack: bool = False) -> Ended | None:
         """Timers. ``consumed``: the next message the user has not taken (everything before it
-        is consumed): acknowledged every half window, and at least every heartbeat (the ACK is
-        the reader's heartbeat too). ``ack``: acknowledge it now (the user consumed
-        ``ACK_BYTES`` since the last time: the server holds what is not acknowledged, and is
-        bounded in bytes)."""
+        is consumed): acknowledged every half window, and every heartbeat (its heartbeat too;
+        every ``IDLE_ACK_HEARTBEATS`` if idle). ``ack``: acknowledge it now (the user consumed
+        ``ACK_BYTES`` since the last time: the server holds what is not acknowledged)."""
         gone_after = self._gone_timeout if self._gone_timeout is not None else 3 * self.hb_timeout
         if self.welcomed and now - self._last_heard > gone_after:
             return Ended("silent")
@@ -731,13 +752,12 @@ class ClientProtocol:
                 self._last_heard = now
             return None
         if (
-            consumed - self._last_ack_sent >= max(1, self.window // 2)
-            or now >= self._next_ack
-            or (ack and consumed > self._last_ack_sent)
+            consumed - self._ack.consumed >= max(1, self.window // 2)
+            or now >= self._ack.due(consumed, self.next, self.hb_interval)
+            or (ack and consumed > self._ack.consumed)
         ):
             self._send([wire.ACK, wire.U64.pack(consumed)])
-            self._last_ack_sent = consumed
-            self._next_ack = now + self.hb_interval
+            self._ack.sent(now, consumed, self.next)
         if now - self._last_batch > self.hb_interval:
             self._buffers.clear()  # nothing came for a heartbeat: give the idle buffers back
         # Starved while the server has more and we have room: something was lost in transit.
@@ -756,7 +776,7 @@ class ClientProtocol:
         if not self.welcomed:
             return self._last_heard + self.hb_interval * 4
         gone_after = self._gone_timeout if self._gone_timeout is not None else 3 * self.hb_timeout
-        due = min(self._next_ack, self._last_heard + gone_after)
+        due = min(self._ack.due(consumed, self.next, self.hb_interval), self._last_heard + gone_after)
         if self.server_end > self.next and self.next - consumed < self.window:
             due = min(due, self._last_batch + self.hb_interval * 2)  # a NACK, if still starved
         return due

@@ -427,7 +427,9 @@ def test_a_silent_reader_is_dropped_at_a_heartbeat_and_the_others_hear_one() -> 
     assert net.heartbeat(srv, HB) == []
     assert net.seen(b"quiet") == net.seen(b"talks") == [(wire.HEARTBEAT,)]
     net.receive(srv, b"talks", ack(0), now=TIMEOUT, published=0)
-    assert srv.next_heartbeat == HB + HEARTBEAT_LATEST * HB
+    # The next one on its own: HEARTBEAT_LATEST after the last, or sooner, when "quiet" (silent
+    # since 0) passes the timeout.
+    assert srv.next_heartbeat == pytest.approx(min(HB + HEARTBEAT_LATEST * HB, TIMEOUT), abs=0.01)
     (out,) = net.heartbeat(srv, TIMEOUT + 0.5)
     assert isinstance(out, TimedOut) and out.ident == b"quiet" and out.silent_s == TIMEOUT + 0.5
     assert srv.dropped == 1 and [r["name"] for r in srv.report()["readers"]] == ["r"]
@@ -440,22 +442,26 @@ def test_a_silent_reader_is_dropped_at_a_heartbeat_and_the_others_hear_one() -> 
 
 def test_an_idle_servers_heartbeat_goes_with_every_second_heartbeat_of_a_reader() -> None:
     """The wake-up a reader's heartbeat costs the server carries the server's heartbeat too, so
-    an idle server wakes once a reader's heartbeat, not twice; only every second one, so the
-    reader wakes for the server's every second interval; with nothing heard, it beats on its own."""
+    an idle server wakes once a reader's heartbeat, not twice; only every second one (an idle
+    reader's come ``IDLE_ACK_HEARTBEATS`` intervals apart), so the reader wakes for the server's
+    every fourth interval; with nothing heard, it beats on its own."""
     srv, net = server(), Net()
     admit(srv, net, b"a")
     net.heartbeat(srv, HB)
     net.seen(b"a")
-    # The reader's heartbeats come an interval apart: the next one is too soon, the one after not.
-    assert not srv.heartbeat_due(HB + HB, heard=True)
+    idle = IDLE_ACK_HEARTBEATS * HB
+    # One reader frame always comes between the two bounds, wherever it falls.
+    assert idle < HEARTBEAT_HEARD * HB and HEARTBEAT_HEARD * HB + idle < HEARTBEAT_LATEST * HB
+    # The reader's idle heartbeats come two intervals apart: the next one is too soon, the one after not.
+    assert not srv.heartbeat_due(HB + idle, heard=True)
     assert not srv.heartbeat_due(HB + HEARTBEAT_HEARD * HB - 0.01, heard=True)
-    assert not srv.heartbeat_due(HB + 2 * HB)  # nothing heard: not yet due on its own
-    assert srv.heartbeat_due(HB + 2 * HB, heard=True)
-    net.receive(srv, b"a", ack(0), now=HB + 2 * HB, published=0)
-    assert net.heartbeat(srv, HB + 2 * HB) == [] and net.seen(b"a") == [(wire.HEARTBEAT,)]
+    assert not srv.heartbeat_due(HB + 2 * idle)  # nothing heard: not yet due on its own
+    assert srv.heartbeat_due(HB + 2 * idle, heard=True)
+    net.receive(srv, b"a", ack(0), now=HB + 2 * idle, published=0)
+    assert net.heartbeat(srv, HB + 2 * idle) == [] and net.seen(b"a") == [(wire.HEARTBEAT,)]
     # Nothing heard from then on: the next one goes on its own, HEARTBEAT_LATEST after the last
     # (the reader's silence reaches the timeout later than that).
-    last = HB + 2 * HB
+    last = HB + 2 * idle
     assert last + HEARTBEAT_LATEST * HB < last + TIMEOUT
     assert not srv.heartbeat_due(last + HEARTBEAT_LATEST * HB - 0.01)
     assert srv.heartbeat_due(last + HEARTBEAT_LATEST * HB)

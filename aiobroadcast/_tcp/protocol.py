@@ -91,12 +91,15 @@ ACK_BYTES = 2 << 20
 #: a reader keeps at most this many bytes of buffers to open large bodies into (``seal.Buffers``)
 OPENED_KEEP_BYTES = 8 * ACK_BYTES
 #: an idle server's heartbeat goes with a reader's frame that comes at least this many heartbeat
-#: intervals after its last one (``ServerProtocol.heartbeat_due``): with every second heartbeat of
-#: a reader, so a reader wakes for the server's every second interval, not every one ...
-HEARTBEAT_HEARD = 1.25
+#: intervals after its last one (``ServerProtocol.heartbeat_due``): an idle reader's heartbeat
+#: comes every ``IDLE_ACK_HEARTBEATS`` (2) intervals, so the server's goes with every second one
+#: at most, and a reader wakes for it about every four intervals (2 s), not every two ...
+HEARTBEAT_HEARD = 2.25
 #: ... or on its own this many intervals after the last, or sooner when a reader's silence
-#: reaches the timeout then (it is dropped at that heartbeat)
-HEARTBEAT_LATEST = 2.5
+#: reaches the timeout then (it is dropped at that heartbeat). Above ``HEARTBEAT_HEARD`` by more
+#: than an idle reader's interval, so a reader's frame always comes in between; a reader takes
+#: the server for gone after 18 intervals of silence, four times this.
+HEARTBEAT_LATEST = 4.5
 #: a reader's ACK that has nothing new to say (its user consumed nothing and nothing came since
 #: the last) is its heartbeat only, and goes this many heartbeat intervals after the last: an
 #: idle remote channel wakes the server, and the reader for the server's answer, half as often.
@@ -407,7 +410,7 @@ class ServerProtocol:
         anyway (they come every ``hb_interval``, or every ``IDLE_ACK_HEARTBEATS`` when idle, so
         one always comes between ``HEARTBEAT_HEARD`` and ``HEARTBEAT_LATEST`` heartbeats after the
         last), and at most with every second one: the server wakes once a reader's heartbeat,
-        not twice, and a reader wakes for the server's at most every second interval. Without
+        not twice, and an idle reader wakes for the server's about every fourth interval. Without
         readers, or with readers that fell silent, it goes on its own
         ``HEARTBEAT_LATEST`` heartbeats after the last, so the readers still hear the server at
         least that often (they take it for gone after three silence timeouts), or sooner, at

@@ -874,6 +874,31 @@ async def test_sigkilled_remote_reader_is_dropped_within_the_bound_and_the_write
             assert await reader.join() == -signal.SIGKILL
 
 
+@ON_ASYNCIO
+async def test_idle_remote_readers_and_their_server_keep_each_other_past_both_silence_bounds() -> None:
+    """An idle channel carries only heartbeats (a reader's every second interval, the server's
+    with at most every second of those): neither side may take the other for gone. Idle for
+    longer than the server's drop bound and the readers' give-up bound, both readers are still
+    there and get the next message, and nobody was dropped."""
+    async with tcp_writer(heartbeat_s=HB) as writer:
+        h = writer.handle
+        async with (
+            ab.open_reader(h, transport="tcp", name="a") as a,
+            ab.open_reader(h, transport="tcp", name="b") as b,
+        ):
+            await until(lambda: remote_names(writer) == ["a", "b"])
+            await writer.put(message(0))
+            with anyio.fail_after(10):
+                assert [tw.check_message(await r.get()) for r in (a, b)] == [0, 0]
+            await anyio.sleep(GONE_S + 4 * HB)  # idle, past DROP_S and GONE_S
+            assert remote_names(writer) == ["a", "b"]
+            assert writer.statistics().dropped_readers == 0
+            await writer.put(message(1))
+            with anyio.fail_after(10):
+                assert [tw.check_message(await r.get()) for r in (a, b)] == [1, 1]
+            assert writer.statistics().dropped_readers == 0
+
+
 @ON_UVLOOP
 async def test_sigstopped_remote_reader_half_open_is_dropped_then_told_what_it_missed() -> None:
     """SIGSTOP leaves the connection open but silent (half-open). The writer, held back, goes on

@@ -468,6 +468,29 @@ def test_an_idle_servers_heartbeat_goes_with_every_second_heartbeat_of_a_reader(
     assert srv.next_heartbeat == last + HEARTBEAT_LATEST * HB
 
 
+def test_the_wake_up_set_for_a_readers_silence_moves_on_once_every_reader_is_heard() -> None:
+    """After a heartbeat the server's next wake-up is the moment the first reader's silence
+    would pass the timeout, when that comes before its next heartbeat on its own. A frame from
+    that reader moves the moment on, so an idle server does not wake then to beat (and wake
+    every reader) for a reader that is no longer silent; a reader still silent keeps it."""
+    srv, net = server(), Net()
+    admit(srv, net, b"a")
+    admit(srv, net, b"b")  # both heard at 0
+    net.heartbeat(srv, HB)
+    latest = HB + HEARTBEAT_LATEST * HB
+    assert latest > TIMEOUT
+    assert srv.next_heartbeat == pytest.approx(TIMEOUT, abs=0.01)  # set for their silence
+    net.receive(srv, b"a", ack(0), now=2 * HB, published=0)
+    assert not srv.heartbeat_due(2 * HB, heard=True)
+    assert srv.next_heartbeat == pytest.approx(TIMEOUT, abs=0.01)  # "b" is still silent since 0
+    net.receive(srv, b"b", ack(0), now=3 * HB, published=0)
+    assert not srv.heartbeat_due(3 * HB, heard=True)
+    assert srv.next_heartbeat == latest  # nobody's silence comes before the next heartbeat now
+    assert not srv.heartbeat_due(TIMEOUT + 0.01)
+    assert srv.heartbeat_due(latest)
+    assert net.heartbeat(srv, latest) == []  # nobody dropped
+
+
 def test_a_reader_silent_past_its_timeout_is_dropped_by_a_heartbeat_of_its_own() -> None:
     """With no reader talking, the server's own heartbeats still come, and still drop the
     silent: the last one comes when the reader's silence passes the timeout."""

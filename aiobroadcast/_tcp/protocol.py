@@ -277,8 +277,9 @@ class ServerProtocol:
         #: the readers admitted, and the control frames to them
         self.readers = Readers(config, now=now, returning=returning, keys=sealer.keys_message)
         self._stop_at: float | None = None
-        #: when the next heartbeat is due at the latest (``heartbeat_due``)
-        self.next_heartbeat = now + config.hb_interval
+        #: when the next heartbeat is due at the latest (``heartbeat_due``): ``_beat_latest``,
+        #: or sooner when a reader's silence passes the timeout then
+        self.next_heartbeat = self._beat_latest = now + config.hb_interval
         self._last_beat = now  # when the last heartbeat went
 
     @property
@@ -416,8 +417,14 @@ class ServerProtocol:
         least that often (they take it for gone after three silence timeouts), or sooner, at
         the moment a reader's silence passes the timeout (``heartbeat``): a silent reader is
         dropped then, not up to a heartbeat later."""
-        answer_from = self._last_beat + HEARTBEAT_HEARD * self._cfg.hb_interval
-        return now >= self.next_heartbeat or (heard and now >= answer_from)
+        interval = self._cfg.hb_interval
+        if heard:
+            if now >= self._last_beat + HEARTBEAT_HEARD * interval:
+                return True
+            # A reader was heard: the moment its silence would pass the timeout moved on, and
+            # so does a wake-up set for that moment (not a heartbeat for a reader no longer silent).
+            self.next_heartbeat = min(self._beat_latest, self.readers.silent_at())
+        return now >= self.next_heartbeat
 
     def heartbeat(self, now: float) -> list[TimedOut]:
         """Drop the readers silent for longer than the timeout; tell the others how far the
@@ -425,7 +432,8 @@ class ServerProtocol:
         self._last_beat = now
         beat = [wire.HEARTBEAT, wire.U64x2.pack(self._held.end, 1 if self._held.done else 0)]
         out = self.readers.time_out(now, self._held.end, beat)
-        self.next_heartbeat = min(now + HEARTBEAT_LATEST * self._cfg.hb_interval, self.readers.silent_at())
+        self._beat_latest = now + HEARTBEAT_LATEST * self._cfg.hb_interval
+        self.next_heartbeat = min(self._beat_latest, self.readers.silent_at())
         return out
 
     def stop(self, deadline: float) -> None:

@@ -5,8 +5,10 @@ And what a turn does with a reader the protocol fails on: that reader only is dr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +28,14 @@ from aiobroadcast.blocking import BlockingWriter, open_writer
 
 @pytest.fixture
 def ring_and_server(tmp_path: Path) -> Iterator[tuple[BlockingWriter[object], TcpServer]]:
+    with _ring_and_server(tmp_path, hb_interval=1.0) as (writer, server, _stop_w):
+        yield writer, server
+
+
+@contextlib.contextmanager
+def _ring_and_server(tmp_path: Path, *, hb_interval: float) -> Iterator[tuple[BlockingWriter[object], TcpServer, int]]:
+    """A ring, a server on it, and the write end of the pipe that is the server's stdin (closed:
+    it stops)."""
     with open_writer(capacity=64, slot_bytes=70_000, max_readers=2) as writer:
         handle = writer.handle
         seg = attach_segment(handle.path, handle.token, handle.capacity, handle.slot_bytes, handle.max_readers)
@@ -38,8 +48,8 @@ def ring_and_server(tmp_path: Path) -> Iterator[tuple[BlockingWriter[object], Tc
                 hmac_key=os.urandom(32).hex(),
                 window=256,
                 buffer_max=512,
-                hb_interval=1.0,
-                hb_timeout=5.0,
+                hb_interval=hb_interval,
+                hb_timeout=5.0 * hb_interval,
                 max_remote=2,
                 sole_reader=False,
                 rekey_messages=REKEY_MESSAGES,
@@ -52,12 +62,13 @@ def ring_and_server(tmp_path: Path) -> Iterator[tuple[BlockingWriter[object], Tc
             seg.close()
             raise
         try:
-            yield writer, server
+            yield writer, server, stop_w
         finally:
             server._src.close()  # and the segment with it, as when the server stops
             server._net.close()
             os.close(stop_r)
-            os.close(stop_w)
+            with contextlib.suppress(OSError):  # a test that ran the loop closed it to stop it
+                os.close(stop_w)
 
 
 def test_a_turn_takes_large_bodies_up_to_turn_bytes(ring_and_server: tuple[BlockingWriter[object], TcpServer]) -> None:
@@ -146,3 +157,66 @@ def test_a_frame_the_protocol_fails_on_drops_that_reader_only_and_the_server_log
         for sock in peers.values():
             sock.close(linger=0)
         ctx.term()
+
+
+def test_a_message_published_after_a_readers_frame_woke_the_sleeping_server_still_wakes_it(tmp_path: Path) -> None:
+    """A frame from a reader wakes a server asleep on the ring; it is taken and answered without
+    ending the sleep (``TcpServer._frames_asleep``), and the sleep goes on. A message published
+    after that must still wake the server: the sleep stays announced in the ring, so the writer
+    sends its datagram. Heartbeats are a minute apart here, so nothing else could make the
+    server take the message before the deadline. The server's loop runs in a thread of this
+    process; the reader is two real sockets (control and data)."""
+    with _ring_and_server(tmp_path, hb_interval=60.0) as (writer, server, stop_w):
+        key = server.protocol._cfg.key
+        assert key is not None
+        went_on: list[bool] = []  # what each frame taken asleep returned: True, the sleep went on
+        real = server._frames_asleep
+
+        def frames_asleep() -> bool:
+            went_on.append(real())
+            return went_on[-1]
+
+        server._frames_asleep = frames_asleep  # type: ignore[method-assign]
+        ctx = zmq.Context()
+        control, data = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+        loop = threading.Thread(target=server.run, daemon=True)
+        loop.start()
+        deadline = time.monotonic() + 30
+
+        def until(what: str, done: Any) -> None:
+            while not done():
+                assert time.monotonic() < deadline, what
+                time.sleep(0.005)
+
+        try:
+            for sock in (control, data):
+                sock.linger = 0
+                sock.routing_id = b"peer"
+                sock.plain_username = wire.PLAIN_USER
+            control.plain_password = wire.control_password(key)
+            data.plain_password = server.data_token.encode()
+            control.connect(server.endpoint)
+            data.connect(f"tcp://127.0.0.1:{server.data_port}")
+            hello: dict[str, Any] = {"version": wire.PROTOCOL_VERSION, "name": "peer", "pid": 1, "host": "h"}
+            hello |= {"window": 64, "resume": None, "channel": writer.handle.token}
+            control.send_multipart(wire.sign(key, [wire.HELLO, wire.encode_json(hello)]))
+            assert control.poll(30_000), "no WELCOME"
+            assert wire.verify(key, control.recv_multipart())[0] == wire.WELCOME
+            assert went_on == [True]  # the HELLO was taken asleep, and answered from there
+            for i in range(5):
+                before = len(went_on)
+                control.send_multipart(wire.sign(key, [wire.ACK, wire.U64.pack(i)]))
+                until("the ACK taken asleep", lambda: len(went_on) > before)  # noqa: B023
+                assert went_on[-1] is True  # ... and the sleep went on
+                writer.put(i)
+                until(f"message {i} taken from the ring", lambda: server._src.next_msg == i + 1)  # noqa: B023
+                assert data.poll(30_000), f"message {i} not sent"
+                assert bytes(data.recv_multipart()[0]) == wire.BATCH
+        finally:
+            server.drain_timeout = 0.0  # stop at once, without waiting for the reader to drain
+            os.close(stop_w)
+            loop.join(30)
+            control.close(linger=0)
+            data.close(linger=0)
+            ctx.term()
+        assert not loop.is_alive()

@@ -240,6 +240,8 @@ class TcpServer:
         pulled_ns = 0  # when the spin began (a message taken in a dense stream; 0: no spin)
         last_pull_ns = 0  # when a message was last taken from the ring
         idle = True  # nothing taken from the ring since the last heartbeat
+        router = self._net.router
+        heard_asleep = False  # a reader's frame came while asleep on the ring (``_frames_asleep``)
         while True:
             if self.rekey_requested:
                 self.rekey_requested = False
@@ -274,7 +276,7 @@ class TcpServer:
                 sent += self._transmit()
             self._net.drain_data()
             proto.trim(now)
-            if proto.heartbeat_due(now, heard=received > 0):
+            if proto.heartbeat_due(now, heard=received > 0 or heard_asleep):
                 for event in proto.heartbeat(now):
                     self._notices.on_event(event)
                 self._flush()
@@ -289,7 +291,7 @@ class TcpServer:
             if pulled or sent:
                 continue
             want_ring = proto.wants_ring()
-            if pulled_ns and want_ring and self._spin(pulled_ns + _tuning.TCP_SERVER_SPIN_NS):
+            if pulled_ns and want_ring and _spin(self._src, self._net, ctrl, pulled_ns + _tuning.TCP_SERVER_SPIN_NS):
                 continue  # a message (or a reader's frame) came while the stream was dense
             pulled_ns = 0  # spun to the end, or not spinning: sleep until woken
             ring_sleep = want_ring and not self._src.begin_sleep()
@@ -301,8 +303,18 @@ class TcpServer:
             if proto.choked:
                 wait_s = min(wait_s, RETRY_S)
             ready: list[Any] = []
+            heard_asleep = False
             try:
-                ready = [fd for fd, _ in poller.poll(int(max(0.0, wait_s) * 1000) + 1)]
+                while True:
+                    ready = [fd for fd, _ in poller.poll(int(max(0.0, wait_s) * 1000) + 1)]
+                    # Only a reader's frame, while asleep on the ring: taken without a turn of
+                    # the loop, and the sleep goes on (``_frames_asleep``).
+                    if not ring_sleep or stopping or len(ready) != 1 or ready[0] is not router:
+                        break
+                    if not self._frames_asleep():
+                        heard_asleep = True  # the turn's heartbeat answers it, if one is due
+                        break
+                    wait_s = proto.next_heartbeat - time.monotonic()
             finally:
                 if ring_sleep:
                     poller.unregister(inbox)
@@ -320,39 +332,23 @@ class TcpServer:
                 except BlockingIOError:
                     pass
 
+    def _frames_asleep(self) -> bool:
+        """Take what readers sent while this server sleeps on the ring, and send what that calls
+        for, the sleep still announced (docs/tcp.md, "A reader's frame while asleep"): True if
+        it can go on, False if a whole turn of the loop is needed (something was sent, a
+        heartbeat is due, a reader's queue is full, the stream abandoned, a new key asked for)."""
+        proto = self.protocol
+        now = time.monotonic()
+        received = self._recv_clients(now)
+        self._flush()  # the answers (WELCOME, REFUSED, ...)
+        if self._transmit() or proto.choked or proto.abandoned or self.rekey_requested:
+            return False
+        return not proto.heartbeat_due(now, heard=received > 0)
+
     def _leave_ring(self) -> None:
         """A fan-in sender's collector left for good: leave the ring (``RingFeed.leave``)."""
         if self._ring.leave():
             self.write_stats()
-
-    def _spin(self, until_ns: int) -> bool:
-        """Poll the ring until ``until_ns`` (``perf_counter_ns``): True as soon as it holds a
-        message, or a reader's frame or the writer's stdin needs the loop.
-
-        A stream whose messages come within ``_tuning.TCP_SERVER_SPIN_NS`` of each other keeps
-        the server awake: the next message is taken without a wake-up (a datagram from the
-        writer, this process scheduled again: 30-50 us here) and by a process whose code and
-        data are still in cache (a cold pass through take, seal and send runs several times its
-        warm cost). Each round gives the CPU up (``sched_yield``) to whoever else is runnable
-        on it, the writer and readers of this host included. Once messages stop, the spin ends
-        and the server sleeps as before: an idle channel costs nothing."""
-        ready = self._src.ready
-        readable = self._net.readable
-        now = time.perf_counter_ns
-        yield_ = os.sched_yield
-        n = 0
-        while now() < until_ns:
-            if ready():
-                return True
-            n += 1
-            if not n & 15 and (readable() or self._stdin_ready()):
-                return True
-            yield_()
-        return False
-
-    def _stdin_ready(self) -> bool:
-        """Whether the writer wrote to or closed our stdin (without reading it)."""
-        return bool(select.select([self._ctrl_r], [], [], 0)[0])
 
     def _flush(self) -> None:
         """Send the control frames the protocol queued (WELCOME, REFUSED, KEYS, ...)."""
@@ -390,6 +386,32 @@ class TcpServer:
             if event is not None:
                 self._notices.on_event(event)
         return 1024
+
+
+def _spin(src: ShmSource, net: Listener, stdin_fd: int, until_ns: int) -> bool:
+    """Poll the ring until ``until_ns`` (``perf_counter_ns``): True as soon as it holds a
+    message, or a reader's frame or the writer's stdin needs the server's loop.
+
+    A stream whose messages come within ``_tuning.TCP_SERVER_SPIN_NS`` of each other keeps
+    the server awake: the next message is taken without a wake-up (a datagram from the
+    writer, this process scheduled again: 30-50 us here) and by a process whose code and
+    data are still in cache (a cold pass through take, seal and send runs several times its
+    warm cost). Each round gives the CPU up (``sched_yield``) to whoever else is runnable
+    on it, the writer and readers of this host included. Once messages stop, the spin ends
+    and the server sleeps as before: an idle channel costs nothing."""
+    ready = src.ready
+    readable = net.readable
+    now = time.perf_counter_ns
+    yield_ = os.sched_yield
+    n = 0
+    while now() < until_ns:
+        if ready():
+            return True
+        n += 1
+        if not n & 15 and (readable() or select.select([stdin_fd], [], [], 0)[0]):
+            return True  # a reader's frame, or the writer wrote to or closed our stdin
+        yield_()
+    return False
 
 
 #: glibc's mallopt parameters

@@ -202,8 +202,14 @@ def test_a_message_published_after_a_readers_frame_woke_the_sleeping_server_stil
             control.send_multipart(wire.sign(key, [wire.HELLO, wire.encode_json(hello)]))
             assert control.poll(30_000), "no WELCOME"
             assert wire.verify(key, control.recv_multipart())[0] == wire.WELCOME
+            # The WELCOME goes out from inside the call, before it returns: wait for its return.
+            until("the HELLO taken asleep", lambda: len(went_on) == 1)
             assert went_on == [True]  # the HELLO was taken asleep, and answered from there
+            src = server._src
             for i in range(5):
+                # Once the sleep is announced, the ACK can only be taken by the poll that follows
+                # (before that, the turn that sent message i - 1 may still be taking frames).
+                until("the server asleep on the ring", lambda: src._words[src._wait_word] != 0)
                 before = len(went_on)
                 control.send_multipart(wire.sign(key, [wire.ACK, wire.U64.pack(i)]))
                 until("the ACK taken asleep", lambda: len(went_on) > before)  # noqa: B023

@@ -7,7 +7,6 @@ import contextlib
 import glob
 import os
 import shutil
-import sys
 import threading
 import time
 from typing import Any
@@ -16,6 +15,7 @@ import anyio
 import pytest
 from _blocking_workers import recv
 from _fanin_workers import CtrlCOnce, Undecodable, collector_proc, remote_writer_proc, sender_proc
+from _interrupts import in_functions, interrupt_at_line
 from _workers import spawn
 from pydantic import BaseModel
 
@@ -435,43 +435,10 @@ async def test_bad_items_raise_in_the_sender_and_nothing_accepted_is_lost() -> N
 
 #: What runs while a sender's item is checked, copied into its ring and published (the put's own
 #: locks are left alone, as tests/test_faults.py does for a writer).
-_PUBLISHING = {"_check", "publish", "publish_many", "_write_fragments", "copy_into", "wake_readers", "wake_sleepers"}
-_PUBLISHING_FILES = {
-    sys.modules[m].__file__
-    for m in (
-        "aiobroadcast._fanin",
-        "aiobroadcast._shm.publisher",
-        "aiobroadcast._shm.fragments",
-        "aiobroadcast._shm.records",
-    )
-}
-
-
-def _interrupt_at_line(n: int, call: Any) -> bool:
-    """Run ``call()``, raising KeyboardInterrupt (as a Ctrl-C would) at the n-th line it executes
-    while publishing. True if it was interrupted."""
-    count = 0
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        nonlocal count
-        if event == "line":
-            count += 1
-            if count == n:
-                raise KeyboardInterrupt
-        return local
-
-    def start(frame: Any, event: str, arg: Any) -> Any:
-        code = frame.f_code
-        return local if code.co_filename in _PUBLISHING_FILES and code.co_name in _PUBLISHING else None
-
-    sys.settrace(start)
-    try:
-        call()
-    except KeyboardInterrupt:
-        return True
-    finally:
-        sys.settrace(None)
-    return False
+_PUBLISHING = in_functions(
+    ("aiobroadcast._fanin", "aiobroadcast._shm.publisher", "aiobroadcast._shm.fragments", "aiobroadcast._shm.records"),
+    ("_check", "publish", "publish_many", "_write_fragments", "copy_into", "wake_readers", "wake_sleepers"),
+)
 
 
 def test_a_ctrl_c_at_any_line_of_a_put_keeps_the_senders_stream_whole() -> None:
@@ -482,7 +449,7 @@ def test_a_ctrl_c_at_any_line_of_a_put_keeps_the_senders_stream_whole() -> None:
         n = 0
         while True:
             n += 1
-            interrupted = _interrupt_at_line(n, lambda: sender.put_nowait(("m", n)))  # noqa: B023
+            interrupted = interrupt_at_line(n, lambda: sender.put_nowait(("m", n)), _PUBLISHING)  # noqa: B023
             sender.put_nowait(("after", n))
             got = []
             while True:

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 import anyio
 import pytest
+from _interrupts import in_functions, interrupt_at_line
 
 import aiobroadcast as ab
 from aiobroadcast import blocking
@@ -376,50 +377,17 @@ async def _throw_at(call: Callable[[], Any], n: int, exc: BaseException) -> bool
     pytest.fail(f"the call swallowed {exc!r} thrown at its suspension {n}")
 
 
-_PUBLISHING_FILES = {
-    sys.modules[m].__file__
-    for m in ("aiobroadcast._shm.publisher", "aiobroadcast._shm.fragments", "aiobroadcast._shm.records")
-}
-
-
 #: What runs while a message is copied into the ring and published (the put's own bookkeeping
 #: around it, taking and releasing its locks, is not interrupted here).
-_PUBLISHING = {
-    "publish",
-    "publish_many",
-    "_write_fragments",
-    "copy_into",
-    "wake_readers",
-    "_wake_sleepers",
-    "wake_sleepers",
-}
+_PUBLISHING = in_functions(
+    ("aiobroadcast._shm.publisher", "aiobroadcast._shm.fragments", "aiobroadcast._shm.records"),
+    ("publish", "publish_many", "_write_fragments", "copy_into", "wake_readers", "_wake_sleepers", "wake_sleepers"),
+)
 
 
 def _interrupt_at_line(n: int, call: Callable[[], object]) -> bool:
-    """Run ``call()`` and raise ``KeyboardInterrupt`` (as a Ctrl-C's signal handler would) at the
-    ``n``-th line it executes while publishing. True if it was interrupted."""
-    count = 0
-
-    def local(frame: Any, event: str, arg: Any) -> Any:
-        nonlocal count
-        if event == "line":
-            count += 1
-            if count == n:
-                raise KeyboardInterrupt
-        return local
-
-    def start(frame: Any, event: str, arg: Any) -> Any:
-        code = frame.f_code
-        return local if code.co_filename in _PUBLISHING_FILES and code.co_name in _PUBLISHING else None
-
-    sys.settrace(start)
-    try:
-        call()
-    except KeyboardInterrupt:
-        return True
-    finally:
-        sys.settrace(None)
-    return False
+    """``interrupt_at_line`` while publishing."""
+    return interrupt_at_line(n, call, _PUBLISHING)
 
 
 @pytest.mark.parametrize("size", [100, 70_000], ids=["one-slot", "fragments"])

@@ -303,8 +303,12 @@ async def test_a_reader_admitted_before_a_rekey_keeps_reading_after() -> None:
         with anyio.fail_after(30):
             for i in range(8):
                 if i % 2 == 0 and i:
+                    # The next put must be sealed under the new key: wait until the reader has
+                    # its keys message (a pause alone loses to a server not scheduled in time).
+                    before = opener.current_key_id
                     server.send_signal(signal.SIGUSR1)
-                    await anyio.sleep(0.2)
+                    while opener.current_key_id == before:  # noqa: ASYNC110 - set by the pump thread
+                        await anyio.sleep(0.01)
                 await writer.put(i)
                 assert await reader.get() == i
                 key_ids.append(opener.current_key_id)

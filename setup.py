@@ -1,4 +1,5 @@
-"""The one compiled part: the ring's atomic loads, stores and fences (aiobroadcast/_shm/_atomics.c).
+"""The one compiled part (aiobroadcast/_shm/_atomics.c): the ring's atomic loads, stores and
+fences, and the blocking roles' lock release that a Ctrl-C cannot split (aiobroadcast/_owned.py).
 
 Everything else is in pyproject.toml. Building needs a C compiler (GCC or Clang) and Python's
 headers: ``apt-get install gcc python3-dev`` on Debian and Ubuntu.

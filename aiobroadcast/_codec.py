@@ -179,6 +179,9 @@ class _Pickling:
     def encode(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
         pickler = self._pickler
         pieces = self._pieces
+        if pieces:  # an earlier encode was interrupted (Ctrl-C) after its dump: drop what it left
+            pieces.clear()
+            pickler.clear_memo()
         try:
             pickler.dump(obj)
         except BaseException as exc:

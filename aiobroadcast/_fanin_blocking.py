@@ -5,7 +5,6 @@ same engine (``_fanin._Gather``) and rings as the async roles (docs/fan-in.md). 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from threading import get_ident
 from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, final, overload
 
 from pydantic import BaseModel
@@ -88,8 +87,8 @@ class BlockingCollector(Generic[T_co]):
         return self._until(lambda: take_many(g, max_items) or _NOTHING, timeout, "get_many")  # type: ignore[no-any-return]
 
     def statistics(self) -> CollectorStatistics:
-        self._lock.acquire(None)
         try:
+            self._lock.acquire(None)
             return self._g.statistics(self._sleep_lock.waiting + (self._sleep_lock.owner != 0))
         finally:
             self._lock.release()
@@ -98,8 +97,8 @@ class BlockingCollector(Generic[T_co]):
         """Read a remote sender (``Collector.attach``)."""
         h, src = self._g.remote_source(handle, name)
         src.wait_welcome_blocking(connect_timeout)
-        self._lock.acquire(None)
         try:
+            self._lock.acquire(None)
             self._g.add_remote(name, h, src)
         finally:
             self._lock.release()
@@ -107,17 +106,17 @@ class BlockingCollector(Generic[T_co]):
     def close(self) -> None:
         """Close: leave every sender's ring (their ``put`` raises ``CollectorGone``), remove the
         rendezvous; parked ``get`` calls raise ``ClosedResourceError``."""
-        if get_ident() in (self._lock.owner, self._sleep_lock.owner):
+        if self._lock.mine() or self._sleep_lock.mine():
             raise WouldBlock("close() called from inside this collector's own get() on this thread")
         g = self._g
         if g.closed:
             return
         self._closing = True
         g._outbox.wake(g.inbox.path)  # the sleeping thread looks up and sees _closing
-        self._sleep_lock.acquire(None)
         try:
-            self._lock.acquire(None)
+            self._sleep_lock.acquire(None)
             try:
+                self._lock.acquire(None)
                 g.close()
             finally:
                 self._lock.release()
@@ -171,8 +170,8 @@ class BlockingCollector(Generic[T_co]):
 
     def _take(self) -> Any:
         lock = self._lock
-        lock.acquire(None)
         try:
+            lock.acquire(None)
             return self._g.take()
         finally:
             lock.release()
@@ -184,11 +183,11 @@ class BlockingCollector(Generic[T_co]):
         b = _blocking()
         deadline = None if timeout is None else b._deadline(timeout)
         lock = self._lock
-        if lock.owner == get_ident():
+        if lock.mine():
             raise WouldBlock(f"{what}() called from inside this collector's own get() on this thread")
         while True:
-            lock.acquire(None)
             try:
+                lock.acquire(None)
                 obj = take()
             finally:
                 lock.release()
@@ -201,8 +200,8 @@ class BlockingCollector(Generic[T_co]):
     def _wait(self, deadline: float | None) -> None:
         b = _blocking()
         g = self._g
-        self._sleep_lock.acquire(deadline)
         try:
+            self._sleep_lock.acquire(deadline)
             if self._closing or g.closed:
                 return
             steps = sleep_steps(g, self._slept_ns, lambda: self._closing, lambda: b._left(deadline))

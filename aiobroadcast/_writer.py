@@ -50,17 +50,15 @@ class Writer(Generic[T_contra]):
         if ch.turns.locked():
             raise WouldBlock
         parts, total, oob, entries = ch.encoded(obj)
-        if not pub.mutex.acquire(blocking=False):
+        if pub.mutex.locked():
             raise WouldBlock  # another thread is writing into the ring right now
-        try:
+        with pub.mutex:  # never acquire() then try (publisher.py, ``_held``)
             pub.check_open()
             # A task's put may have taken its turn while we encoded: it may be streaming a
             # message larger than the ring, which nothing may interleave with.
             if ch.turns.locked() or (pub.block and not pub.room(entries)):
                 raise WouldBlock
             pub.publish(parts, total, oob, entries)
-        finally:
-            pub.mutex.release()
 
     async def put(self, obj: T_contra) -> None:
         """Publish ``obj``, waiting for room while a live reader would be overrun.

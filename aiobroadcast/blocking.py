@@ -28,6 +28,8 @@ Threads. Every method of both classes may be called from any thread at any time:
 - A call made from inside one of the same object's own calls on the same thread (a
   ``__getstate__`` that calls ``put_nowait`` while its object is being pickled by ``put``, a
   ``__setstate__`` that calls ``get``) raises ``WouldBlock`` instead of deadlocking.
+- A Ctrl-C anywhere in a call leaves no lock held (``_owned.py``): the call raises, having lost
+  at most what it was doing, and the next call works.
 - With ``zero_copy=True`` a message's views stay valid until the next ``get``/``get_nowait`` on
   that reader by any thread; on a channel with an arena, for as long as they are referenced.
 
@@ -42,7 +44,6 @@ import threading
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
-from threading import get_ident
 from time import monotonic
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, Unpack, final, overload
@@ -52,7 +53,7 @@ from pydantic import BaseModel
 from . import _tuning
 from ._channel import WriterChannel
 from ._codec import decode_pickle_view
-from ._exceptions import ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
+from ._exceptions import ClosedResourceError, EndOfStream, WouldBlock
 from ._handle import Handle
 from ._open import (
     ReaderOptions,
@@ -63,6 +64,8 @@ from ._open import (
     _WriterSpec,
     channel_steps,
 )
+from ._owned import Owned as _Owned
+from ._owned import left_before as _left
 from ._reader import Source, poll_budget, sleep_blocking, wait_steps
 from ._stats import ReaderStatistics, WriterStatistics
 from ._steps import Steps, drive_blocking, run_blocking
@@ -94,59 +97,6 @@ def _deadline(timeout: float | None) -> float | None:
     # A negative timeout is "now", never "forever" (a deadline computed as a difference can go
     # negative; vLLM once passed one to poll() as -1).
     return None if timeout is None else monotonic() + max(0.0, timeout)
-
-
-def _left(deadline: float | None) -> float | None:
-    """Seconds left before ``deadline`` (None: no deadline); raises ``WaitTimeout`` at 0."""
-    if deadline is None:
-        return None
-    left = deadline - monotonic()
-    if left <= 0:
-        raise WaitTimeout("the timeout passed")
-    return left
-
-
-class _Owned:
-    """A lock that knows which thread holds it, so that a re-entrant call fails instead of
-    deadlocking, and counts the threads that had to wait for it (for ``statistics``)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._count_lock = threading.Lock()
-        self.owner = 0
-        self.waiting = 0
-
-    def count(self, delta: int) -> None:
-        with self._count_lock:
-            self.waiting += delta
-
-    def acquire(self, deadline: float | None, *, wait: bool = True) -> None:
-        """Take the lock (raises ``WouldBlock`` on re-entry or with ``wait=False`` if taken,
-        ``WaitTimeout`` when ``deadline`` passes)."""
-        me = get_ident()
-        if not self._lock.acquire(False):
-            if self.owner == me:
-                raise WouldBlock("called again from inside this object's own call on this thread")
-            if not wait:
-                raise WouldBlock
-            self.count(1)
-            try:
-                left = _left(deadline)
-                if not self._lock.acquire(timeout=-1 if left is None else left):
-                    raise WaitTimeout("the timeout passed")
-            finally:
-                self.count(-1)
-        self.owner = me
-
-    def try_acquire(self) -> bool:
-        if self._lock.acquire(False):
-            self.owner = get_ident()
-            return True
-        return False
-
-    def release(self) -> None:
-        self.owner = 0
-        self._lock.release()
 
 
 class _Closable(ABC):
@@ -212,8 +162,8 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             raise ClosedResourceError("this writer is closed")
         deadline = None if timeout is None else _deadline(timeout)
         lock = self._lock
-        lock.acquire(deadline, wait=True)
         try:
+            lock.acquire(deadline, wait=True)
             self._check_open()
             w = self._w
             batch, entries = w.encode_batch(objs)
@@ -232,7 +182,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
 
     def close(self) -> None:
         """Close the channel: readers receive what was published, then ``EndOfStream``."""
-        if self._lock.owner == get_ident():
+        if self._lock.mine():
             raise WouldBlock("close() called from inside this writer's own put() on this thread")
         with self._close_lock:
             if self._closed:
@@ -240,8 +190,8 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             self._closing = True
             w = self._w
             w.pub.outbox.wake(w.inbox.path)  # a put waiting for room looks up and sees _closing
-            self._lock.acquire(None)
             try:
+                self._lock.acquire(None)
                 _close_writer(w)
                 self._closed = True
             finally:
@@ -261,8 +211,8 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         if self._closing:
             raise ClosedResourceError("this writer is closed")
         lock = self._lock
-        lock.acquire(deadline, wait=not nowait)
         try:
+            lock.acquire(deadline, wait=not nowait)
             self._check_open()
             w = self._w
             # Under the lock, so that a put from inside pickling (a __reduce__ that publishes)
@@ -341,8 +291,8 @@ class BlockingReader(_Closable, Generic[T_co]):
         """Take the next message, or raise ``WouldBlock`` if none is ready. Raises like
         ``Reader.get_nowait``."""
         lock = self._lock
-        lock.acquire(None)
         try:
+            lock.acquire(None)
             if self._closed:
                 raise ClosedResourceError("this reader is closed")
             return self._src.get_nowait()  # type: ignore[no-any-return]
@@ -355,21 +305,21 @@ class BlockingReader(_Closable, Generic[T_co]):
         having taken nothing. Raises like ``Reader.get``, and ``ClosedResourceError`` if
         ``close()`` is called meanwhile."""
         lock = self._lock
-        if lock.try_acquire():  # the common case first: a message is there, nobody else takes
-            try:
+        try:
+            if lock.try_acquire():  # the common case first: a message is there, nobody else takes
                 if self._closed:
                     raise ClosedResourceError("this reader is closed")
                 return self._src.get_nowait()  # type: ignore[no-any-return]
-            except WouldBlock:
-                pass
-            finally:
-                lock.release()
+        except WouldBlock:
+            pass
+        finally:
+            lock.release()
         return self._get(None if timeout is None else _deadline(timeout))  # type: ignore[no-any-return]
 
     def statistics(self) -> ReaderStatistics:
         lock = self._lock
-        lock.acquire(None)
         try:
+            lock.acquire(None)
             if self._closed:
                 raise ClosedResourceError("this reader is closed")
             return self._src.statistics(self._sleep_lock.waiting + (self._sleep_lock.owner != 0))
@@ -379,17 +329,17 @@ class BlockingReader(_Closable, Generic[T_co]):
     def close(self) -> None:
         """Detach: the writer stops waiting for this reader at once; parked ``get`` calls raise
         ``ClosedResourceError``."""
-        if get_ident() in (self._lock.owner, self._sleep_lock.owner):
+        if self._lock.mine() or self._sleep_lock.mine():
             raise WouldBlock("close() called from inside this reader's own get() on this thread")
         with self._close_lock:
             if self._closed:
                 return
             self._closing = True
             self._src.interrupt()  # the sleeping thread wakes up, and the others after it
-            self._sleep_lock.acquire(None)
             try:
-                self._lock.acquire(None)
+                self._sleep_lock.acquire(None)
                 try:
+                    self._lock.acquire(None)
                     self._closed = True
                     self._src.close()
                 finally:
@@ -422,7 +372,7 @@ class BlockingReader(_Closable, Generic[T_co]):
         and while polling, and returns an exception to end the wait with (or None); a sleep lasts
         at most ``stop_every_s`` (for a condition nothing signals; ``_interrupt`` wakes it
         otherwise); ``poll_ns`` overrides how long to poll before sleeping."""
-        if self._lock.owner == get_ident():
+        if self._lock.mine():
             raise WouldBlock("get() called from inside this reader's own get() on this thread")
         while True:
             try:
@@ -455,8 +405,8 @@ class BlockingReader(_Closable, Generic[T_co]):
     ) -> None:
         """Wait until the source may have something: one thread sleeps on the socket, the
         others queue for its place, and each looks at the source again before sleeping."""
-        self._sleep_lock.acquire(deadline)
         try:
+            self._sleep_lock.acquire(deadline)
             if self._closing:
                 return
             src = self._src

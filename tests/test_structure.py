@@ -19,8 +19,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("_shm", "_tcp.wire", "_tcp.readers", "_tcp.protocol"),
     # the TCP pumps, server and supervisor (they read the ring as a reader does)
     ("_tcp",),
-    # what the roles hold: the writer's channel, the reader's front
-    ("_channel", "_channel_put", "_channel_server", "_reader", "_wakeup"),
+    # what the roles hold: the writer's channel, the reader's front, the blocking roles' lock
+    ("_channel", "_channel_put", "_channel_server", "_reader", "_wakeup", "_owned"),
     # the roles and their factories
     (
         "_writer",

@@ -1,4 +1,5 @@
-/* The ring's atomic accesses to shared memory: what aiobroadcast/_shm/atomic.py exports.
+/* The ring's atomic accesses to shared memory: what aiobroadcast/_shm/atomic.py exports; and
+ * release_held, the blocking roles' lock release (aiobroadcast/_owned.py), at the end.
  *
  * Every word of a channel's segment that more than one process reads and writes (head, closed,
  * next_msg, wait_target, the waiting words, the reader records, the slots' seq words) goes
@@ -292,7 +293,52 @@ atomics_fence_release(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
+/* release_held(owned): give back owned._lock (a threading.RLock) if this thread holds it, with
+ * owned.owner set to 0 first; nothing otherwise. aiobroadcast/_owned.py's release. In C so that
+ * no signal handler (a Ctrl-C's KeyboardInterrupt) can run between the look and the release:
+ * the eval loop runs handlers only between bytecodes, and none runs here (RLock's methods and
+ * an instance attribute's store are C). A caller's ``finally`` may call it whether or not its
+ * acquire got the lock. */
+static PyObject *str_lock, *str_owner, *str_is_owned, *str_release, *zero;
+
+static PyObject *
+atomics_release_held(PyObject *Py_UNUSED(module), PyObject *owned)
+{
+    PyObject *lock, *r;
+    int held;
+    lock = PyObject_GetAttr(owned, str_lock);
+    if (lock == NULL) {
+        return NULL;
+    }
+    r = PyObject_CallMethodNoArgs(lock, str_is_owned);
+    if (r == NULL) {
+        Py_DECREF(lock);
+        return NULL;
+    }
+    held = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (held > 0) {
+        if (PyObject_SetAttr(owned, str_owner, zero) < 0) {
+            Py_DECREF(lock);
+            return NULL;
+        }
+        r = PyObject_CallMethodNoArgs(lock, str_release);
+        if (r == NULL) {
+            Py_DECREF(lock);
+            return NULL;
+        }
+        Py_DECREF(r);
+    }
+    Py_DECREF(lock);
+    if (held < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef atomics_methods[] = {
+    {"release_held", atomics_release_held, METH_O,
+     "Release owned._lock (an RLock) if this thread holds it, setting owned.owner to 0 first."},
     {"fence", atomics_fence, METH_NOARGS, "A full memory barrier: earlier stores before later loads."},
     {"fence_acquire", atomics_fence_acquire, METH_NOARGS, "Earlier loads before later loads and stores."},
     {"fence_release", atomics_fence_release, METH_NOARGS, "Earlier loads and stores before later stores."},
@@ -312,6 +358,14 @@ PyInit__atomics(void)
 {
     PyObject *m;
     if (PyType_Ready(&WordsType) < 0) {
+        return NULL;
+    }
+    str_lock = PyUnicode_InternFromString("_lock");
+    str_owner = PyUnicode_InternFromString("owner");
+    str_is_owned = PyUnicode_InternFromString("_is_owned");
+    str_release = PyUnicode_InternFromString("release");
+    zero = PyLong_FromLong(0);
+    if (str_lock == NULL || str_owner == NULL || str_is_owned == NULL || str_release == NULL || zero == NULL) {
         return NULL;
     }
     m = PyModule_Create(&atomics_module);

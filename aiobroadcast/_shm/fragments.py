@@ -77,29 +77,28 @@ class FragmentWrites:
         """Publish the next fragments of streamed message ``msg`` (larger than the ring) into the
         room there is now. False if another thread holds the mutex (the caller holds the
         writer's turn, so no other put starts now; one may still be finishing): call again."""
-        if not self.mutex.acquire(blocking=False):
+        if self.mutex.locked():
             return False
-        try:
-            self.check_open()
-            # Another thread's put_nowait may have taken some of the room since the caller saw it.
-            free = free_entries(self.head, self.records.min_cursor, self.layout.capacity)
-            n = min(free, self.layout.entries_for(total - chunks.pos))
-            if n <= 0:
+        with self.mutex:  # never acquire() then try (publisher.py, ``_held``)
+            try:
+                self.check_open()
+                # Another thread's put_nowait may have taken some of the room since the caller saw it.
+                free = free_entries(self.head, self.records.min_cursor, self.layout.capacity)
+                n = min(free, self.layout.entries_for(total - chunks.pos))
+                if n <= 0:
+                    return True
+                first = chunks.pos == 0
+                self.head = self._write_fragments(chunks, total, F_OOB if oob else 0, self.head, n, first=first)
+                if first:
+                    self._words[W_NEXT_MSG] = msg + 1
+                self._words[W_HEAD] = self.head
+                if chunks.done and type(chunks.first) is ArenaHead:
+                    chunks.first.committed(self.head)
+                self.wake_readers()
                 return True
-            first = chunks.pos == 0
-            self.head = self._write_fragments(chunks, total, F_OOB if oob else 0, self.head, n, first=first)
-            if first:
-                self._words[W_NEXT_MSG] = msg + 1
-            self._words[W_HEAD] = self.head
-            if chunks.done and type(chunks.first) is ArenaHead:
-                chunks.first.committed(self.head)
-            self.wake_readers()
-            return True
-        except BaseException:
-            self.recover()
-            raise
-        finally:
-            self.mutex.release()
+            except BaseException:
+                self.recover()
+                raise
 
     def end_stream(self, chunks: Chunks, msg: int) -> None:
         """After a streamed message, whole or cut short (cancelled, interrupted, timed out) once

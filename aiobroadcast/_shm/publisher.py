@@ -68,8 +68,12 @@ class Publisher(FragmentWrites):
         self._slot_offset = seg.layout.slot_offset  # the layout's function: called per entry
         # The layout's numbers and the bound methods the one-slot path uses, as attributes.
         self._cap = seg.layout.capacity
-        self._acquire = self.mutex.acquire
-        self._release = self.mutex.release
+        # Whether another thread writes now. The mutex is then taken with ``with`` only, never
+        # ``acquire()`` then ``try``: a Ctrl-C's KeyboardInterrupt can be raised right after a
+        # call returns, before a ``try`` begins, and would leave the mutex held for good; after
+        # ``with``'s own enter it is inside the block, and the exit releases. (Another thread
+        # may take it between the look and the ``with``: this one then waits for its copy.)
+        self._held = self.mutex.locked
         self._waiting = seg.waiting
         self._woke_ns = 0  # when wake-ups were last sent
 
@@ -86,9 +90,9 @@ class Publisher(FragmentWrites):
 
     def try_publish(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int = 0) -> bool:
         """Publish now if no other thread is writing and there is room (or policy "lag")."""
-        if not self._acquire(False):
+        if self._held():
             return False
-        try:
+        with self.mutex:
             if self.closed:  # closed by another thread, or inherited by a fork child
                 self.check_open()
             # The cached slowest cursor usually says there is room; ``room`` rescans otherwise.
@@ -100,8 +104,6 @@ class Publisher(FragmentWrites):
                 return False
             self.publish(parts, total, oob, entries, gap)
             return True
-        finally:
-            self._release()
 
     def publish(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int = 0) -> None:
         """Write a whole message into ``entries`` free slots and publish it. The caller holds
@@ -162,16 +164,14 @@ class Publisher(FragmentWrites):
 
     def try_publish_many(self, batch: Sequence[Encoded], entries: int) -> bool:
         """``try_publish`` for several messages (``entries`` slots in all): all or none."""
-        if not self._acquire(False):
+        if self._held():
             return False
-        try:
+        with self.mutex:
             self.check_open()
             if self.block and not self.room(entries):
                 return False
             self.publish_many(batch)
             return True
-        finally:
-            self._release()
 
     def publish_many(self, batch: Sequence[Encoded]) -> None:
         """Write several messages in order and publish them with one store of the head and one

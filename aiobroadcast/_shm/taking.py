@@ -175,7 +175,12 @@ class MessageTaking(ReaderCursor):
             budget -= flen
             c += 1
         # Taken: entries c0 .. c-1, with one store of the cursor and one look at the writer.
+        # The cursor is stored before the queue is filled, with no call between the two: a
+        # Ctrl-C's KeyboardInterrupt is raised only at a call or a backward jump, so it finds
+        # both done or neither (queued but not taken, they would be delivered twice).
         self._next_msg = msg + 1
+        self._cursor = c
+        w[self._cur_word] = c
         if more:
             self.ahead.extend(more)
         self._moved(c0, c, c - c0)

@@ -47,6 +47,7 @@ from ._fanin import (
 )
 from ._handle import Handle, _first_problem, handle_kind
 from ._open import DEFAULT_DIRECTORY, _Opening, open_reader, open_writer
+from ._owned import Owned
 from ._reader import Reader
 from ._steps import drive, drive_blocking
 from ._writer import Writer
@@ -259,6 +260,10 @@ class _Book:
         return False
 
     def begin(self) -> int:
+        """A call begins: its id (``BroadcastError`` if one is in progress). The front ends clear
+        ``busy`` in the ``finally`` of the turn they hold, whatever happened (returned, timed
+        out, failed, cancelled, interrupted on any line, even before the call began): with a
+        store, not a call, since a Ctrl-C can be raised on entering a Python function."""
         if self.busy:
             raise BroadcastError("one call at a time: this caller is already in a call (from another thread?)")
         self.busy = True
@@ -303,7 +308,7 @@ class _Call:
     ``need()`` and does it (``_GET``: take a delivery from the collector and hand it to ``take``,
     or say ``ended`` when every worker ended; ``_PUT``: send ``message``, then say ``sent``); each
     of these returns what is needed next, until ``_DONE`` or the call's deadline passes; then
-    ``finish`` (always) and ``result``.
+    ``result``. The front end ends the call (``_Book.busy``) whatever happened.
     Written once for ``Caller`` and ``BlockingCaller``: which reply answers this call (its id,
     see ``_Book.absorb``: a late reply to an earlier call never does), whom to wait for, and
     what the ones that did not answer get."""
@@ -350,10 +355,6 @@ class _Call:
         self._book.sent()
         self._phase = _REPLIES
         return self.need()
-
-    def finish(self) -> None:
-        """The call is over (returned, timed out, failed, cancelled): the next one may begin."""
-        self._book.busy = False
 
     def result(self, timeout: float) -> dict[str, Outcome[Any]]:
         return self._book.result(self._got, timeout)
@@ -481,6 +482,7 @@ class Caller(Generic[Q, R]):
         try:
             return await self._call(request, deadline, timeout)
         finally:
+            self._core.book.busy = False  # the call is over (_Book.begin)
             turn.release()
 
     async def _call(self, request: Q, deadline: float, limit: float) -> dict[str, Outcome[R]]:
@@ -490,27 +492,24 @@ class Caller(Generic[Q, R]):
         call (its timer made and cancelled, the task's state looked up) was a measurable part of
         a paced call's round trip (docs/performance.md, "Calls: fewer frames ...")."""
         call = self._core.start(request)
-        try:
-            need = call.need()
-            while need != _DONE:
-                if need == _PUT:
-                    try:
-                        self._w.put_nowait(call.message)
-                    except WouldBlock:  # the ring is full: wait for room, until the deadline
-                        with anyio.move_on_after(deadline - monotonic()) as scope:
-                            await self._w.put(call.message)
-                        if scope.cancelled_caught:
-                            break  # not sent: a cancelled put publishes nothing
-                    need = call.sent()
-                    continue
+        need = call.need()
+        while need != _DONE:
+            if need == _PUT:
                 try:
-                    need = call.take(await self._c._get_before(deadline))
-                except EndOfStream:
-                    need = call.ended()
-                except WaitTimeout:
-                    break
-        finally:
-            call.finish()
+                    self._w.put_nowait(call.message)
+                except WouldBlock:  # the ring is full: wait for room, until the deadline
+                    with anyio.move_on_after(deadline - monotonic()) as scope:
+                        await self._w.put(call.message)
+                    if scope.cancelled_caught:
+                        break  # not sent: a cancelled put publishes nothing
+                need = call.sent()
+                continue
+            try:
+                need = call.take(await self._c._get_before(deadline))
+            except EndOfStream:
+                need = call.ended()
+            except WaitTimeout:
+                break
         return call.result(limit)
 
     def statistics(self) -> CallerStatistics:
@@ -920,7 +919,9 @@ class BlockingCaller(Generic[Q, R]):
         self._w = writer
         self._c = collector
         self._core = _CallerCore(writer.handle, collector.handle, workers)
-        self._lock = threading.Lock()
+        # Calls and wait_ready take turns on it. A call from inside this thread's own call (a
+        # request's __reduce__, a signal handler) is refused instead of waiting for itself.
+        self._lock = Owned()
 
     @property
     def handle(self) -> PoolHandle:
@@ -933,26 +934,35 @@ class BlockingCaller(Generic[Q, R]):
     def call(self, request: Q, *, timeout: float) -> dict[str, Outcome[R]]:
         """As ``Caller.call``; calls from several threads take turns (the wait counts in the timeout)."""
         _check_timeout(timeout)
-        with self._lock:
-            call = self._core.start(request)
-            deadline = monotonic() + timeout
+        lock = self._lock
+        if lock.mine():
+            raise BroadcastError("call() called from inside this caller's own call on this thread")
+        try:
+            lock.acquire(None)  # inside the try: a Ctrl-C anywhere leaves it free (_owned.py)
             try:
-                need = call.need()
-                while need != _DONE:
-                    left = max(0.0, deadline - monotonic())
-                    try:
-                        if need == _PUT:
-                            self._w.put(call.message, left)
-                            need = call.sent()
-                        else:
-                            need = call.take(self._c.get(left))
-                    except EndOfStream:
-                        need = call.ended()
-                    except WaitTimeout:
-                        break
+                return self._call(request, timeout)
             finally:
-                call.finish()
-            return call.result(timeout)
+                self._core.book.busy = False  # the call is over (_Book.begin)
+        finally:
+            lock.release()
+
+    def _call(self, request: Q, timeout: float) -> dict[str, Outcome[R]]:
+        call = self._core.start(request)
+        deadline = monotonic() + timeout
+        need = call.need()
+        while need != _DONE:
+            left = max(0.0, deadline - monotonic())
+            try:
+                if need == _PUT:
+                    self._w.put(call.message, left)
+                    need = call.sent()
+                else:
+                    need = call.take(self._c.get(left))
+            except EndOfStream:
+                need = call.ended()
+            except WaitTimeout:
+                break
+        return call.result(timeout)
 
     def statistics(self) -> CallerStatistics:
         return self._core.book.statistics()
@@ -962,15 +972,20 @@ class BlockingCaller(Generic[Q, R]):
         core = self._core
         wanted = core.wanted(names, timeout)
         deadline = None if timeout is None else monotonic() + timeout
-        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-            raise core.not_ready(wanted, timeout)
+        lock = self._lock
+        if lock.mine():
+            raise BroadcastError("wait_ready() called from inside this caller's own call on this thread")
         try:
+            try:
+                lock.acquire(deadline)
+            except WaitTimeout:
+                raise core.not_ready(wanted, timeout) from None
             core.check_open()
             c = self._c
 
             def check_now() -> None:
-                c._lock.acquire(None)
                 try:
+                    c._lock.acquire(None)
                     c._g.check_now()
                 finally:
                     c._lock.release()
@@ -984,7 +999,7 @@ class BlockingCaller(Generic[Q, R]):
         except EndOfStream:
             raise core.not_ready(wanted, timeout) from None
         finally:
-            self._lock.release()
+            lock.release()
 
     def close(self) -> None:
         if self._core.closed:

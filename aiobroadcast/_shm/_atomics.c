@@ -1,5 +1,5 @@
 /* The ring's atomic accesses to shared memory: what aiobroadcast/_shm/atomic.py exports; and
- * release_held, the blocking roles' lock release (aiobroadcast/_owned.py), at the end.
+ * Held, the blocking roles' lock (aiobroadcast/_owned.py), at the end.
  *
  * Every word of a channel's segment that more than one process reads and writes (head, closed,
  * next_msg, wait_target, the waiting words, the reader records, the slots' seq words) goes
@@ -22,6 +22,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <time.h>
+#include "pythread.h"
 
 #if !defined(__GNUC__) && !defined(__clang__)
 #error "aiobroadcast's atomics need GCC or Clang (__atomic builtins)"
@@ -293,52 +295,163 @@ atomics_fence_release(PyObject *Py_UNUSED(module), PyObject *Py_UNUSED(ignored))
     Py_RETURN_NONE;
 }
 
-/* release_held(owned): give back owned._lock (a threading.RLock) if this thread holds it, with
- * owned.owner set to 0 first; nothing otherwise. aiobroadcast/_owned.py's release. In C so that
- * no signal handler (a Ctrl-C's KeyboardInterrupt) can run between the look and the release:
- * the eval loop runs handlers only between bytecodes, and none runs here (RLock's methods and
- * an instance attribute's store are C). A caller's ``finally`` may call it whether or not its
- * acquire got the lock. */
-static PyObject *str_lock, *str_owner, *str_is_owned, *str_release, *zero;
+/* Held: the blocking roles' lock (aiobroadcast/_owned.py). A lock that knows the thread holding
+ * it and how many times that thread took it, with two calls:
+ *   take(timeout) -> 1 taken; 0 held by another thread (timeout 0) or the timeout passed; -1
+ *       already held by this thread: taken once more (the caller's release gives it back).
+ *       timeout < 0 waits for good; a wait is interrupted by signals, whose handlers run here
+ *       (an exception from one propagates, the lock not taken), then the wait goes on.
+ *   release() -> gives back one level if this thread holds it; nothing otherwise.
+ * Every state change is made in C with the GIL held, so no signal handler (a Ctrl-C's
+ * KeyboardInterrupt, raised by the eval loop between bytecodes only) runs between a look and
+ * the change it decides: a caller's finally may call release() whether or not its take got
+ * the lock, and no Ctrl-C can leave it held. The wait itself is CPython's own lock wait
+ * (PyThread_acquire_lock_timed with intr_flag, as _thread's locks). */
+typedef struct {
+    PyObject_HEAD
+    PyThread_type_lock lock;
+    unsigned long owner; /* the holding thread's ident, 0 when free */
+    long level;          /* how many times it took it */
+} HeldObject;
+
+static double
+monotonic_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
 
 static PyObject *
-atomics_release_held(PyObject *Py_UNUSED(module), PyObject *owned)
+held_new(PyTypeObject *type, PyObject *args, PyObject *kwds)
 {
-    PyObject *lock, *r;
-    int held;
-    lock = PyObject_GetAttr(owned, str_lock);
-    if (lock == NULL) {
+    HeldObject *self;
+    if (PyTuple_GET_SIZE(args) != 0 || (kwds != NULL && PyDict_GET_SIZE(kwds) != 0)) {
+        PyErr_SetString(PyExc_TypeError, "Held() takes no arguments");
         return NULL;
     }
-    r = PyObject_CallMethodNoArgs(lock, str_is_owned);
-    if (r == NULL) {
-        Py_DECREF(lock);
+    self = (HeldObject *)type->tp_alloc(type, 0);
+    if (self == NULL) {
         return NULL;
     }
-    held = PyObject_IsTrue(r);
-    Py_DECREF(r);
-    if (held > 0) {
-        if (PyObject_SetAttr(owned, str_owner, zero) < 0) {
-            Py_DECREF(lock);
-            return NULL;
+    self->lock = PyThread_allocate_lock();
+    if (self->lock == NULL) {
+        Py_DECREF(self);
+        PyErr_SetString(PyExc_MemoryError, "cannot allocate a lock");
+        return NULL;
+    }
+    return (PyObject *)self;
+}
+
+static void
+held_dealloc(HeldObject *self)
+{
+    if (self->lock != NULL) {
+        if (self->owner != 0) {
+            PyThread_release_lock(self->lock);
         }
-        r = PyObject_CallMethodNoArgs(lock, str_release);
-        if (r == NULL) {
-            Py_DECREF(lock);
-            return NULL;
-        }
-        Py_DECREF(r);
+        PyThread_free_lock(self->lock);
     }
-    Py_DECREF(lock);
-    if (held < 0) {
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+held_take(HeldObject *self, PyObject *arg)
+{
+    unsigned long me = PyThread_get_thread_ident();
+    double timeout = PyFloat_AsDouble(arg);
+    double deadline = 0.0;
+    PyLockStatus r;
+    if (timeout == -1.0 && PyErr_Occurred()) {
         return NULL;
+    }
+    if (self->owner == me) {
+        self->level++;
+        return PyLong_FromLong(-1);
+    }
+    r = PyThread_acquire_lock_timed(self->lock, 0, 0);
+    if (r != PY_LOCK_ACQUIRED && timeout != 0.0) {
+        if (timeout > 0) {
+            deadline = monotonic_s() + timeout;
+        }
+        for (;;) {
+            PY_TIMEOUT_T us = -1;
+            if (timeout > 0) {
+                double left = deadline - monotonic_s();
+                if (left <= 0) {
+                    break;
+                }
+                us = left * 1e6 >= (double)PY_TIMEOUT_MAX ? PY_TIMEOUT_MAX : (PY_TIMEOUT_T)(left * 1e6);
+            }
+            Py_BEGIN_ALLOW_THREADS
+            r = PyThread_acquire_lock_timed(self->lock, us, 1);
+            Py_END_ALLOW_THREADS
+            if (r != PY_LOCK_INTR) {
+                break;
+            }
+            if (Py_MakePendingCalls() < 0) { /* a signal handler raised: not taken */
+                return NULL;
+            }
+        }
+    }
+    if (r != PY_LOCK_ACQUIRED) {
+        return PyLong_FromLong(0);
+    }
+    self->owner = me;
+    self->level = 1;
+    return PyLong_FromLong(1);
+}
+
+static PyObject *
+held_release(HeldObject *self, PyObject *Py_UNUSED(ignored))
+{
+    if (self->owner == PyThread_get_thread_ident()) {
+        if (--self->level == 0) {
+            self->owner = 0;
+            PyThread_release_lock(self->lock);
+        }
     }
     Py_RETURN_NONE;
 }
 
+static PyObject *
+held_mine(HeldObject *self, PyObject *Py_UNUSED(ignored))
+{
+    return PyBool_FromLong(self->owner == PyThread_get_thread_ident());
+}
+
+static PyObject *
+held_get_owner(HeldObject *self, void *Py_UNUSED(closure))
+{
+    return PyLong_FromUnsignedLong(self->owner);
+}
+
+static PyMethodDef held_methods[] = {
+    {"take", (PyCFunction)held_take, METH_O,
+     "take(timeout): 1 taken, 0 not (held elsewhere, or the timeout passed), -1 taken again by its holder."},
+    {"release", (PyCFunction)held_release, METH_NOARGS, "Give back one level if this thread holds it."},
+    {"mine", (PyCFunction)held_mine, METH_NOARGS, "Whether this thread holds it."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef held_getset[] = {
+    {"owner", (getter)held_get_owner, NULL, "The holding thread's ident, 0 when free.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyTypeObject HeldType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "aiobroadcast._shm._atomics.Held",
+    .tp_basicsize = sizeof(HeldObject),
+    .tp_dealloc = (destructor)held_dealloc,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Held(): a lock that knows its holder; take(timeout) and release() (see _atomics.c).",
+    .tp_methods = held_methods,
+    .tp_getset = held_getset,
+    .tp_new = held_new,
+};
+
 static PyMethodDef atomics_methods[] = {
-    {"release_held", atomics_release_held, METH_O,
-     "Release owned._lock (an RLock) if this thread holds it, setting owned.owner to 0 first."},
     {"fence", atomics_fence, METH_NOARGS, "A full memory barrier: earlier stores before later loads."},
     {"fence_acquire", atomics_fence_acquire, METH_NOARGS, "Earlier loads before later loads and stores."},
     {"fence_release", atomics_fence_release, METH_NOARGS, "Earlier loads and stores before later stores."},
@@ -357,15 +470,7 @@ PyMODINIT_FUNC
 PyInit__atomics(void)
 {
     PyObject *m;
-    if (PyType_Ready(&WordsType) < 0) {
-        return NULL;
-    }
-    str_lock = PyUnicode_InternFromString("_lock");
-    str_owner = PyUnicode_InternFromString("owner");
-    str_is_owned = PyUnicode_InternFromString("_is_owned");
-    str_release = PyUnicode_InternFromString("release");
-    zero = PyLong_FromLong(0);
-    if (str_lock == NULL || str_owner == NULL || str_is_owned == NULL || str_release == NULL || zero == NULL) {
+    if (PyType_Ready(&WordsType) < 0 || PyType_Ready(&HeldType) < 0) {
         return NULL;
     }
     m = PyModule_Create(&atomics_module);
@@ -375,6 +480,12 @@ PyInit__atomics(void)
     Py_INCREF(&WordsType);
     if (PyModule_AddObject(m, "Words", (PyObject *)&WordsType) < 0) {
         Py_DECREF(&WordsType);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_INCREF(&HeldType);
+    if (PyModule_AddObject(m, "Held", (PyObject *)&HeldType) < 0) {
+        Py_DECREF(&HeldType);
         Py_DECREF(m);
         return NULL;
     }

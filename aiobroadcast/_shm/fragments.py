@@ -4,11 +4,11 @@ than the ring), and ``Chunks``, which walks the message's buffers into the slots
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from .._codec import Buffer
+from ._atomics import Held
 from .arena import ArenaHead
 from .atomic import Words, fence_release
 from .layout import (
@@ -35,7 +35,7 @@ class FragmentWrites:
     layout: Layout
     block: bool
     records: ReaderRecords
-    mutex: threading.Lock
+    mutex: Held
     head: int
     msg: int
     aborted: int
@@ -77,9 +77,9 @@ class FragmentWrites:
         """Publish the next fragments of streamed message ``msg`` (larger than the ring) into the
         room there is now. False if another thread holds the mutex (the caller holds the
         writer's turn, so no other put starts now; one may still be finishing): call again."""
-        if self.mutex.locked():
-            return False
-        with self.mutex:  # never acquire() then try (publisher.py, ``_held``)
+        try:  # the mutex taken inside the try (publisher.py, ``_take``)
+            if self.mutex.take(0.0) <= 0:
+                return False
             try:
                 self.check_open()
                 # Another thread's put_nowait may have taken some of the room since the caller saw it.
@@ -99,6 +99,8 @@ class FragmentWrites:
             except BaseException:
                 self.recover()
                 raise
+        finally:
+            self.mutex.release()
 
     def end_stream(self, chunks: Chunks, msg: int) -> None:
         """After a streamed message, whole or cut short (cancelled, interrupted, timed out) once

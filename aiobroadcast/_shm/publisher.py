@@ -9,7 +9,6 @@ message.
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Sequence
 from time import perf_counter_ns
 
@@ -17,6 +16,7 @@ from .. import _tuning
 from .._codec import Buffer
 from .._exceptions import ClosedResourceError
 from . import segment as _segment
+from ._atomics import Held
 from .arena import ArenaHead
 from .atomic import fence_release
 from .fragments import Chunks as Chunks  # the writer's channel makes them for stream_some
@@ -56,7 +56,7 @@ class Publisher(FragmentWrites):
         self.block = block
         self.outbox = Outbox()
         self.records = ReaderRecords(seg, self.outbox)
-        self.mutex = threading.Lock()
+        self.mutex = Held()
         self.head = 0
         self.msg = 0
         self.aborted = 0  # message numbers used by messages cut short (their LAST never published)
@@ -68,12 +68,12 @@ class Publisher(FragmentWrites):
         self._slot_offset = seg.layout.slot_offset  # the layout's function: called per entry
         # The layout's numbers and the bound methods the one-slot path uses, as attributes.
         self._cap = seg.layout.capacity
-        # Whether another thread writes now. The mutex is then taken with ``with`` only, never
-        # ``acquire()`` then ``try``: a Ctrl-C's KeyboardInterrupt can be raised right after a
-        # call returns, before a ``try`` begins, and would leave the mutex held for good; after
-        # ``with``'s own enter it is inside the block, and the exit releases. (Another thread
-        # may take it between the look and the ``with``: this one then waits for its copy.)
-        self._held = self.mutex.locked
+        # The mutex is taken inside the ``try`` whose ``finally`` gives it back: a Ctrl-C's
+        # KeyboardInterrupt can be raised right after a call returns, before a ``try`` begins;
+        # ``Held`` (_atomics.c) gives back only what this thread took, so the ``finally`` may
+        # run whether or not the take got it (aiobroadcast/_owned.py says more).
+        self._take = self.mutex.take
+        self._give = self.mutex.release
         self._waiting = seg.waiting
         self._woke_ns = 0  # when wake-ups were last sent
 
@@ -90,9 +90,9 @@ class Publisher(FragmentWrites):
 
     def try_publish(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int = 0) -> bool:
         """Publish now if no other thread is writing and there is room (or policy "lag")."""
-        if self._held():
-            return False
-        with self.mutex:
+        try:
+            if self._take(0.0) <= 0:  # another thread writes (or this one, from a signal handler)
+                return False
             if self.closed:  # closed by another thread, or inherited by a fork child
                 self.check_open()
             # The cached slowest cursor usually says there is room; ``room`` rescans otherwise.
@@ -104,6 +104,8 @@ class Publisher(FragmentWrites):
                 return False
             self.publish(parts, total, oob, entries, gap)
             return True
+        finally:
+            self._give()
 
     def publish(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int = 0) -> None:
         """Write a whole message into ``entries`` free slots and publish it. The caller holds
@@ -164,14 +166,16 @@ class Publisher(FragmentWrites):
 
     def try_publish_many(self, batch: Sequence[Encoded], entries: int) -> bool:
         """``try_publish`` for several messages (``entries`` slots in all): all or none."""
-        if self._held():
-            return False
-        with self.mutex:
+        try:
+            if self._take(0.0) <= 0:
+                return False
             self.check_open()
             if self.block and not self.room(entries):
                 return False
             self.publish_many(batch)
             return True
+        finally:
+            self._give()
 
     def publish_many(self, batch: Sequence[Encoded]) -> None:
         """Write several messages in order and publish them with one store of the head and one
@@ -266,14 +270,20 @@ class Publisher(FragmentWrites):
 
     def mark_closed(self) -> None:
         """Readers drain what was published, then get ``EndOfStream``."""
-        with self.mutex:  # no other thread is writing into the ring from here on
+        try:
+            self._take(-1.0)  # no other thread is writing into the ring from here on
             self.closed = True
+        finally:
+            self._give()
         self._words[W_CLOSED] = 1
         self.wake_all_readers()
 
     def abandon(self) -> None:
         """Stop as if this process had died: readers drain, then get ``WriterGone``."""
-        with self.mutex:
+        try:
+            self._take(-1.0)
             self.closed = True
+        finally:
+            self._give()
         _segment.unlock(self.seg.fd, _segment.WRITER_LOCK_BYTE)
         self.wake_all_readers()  # sleepers find the lock free on waking

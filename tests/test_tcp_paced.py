@@ -143,10 +143,12 @@ async def test_an_idle_remote_readers_sleep_ends_on_its_own_after_the_safety_net
                         got.append(await r.get())
 
                     tg.start_soon(read)
-                    await anyio.sleep(1.5)  # 6 limits of the sleep; a heartbeat is 5 s
+                    # 6.5 limits of the sleep (a heartbeat is 5 s): the put lands in the middle
+                    # of a sleep, not where one ends on its own (at 6 limits it raced that end).
+                    await anyio.sleep(1.625)
                     await w.put(7)
             assert got == [7]
-    assert ends.count(False) >= 3  # the sleep's own ends (1.5 s / 0.25 s, on a loaded machine)
+    assert ends.count(False) >= 3  # the sleep's own ends (1.625 s / 0.25 s, on a loaded machine)
     assert ends[-1] is True  # the message woke the last one
 
 

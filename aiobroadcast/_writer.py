@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from threading import get_ident as _get_ident
 from types import TracebackType
 from typing import Generic, NoReturn, TypeVar, final
 
 from . import _tuning
 from ._channel import WriterChannel
+from ._codec import Buffer
 from ._exceptions import BroadcastError, WouldBlock
 from ._handle import Handle
 from ._stats import WriterStatistics
@@ -71,6 +72,15 @@ class Writer(Generic[T_contra]):
         like ``put_nowait``; a reader that dies while the writer waits for it is dropped within
         about a second and the ``put`` goes on.
         """
+        pending = self._publish_now(obj)
+        if pending is not None:
+            await self._ch.put_in_turn(*pending)
+
+    def _publish_now(self, obj: object) -> tuple[Sequence[Buffer], int, bool, int, bool] | None:
+        """``put`` up to its first await: check, encode and, in the usual case, publish. None once
+        published; else what ``put_in_turn`` needs to wait for room (or to yield first). Plain
+        code, so that a ``put`` of a role built on this one (a fan-in sender's, a worker's reply)
+        publishes without a coroutine per layer (docs/performance.md, "Calls: the worker's path")."""
         ch = self._ch
         pub = ch.pub
         if pub.closed:
@@ -80,18 +90,18 @@ class Writer(Generic[T_contra]):
         # ch.encoded(obj), inline: one call less per message.
         parts, total, oob = ch.encode(obj)  # the object as it is now
         entries = 1 if total <= ch.payload_bytes else ch.entries_for(total)
-        # The usual case first, without a coroutine of its own: no task waits ahead of this one
-        # and there is room. Once in YIELD_EVERY puts, the put yields to the loop first, so that
-        # a tight loop of puts does not starve other tasks: in its turn (the tasks behind it wait
-        # as for room) and before publishing, so a cancellation there (an anyio scope, or
-        # asyncio's own) has published nothing. Once published, put returns without an await.
+        # The usual case first: no task waits ahead of this one and there is room. Once in
+        # YIELD_EVERY puts, the put yields to the loop first, so that a tight loop of puts does
+        # not starve other tasks: in its turn (the tasks behind it wait as for room) and before
+        # publishing, so a cancellation there (an anyio scope, or asyncio's own) has published
+        # nothing. Once published, put returns without an await.
         if self._since_yield >= _tuning.YIELD_EVERY:
             self._since_yield = 0
-            await ch.put_in_turn(parts, total, oob, entries, yield_first=True)
-        elif not ch.turns.locked() and pub.try_publish(parts, total, oob, entries):
+            return (parts, total, oob, entries, True)
+        if not ch.turns._held and pub.try_publish(parts, total, oob, entries):  # turns.locked(), inline
             self._since_yield += 1
-        else:
-            await ch.put_in_turn(parts, total, oob, entries)
+            return None
+        return (parts, total, oob, entries, False)
 
     async def put_many(self, objs: Iterable[T_contra]) -> None:
         """Publish several messages, in order, as one operation: all of them, or (cancelled, or

@@ -197,7 +197,9 @@ async def test_an_async_put_whose_item_the_collector_took_before_it_closed_retur
     one: Any = ["x"] if method == "put_many" else "x"
     collector = await ab.open_collector(capacity=8, slot_bytes=256)
     async with ab.open_sender(collector.handle, name="s") as sender:
-        publish = getattr(sender._w, method)
+        # put publishes through the writer's _publish_now (no coroutine of the writer's between).
+        target = "_publish_now" if method == "put" else method
+        publish = getattr(sender._w, target)
         got: list[Any] = []
 
         async def leave() -> None:
@@ -205,16 +207,17 @@ async def test_an_async_put_whose_item_the_collector_took_before_it_closed_retur
                 got.append(collector.get_nowait())
             await collector.aclose()
 
-        if method == "put_nowait":
+        if method != "put_many":
 
-            def publish_now(obj: Any) -> None:
-                publish(obj)
+            def publish_now(obj: Any) -> Any:
+                res = publish(obj)
                 # A method without an await: the collector leaves in one step of its coroutine
                 # (aclose waits for nothing here; the test fails if it ever does).
                 with pytest.raises(StopIteration):
                     leave().send(None)
+                return res
 
-            setattr(sender._w, method, publish_now)
+            setattr(sender._w, target, publish_now)
         else:
 
             async def publish_then_leave(obj: Any) -> None:

@@ -5,6 +5,7 @@ same engine (``_fanin._Gather``) and rings as the async roles (docs/fan-in.md). 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from time import monotonic
 from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, final, overload
 
 from pydantic import BaseModel
@@ -272,9 +273,14 @@ class BlockingSender(Generic[T_contra]):
     def put(self, obj: T_contra, timeout: float | None = None) -> None:
         """Send ``obj``, blocking while the ring is full. Raises like ``BlockingWriter.put``, and
         ``CollectorGone`` once the collector has closed or died."""
-        self._check()
+        words = self._words
+        active = self._active
+        # _check, written out for the usual case, as in Sender.put (a worker's every reply).
+        if self._w._closing or self._pub.closed or not words[active] or monotonic() >= self._watch.next:
+            self._check()
         self._w.put(obj, timeout)
-        self._check(after=True)
+        if not words[active]:
+            self._check(after=True)
 
     def put_many(self, objs: Iterable[T_contra], timeout: float | None = None) -> None:
         """Send several items as one operation (``BlockingWriter.put_many``)."""

@@ -305,16 +305,18 @@ class BlockingReader(_Closable, Generic[T_co]):
         having taken nothing. Raises like ``Reader.get``, and ``ClosedResourceError`` if
         ``close()`` is called meanwhile."""
         lock = self._lock
+        tried = False
         try:
             if lock.try_acquire():  # the common case first: a message is there, nobody else takes
                 if self._closed:
                     raise ClosedResourceError("this reader is closed")
+                tried = True
                 return self._src.get_nowait()  # type: ignore[no-any-return]
         except WouldBlock:
             pass
         finally:
             lock.release()
-        return self._get(None if timeout is None else _deadline(timeout))  # type: ignore[no-any-return]
+        return self._get(None if timeout is None else _deadline(timeout), tried=tried)  # type: ignore[no-any-return]
 
     def statistics(self) -> ReaderStatistics:
         lock = self._lock
@@ -367,18 +369,24 @@ class BlockingReader(_Closable, Generic[T_co]):
         stop: Callable[[], BaseException | None] | None = None,
         stop_every_s: float | None = None,
         poll_ns: int | None = None,
+        *,
+        tried: bool = False,
     ) -> Any:
         """``get`` with the knobs of ``aiobroadcast.vllm``: ``stop()`` is asked before each wait
         and while polling, and returns an exception to end the wait with (or None); a sleep lasts
         at most ``stop_every_s`` (for a condition nothing signals; ``_interrupt`` wakes it
-        otherwise); ``poll_ns`` overrides how long to poll before sleeping."""
+        otherwise); ``poll_ns`` overrides how long to poll before sleeping. ``tried``: the caller
+        found nothing an instant ago (``get``'s first look), so the first wait comes first."""
         if self._lock.mine():
             raise WouldBlock("get() called from inside this reader's own get() on this thread")
         while True:
-            try:
-                return self.get_nowait()
-            except WouldBlock:
-                pass
+            if tried:
+                tried = False
+            else:
+                try:
+                    return self.get_nowait()
+                except WouldBlock:
+                    pass
             if self._closing:
                 raise ClosedResourceError("this reader was closed while get() waited")
             if stop is not None and (exc := stop()) is not None:

@@ -315,6 +315,24 @@ def test_wake_floor_paced_runs(pickled: bool) -> None:
     assert 0 < result["p50_us"] <= result["p99_us"]
 
 
+@pytest.mark.parametrize(
+    "knobs",
+    [["--worker", "bare"], ["--blocking", "--worker", "bare", "--caller", "bare"]],
+    ids=["bare-async-worker", "bare-blocking-both"],
+)
+def test_call_floor_runs_real_workers_and_checks_every_answer(knobs: list[str]) -> None:
+    """``benchmarks/call_floor.py`` (the call cell with the roles' layers taken out): real worker
+    processes answer every call, each answer checked against its call id (a wrong or missing one
+    fails the run). No timing assertions."""
+    proc = script(str(ROOT / "benchmarks" / "call_floor.py"), "2", "64", "40", *knobs)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert "FAILED" not in result, result
+    assert result["mode"] == "call" and result["readers"] == 2 and result["received"] == [40]
+    assert 0 < result["p50_us"] <= result["p99_us"]
+    assert len(result["reader_cpu_s"]) == 2
+
+
 def test_cpu_split_names_every_process_of_a_tcp_run() -> None:
     """``benchmarks/cpu_split.py`` around a real run over TCP (writer, server, reader processes):
     it reports the server's process and the reader's I/O thread among its rows, CPU per message,

@@ -36,6 +36,13 @@ from aiobroadcast._shm.layout import fence
 from aiobroadcast.cli._bench_figures import STEP_TIMEOUT_S, reap
 
 
+def _answer(encode: Any, publish: Any, cid: int, value: Any, rank: int) -> None:
+    """The bench's answer to call ``cid``, published straight into the reply ring."""
+    parts, total, oob = encode((cid, True, (value[1], rank, bc.REPLY)))
+    if not publish(parts, total, oob, 1):
+        raise RuntimeError("the reply ring is full")
+
+
 def _bare_blocking(handle: str, rank: int) -> float:
     from aiobroadcast.blocking import open_worker
 
@@ -59,9 +66,7 @@ def _bare_blocking(handle: str, rank: int) -> float:
                 break
             if cpu0 is None:
                 cpu0 = time.process_time()
-            parts, total, oob = encode((cid, True, (value[1], rank, bc.REPLY)))
-            if not publish(parts, total, oob, 1):
-                raise RuntimeError("the reply ring is full")
+            _answer(encode, publish, cid, value, rank)
     return time.process_time() - (cpu0 or 0.0)
 
 
@@ -89,9 +94,7 @@ async def _bare_async(handle: str, rank: int) -> float:
                 break
             if cpu0 is None:
                 cpu0 = time.process_time()
-            parts, total, oob = encode((cid, True, (value[1], rank, bc.REPLY)))
-            if not publish(parts, total, oob, 1):
-                raise RuntimeError("the reply ring is full")
+            _answer(encode, publish, cid, value, rank)
     return time.process_time() - (cpu0 or 0.0)
 
 

@@ -72,8 +72,9 @@ class Writer(Generic[T_contra]):
         like ``put_nowait``; a reader that dies while the writer waits for it is dropped within
         about a second and the ``put`` goes on.
         """
-        # _publish_now, written out: a paced put is cold, and pays for every frame (one more
-        # cost the paced latency cell 2-5 %, docs/performance.md). Keep the two alike.
+        # _publish_now, written out: a paced put is cold and pays for every Python frame, and a
+        # broadcast put gains nothing from the split (only the roles built on it do). Keep the
+        # two alike.
         ch = self._ch
         pub = ch.pub
         if pub.closed:

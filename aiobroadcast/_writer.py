@@ -72,24 +72,9 @@ class Writer(Generic[T_contra]):
         like ``put_nowait``; a reader that dies while the writer waits for it is dropped within
         about a second and the ``put`` goes on.
         """
-        # _publish_now, written out: a paced put is cold and pays for every Python frame, and a
-        # broadcast put gains nothing from the split (only the roles built on it do). Keep the
-        # two alike.
-        ch = self._ch
-        pub = ch.pub
-        if pub.closed:
-            pub.check_open()
-        if _get_ident() != ch.thread:
-            ch.check_thread()
-        parts, total, oob = ch.encode(obj)  # the object as it is now (ch.encoded(obj), inline)
-        entries = 1 if total <= ch.payload_bytes else ch.entries_for(total)
-        if self._since_yield >= _tuning.YIELD_EVERY:
-            self._since_yield = 0
-            await ch.put_in_turn(parts, total, oob, entries, yield_first=True)
-        elif not ch.turns._held and pub.try_publish(parts, total, oob, entries):  # turns.locked(), inline
-            self._since_yield += 1
-        else:
-            await ch.put_in_turn(parts, total, oob, entries)
+        pending = self._publish_now(obj)
+        if pending is not None:
+            await self._ch.put_in_turn(*pending)
 
     def _publish_now(self, obj: object) -> tuple[Sequence[Buffer], int, bool, int, bool] | None:
         """``put`` up to its first await: check, encode and, in the usual case, publish. None once

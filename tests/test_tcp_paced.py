@@ -158,14 +158,16 @@ def test_a_lost_wake_up_costs_a_remote_message_two_heartbeats_at_most(monkeypatc
     intervals on, at the latest) wakes the sleeper for what is queued. Blocking reader: it waits on the inbox's
     descriptor, so every wake-up goes through ``_Inbox.wake``."""
     monkeypatch.setattr(_tuning, "REMOTE_SLEEP_S", 60.0)
-    calls = 0
+    calls = lost = 0
     wake = client._Inbox.wake
 
     def lossy(self: client._Inbox) -> None:
-        nonlocal calls
+        nonlocal calls, lost
         calls += 1
         if calls % 2 == 0:
             wake(self)
+        else:
+            lost += 1
 
     monkeypatch.setattr(client._Inbox, "wake", lossy)
     with abb.open_writer(tcp="tcp://127.0.0.1:0", heartbeat_s=0.2) as w:
@@ -174,5 +176,6 @@ def test_a_lost_wake_up_costs_a_remote_message_two_heartbeats_at_most(monkeypatc
                 w.put(i)
                 # Long before the sleep's own limit (60 s), not within the first wake-up.
                 assert r.get(timeout=PROMPT_S * 5) == i
-    assert calls >= 6  # wake-ups were lost (every odd one: a message that came while the reader
-    # was not asleep yet needed none)
+    # Wake-ups were lost: every odd one. How many a message needed depends on whether the reader
+    # was asleep yet when it came (none if not), so only the loss itself is certain.
+    assert lost >= 1

@@ -17,7 +17,6 @@ pad and report only the numbers.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import multiprocessing
 import multiprocessing.connection
@@ -33,6 +32,7 @@ import _netns
 import _workers
 import anyio
 import psutil
+from _mountns import private_tmpfs
 
 import aiobroadcast as ab
 from aiobroadcast._handle import Policy
@@ -277,26 +277,6 @@ class FullShmSpec:
     size: str = "1m"  #: the tmpfs's size
 
 
-CLONE_NEWNS = 0x00020000
-MS_REC, MS_PRIVATE = 0x4000, 1 << 18
-
-
-def _private_tmpfs(directory: str, size: str) -> None:
-    """Mount a tmpfs of ``size`` on ``directory``, seen by this process and its children only.
-    Raises ``OSError`` where that is not allowed (not root)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-
-    def check(rc: int) -> None:
-        if rc != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, os.strerror(err))
-
-    check(libc.unshare(CLONE_NEWNS))
-    check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None))
-    check(libc.mount(b"tmpfs", directory.encode(), b"tmpfs", 0, f"size={size},mode=0700".encode()))
-
-
 def _fill(directory: str) -> str:
     """Write a file into ``directory`` until its file system is full; returns its path."""
     path = os.path.join(directory, "filler")
@@ -322,7 +302,7 @@ def full_shm_writer_proc(conn: Conn, backend: Backend, netns: str | None, spec: 
 async def _full_shm_write(conn: Conn, spec: FullShmSpec) -> None:
     os.makedirs(spec.directory)
     try:
-        _private_tmpfs(spec.directory, spec.size)
+        private_tmpfs(spec.directory, spec.size)
     except OSError as exc:
         conn.send(("unavailable", str(exc)))
         return

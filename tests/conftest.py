@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import compileall
 import os
+import shlex
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +20,60 @@ from aiobroadcast import _tuning
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+#: How many pytest-xdist workers run the whole suite, each with a /dev/shm of its own.
+TEST_WORKERS = 2
+_PRIVATE_SHM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_private_shm.py")
+#: Why this run is serial (None: it runs on TEST_WORKERS workers), for the report's header.
+_serial_because: str | None = "the run has not been configured yet"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Run the whole suite (no paths given, as the README's test command does) on
+    ``TEST_WORKERS`` pytest-xdist workers, a test file to a worker, each worker started by
+    ``_private_shm.py`` in a mount namespace with a /dev/shm of its own: the tests wait more than
+    they compute (serially, 70 % of one CPU), and a private /dev/shm keeps each test's leftover
+    check (``_no_leftover_segments``) as exact as in a serial run. Serial where that cannot be
+    done (not root), when the command line chooses (``-n``, ``--dist``, ``--tx``, paths given,
+    ``--pdb``), or with ``AIOBROADCAST_TEST_SERIAL=1``."""
+    global _serial_because
+    if hasattr(config, "workerinput"):
+        _serial_because = "a worker of the run"
+        return  # a worker runs this hook too, with its options parsed again: it must not start workers
+    _serial_because = _why_serial(config)
+    if _serial_because is None:
+        python = shlex.join([sys.executable, _PRIVATE_SHM])
+        config.option.tx = [f"popen//python={python}"] * TEST_WORKERS
+        config.option.dist = "loadfile"
+
+
+def _why_serial(config: pytest.Config) -> str | None:
+    if not config.pluginmanager.hasplugin("xdist"):
+        return "pytest-xdist is not installed"
+    if config.option.numprocesses is not None or config.option.tx or config.option.dist != "no":
+        return "the command line sets -n, --dist or --tx"
+    if config.args_source is not pytest.Config.ArgsSource.TESTPATHS:
+        return "paths were given"
+    if config.option.usepdb or config.option.collectonly:
+        return "--pdb or --collect-only"
+    if os.environ.get("AIOBROADCAST_TEST_SERIAL"):
+        return "AIOBROADCAST_TEST_SERIAL is set"
+    if (os.cpu_count() or 1) < TEST_WORKERS:
+        return f"fewer than {TEST_WORKERS} CPUs"
+    probe = subprocess.run(
+        [sys.executable, _PRIVATE_SHM, "-c", "pass"], capture_output=True, text=True, timeout=60, check=False
+    )
+    if probe.returncode != 0:
+        return probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else f"exit code {probe.returncode}"
+    return None
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    if _serial_because is None:
+        return f"test workers: {TEST_WORKERS}, each with a /dev/shm of its own (tests/_private_shm.py)"
+    return f"test workers: none, serial ({_serial_because})"
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Byte-compile the package before the tests start the processes that import it. Where
     PYTHONDONTWRITEBYTECODE is set (as on this project's machines), no import writes a ``.pyc``,
@@ -24,6 +81,8 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     again, about 0.1 s each (the suite took 868-889 s before, 710 s after, docs/performance.md).
     ``compile_dir`` writes only what is missing or older than its source, into ``__pycache__``
     (ignored by git)."""
+    if hasattr(session.config, "workerinput"):
+        return  # a worker: the run's first process compiled it before starting the workers
     compileall.compile_dir(os.path.dirname(aiobroadcast.__file__), quiet=2)
 
 

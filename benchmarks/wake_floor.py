@@ -1,11 +1,14 @@
 """The floor under any sleeping reader's wake-up latency on this host, without aiobroadcast.
 
-    python benchmarks/wake_floor.py [--pause S] [--count N] [--readers R] [--loop blocking|uvloop]
+    python benchmarks/wake_floor.py [--pause S] [--count N] [--readers R] [--loop blocking|uvloop|futex]
     python benchmarks/wake_floor.py --paced [--pickle] [--pause 0.001] [--count N] [--readers R]
 
 Default (idle floor): R reader processes block on a Unix datagram socket (``recv`` in C, or an
 event loop's ``add_reader``); a sender sleeps PAUSE seconds, stamps ``perf_counter_ns()`` and sends
-the stamp to each reader. Each reader reports now - stamp.
+the stamp to each reader. Each reader reports now - stamp. ``--loop futex``: each reader blocks
+in ``futex(FUTEX_WAIT)`` on a word of its own in a shared page instead (the wake-up of a
+process-shared condition variable, as faster-fifo's queues use); the sender writes the stamp,
+bumps the word and calls ``FUTEX_WAKE``. Linux on x86-64 and aarch64 only.
 
 ``--paced`` (the paced floor, beside the ``lat`` cell of the benchmark, which sends one message
 per ms): each reader is a bare uvloop reader parked on a FIFO with one persistent
@@ -29,11 +32,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import json
 import mmap
 import multiprocessing as mp
 import os
 import pickle
+import platform
 import socket
 import statistics
 import struct
@@ -76,6 +81,41 @@ def _reader(path: str, count: int, loop: str, q: Any) -> None:
                 lat.append((time.perf_counter_ns() - stamp) / 1000)
 
         uvloop.run(main())
+    q.put(lat)
+
+
+#: ``futex(2)``'s system call number, and its operations on a word shared between processes.
+SYS_FUTEX = {"x86_64": 202, "aarch64": 98}.get(platform.machine())
+FUTEX_WAIT, FUTEX_WAKE = 0, 1
+#: Under ``--loop futex``: reader ``i``'s word is at ``FUTEX_WORD * (i + 1)``, its stamp 8 bytes on.
+FUTEX_WORD = 64
+WORD32 = struct.Struct("=i")
+
+
+def _futex(page: mmap.mmap, at: int) -> tuple[Any, int]:
+    """The C ``syscall`` function, and the address of the 32-bit word at ``at`` in ``page`` (valid
+    while ``page`` is mapped)."""
+    if SYS_FUTEX is None:
+        raise SystemExit(f"wake_floor: --loop futex knows no futex(2) number for {platform.machine()}")
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc.syscall, ctypes.addressof(ctypes.c_int32.from_buffer(page, at))
+
+
+def _futex_reader(shm: str, rank: int, count: int, q: Any) -> None:
+    with open(shm, "r+b") as f:
+        page = mmap.mmap(f.fileno(), 0)
+    at = FUTEX_WORD * (rank + 1)
+    syscall, addr = _futex(page, at)
+    lat: list[float] = []
+    q.put("ready")
+    seen = 0
+    while seen < count:  # the word counts the sender's messages: one missed is not waited for
+        while (now := WORD32.unpack_from(page, at)[0]) == seen:
+            syscall(SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAIT, seen, None, None, 0)
+        stamp = WORD.unpack_from(page, at + 8)[0]
+        lat.append((time.perf_counter_ns() - stamp) / 1000)
+        seen = now
     q.put(lat)
 
 
@@ -141,12 +181,14 @@ def main() -> None:
     p.add_argument("--pause", type=float, default=None, help="seconds between messages (default 1, paced 0.001)")
     p.add_argument("--count", type=int, default=None, help="messages (default 5, paced 2000)")
     p.add_argument("--readers", type=int, default=2)
-    p.add_argument("--loop", choices=("blocking", "uvloop"), default="blocking")
+    p.add_argument("--loop", choices=("blocking", "uvloop", "futex"), default="blocking")
     p.add_argument("--paced", action="store_true", help="the paced floor: uvloop readers on a FIFO, announced sleeps")
     p.add_argument("--pickle", action="store_true", help="paced: carry a pickled (stamp, 64 bytes) message")
     args = p.parse_args()
     if args.pickle and not args.paced:
         p.error("--pickle goes with --paced")
+    if args.paced and args.loop != "blocking":
+        p.error("--paced readers are uvloop readers on a FIFO: no --loop")
     pause = args.pause if args.pause is not None else (0.001 if args.paced else 1.0)
     count = args.count if args.count is not None else (2000 if args.paced else 5)
     ctx = mp.get_context("spawn")
@@ -201,6 +243,28 @@ def main() -> None:
                 proc.join()
             for fd in fds:
                 os.close(fd)
+            page.close()
+        elif args.loop == "futex":
+            shm = os.path.join(d, "page")
+            with open(shm, "w+b") as f:
+                f.write(b"\0" * max(mmap.PAGESIZE, FUTEX_WORD * (args.readers + 1)))
+                f.flush()
+                page = mmap.mmap(f.fileno(), 0)
+            words = [_futex(page, FUTEX_WORD * (i + 1)) for i in range(args.readers)]
+            procs = [ctx.Process(target=_futex_reader, args=(shm, i, count, q)) for i in range(args.readers)]
+            bumps = [0] * args.readers
+
+            def send() -> None:
+                time.sleep(pause)
+                stamp = time.perf_counter_ns()
+                for i, (syscall, addr) in enumerate(words):
+                    at = FUTEX_WORD * (i + 1)
+                    WORD.pack_into(page, at + 8, stamp)
+                    bumps[i] += 1
+                    WORD32.pack_into(page, at, bumps[i])
+                    syscall(SYS_FUTEX, ctypes.c_void_p(addr), FUTEX_WAKE, 1, None, None, 0)
+
+            results = _run(ctx, procs, q, send, count)
             page.close()
         else:
             paths = [os.path.join(d, f"r{i}.sock") for i in range(args.readers)]

@@ -315,6 +315,20 @@ def test_wake_floor_paced_runs(pickled: bool) -> None:
     assert 0 < result["p50_us"] <= result["p99_us"]
 
 
+@pytest.mark.parametrize("loop", ["blocking", "futex"])
+def test_wake_floor_blocking_readers_run(loop: str) -> None:
+    """``benchmarks/wake_floor.py`` with blocking readers, woken through a datagram socket or a
+    futex in a shared page, runs real reader processes and reports every reader. A futex reader
+    that missed its wake-up would block for good (the script's timeout fails the test). No timing
+    assertions."""
+    proc = script(str(ROOT / "benchmarks" / "wake_floor.py"), "--loop", loop, "--pause", "0.01", "--count", "20")
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.splitlines()[-1])
+    assert result["loop"] == loop and result["paced"] is False and result["count"] == 20
+    medians = result["wake_latency_us_median_per_reader"]
+    assert len(medians) == 2 and all(m > 0 for m in medians)
+
+
 @pytest.mark.parametrize(
     "knobs",
     [["--worker", "bare"], ["--blocking", "--worker", "bare", "--caller", "bare"]],

@@ -701,18 +701,11 @@ class Worker(Generic[Q, R]):
         return self
 
     async def __anext__(self) -> Request[Q, R]:
-        # _next, inline: one coroutine less per request.
+        # Taken here, not in a helper: one coroutine less per request (serve takes through it too).
         try:
             cid, value = await self._r.get()
         except (EndOfStream, ClosedResourceError):
             raise StopAsyncIteration from None
-        return Request(self._s, cid, value)
-
-    async def _next(self) -> Request[Q, R] | None:
-        try:
-            cid, value = await self._r.get()
-        except (EndOfStream, ClosedResourceError):
-            return None
         return Request(self._s, cid, value)
 
     async def serve(self, handler: Any) -> int:
@@ -724,7 +717,10 @@ class Worker(Generic[Q, R]):
         async def do(step: ServeStep) -> object:
             what, arg = step
             if what == _NEXT:
-                return await self._next()
+                try:
+                    return await self.__anext__()
+                except StopAsyncIteration:
+                    return None
             if what == _HANDLE:
                 answer = handler(arg.value)
                 return (await answer) if isawaitable(answer) else answer

@@ -1,17 +1,231 @@
 """What the command line says when something is wrong, run as a user runs it (real processes,
-real sockets): errors name their cause and the fix."""
+real sockets): errors name their cause, hints appear only where they help, help texts state each
+default once, and counts agree with their nouns."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 import tomllib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
+
+import aiobroadcast as ab
+from aiobroadcast import blocking
+
+CLI = [sys.executable, "-m", "aiobroadcast"]
 ROOT = Path(__file__).resolve().parent.parent
+WAIT_HINT = "--wait SECONDS waits for the writer to start"
+
+
+def run(*args: str, timeout: float = 60.0, stdin: str = "") -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CLI, *args], input=stdin, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def one_error(res: subprocess.CompletedProcess[str]) -> str:
+    """The one ``aiobroadcast: error:`` line of a failed command (and no traceback)."""
+    assert "Traceback" not in res.stderr, res.stderr
+    errors = [line for line in res.stderr.splitlines() if line.startswith("aiobroadcast: error: ")]
+    assert len(errors) == 1, res.stderr
+    return errors[0]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextmanager
+def dead_writer_segment(tmp_path: Path) -> Iterator[Path]:
+    """A handle file whose segment is still there, its writer's process gone without closing it."""
+    handle = tmp_path / "dead.json"
+    script = (
+        "import os, sys\n"
+        "from aiobroadcast import blocking\n"
+        "w = blocking.open_writer(codec='json', capacity=4, slot_bytes=256)\n"
+        "w.handle.save(sys.argv[1])\n"
+        "os._exit(0)\n"
+    )
+    subprocess.run([sys.executable, "-c", script, str(handle)], check=True, timeout=60)
+    segment = ab.Handle.load(handle).path
+    assert os.path.exists(segment)
+    try:
+        yield handle
+    finally:
+        deadline = time.monotonic() + 10
+        while os.path.exists(segment) and time.monotonic() < deadline:
+            ab.sweep_stale(os.path.dirname(segment))  # young files are kept 2 s
+            time.sleep(0.2)
+
+
+# --- 1. the --wait hint -------------------------------------------------------------------------
+def test_the_wait_hint_comes_only_where_a_writer_may_still_start(tmp_path: Path) -> None:
+    # The handle file does not exist yet: a writer may still start and write it.
+    missing = one_error(run("subscribe", str(tmp_path / "missing.json")))
+    assert "does not exist" in missing and WAIT_HINT in missing
+
+    # The endpoint does not exist yet (nothing listens there): a writer may still start on it.
+    with blocking.open_writer(codec="json", tcp="tcp://127.0.0.1:0") as w:
+        handle = w.handle
+    port = free_port()
+    unserved = tmp_path / "unserved.json"
+    ab.Handle.parse({**handle.model_dump(), "tcp": f"tcp://127.0.0.1:{port}"}).save(unserved)
+    res = run("subscribe", str(unserved), "--transport", "tcp", "--connect-timeout", "1")
+    assert res.returncode == 2
+    assert "no answer from the writer" in one_error(res) and WAIT_HINT in one_error(res)
+
+    # The writer's segment is gone (it closed): a writer never comes back to this handle.
+    gone = tmp_path / "gone.json"
+    handle.save(gone)
+    res = run("subscribe", str(gone), "--transport", "shm")
+    assert res.returncode == 2
+    assert "is gone" in one_error(res) and WAIT_HINT not in one_error(res)
+
+    # The segment is there, its writer's process has exited without closing it.
+    with dead_writer_segment(tmp_path) as dead:
+        res = run("subscribe", str(dead))
+        assert res.returncode == 2
+        assert "has closed or exited" in one_error(res) and WAIT_HINT not in one_error(res)
+
+    # A writer answers at the endpoint, but it is not this handle's (other keys): waiting for it
+    # to "start" is no help.
+    with blocking.open_writer(codec="json", tcp=f"tcp://127.0.0.1:{port}") as other:
+        assert other.handle.tcp == f"tcp://127.0.0.1:{port}"
+        res = run("subscribe", str(unserved), "--transport", "tcp", "--connect-timeout", "30")
+    assert res.returncode == 2
+    assert WAIT_HINT not in one_error(res), res.stderr
+
+
+# --- 2. --transport auto and a writer that is gone ----------------------------------------------
+def test_auto_transport_fails_at_once_on_a_closed_writers_handle(tmp_path: Path) -> None:
+    """The ring is gone from this host and nothing listens at the handle's endpoint: the writer
+    has closed, and subscribe says so instead of waiting ``--connect-timeout`` for TCP. (The
+    deadline of the run is shorter than that timeout: waiting it out fails the test.)"""
+    path = tmp_path / "h.json"
+    with blocking.open_writer(codec="json", tcp="tcp://127.0.0.1:0") as w:
+        w.handle.save(path)
+        w.put("one")
+    try:
+        res = run("subscribe", str(path), "--connect-timeout", "120", timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("subscribe --transport auto waited for TCP on a writer that is known to be gone")
+    assert res.returncode == 2
+    line = one_error(res)
+    assert "has closed or exited" in line and w.handle.name in line, line
+    assert WAIT_HINT not in line
+
+
+def test_auto_transport_still_reads_a_live_writer_over_tcp_when_its_ring_is_elsewhere(tmp_path: Path) -> None:
+    """The shortcut above must not cost a reader whose ring is on another host (here: a handle
+    whose directory has no such segment) a live writer: it goes on over TCP."""
+    elsewhere = tempfile.mkdtemp(prefix="ab-")  # short: socket paths beside a segment are limited
+    with blocking.open_writer(codec="json", tcp="tcp://127.0.0.1:0") as w:
+        path = tmp_path / "h.json"
+        # As a reader on another host sees it: the ring's file is not in its directory there.
+        ab.Handle.parse({**w.handle.model_dump(), "directory": elsewhere}).save(path)
+        sub = subprocess.Popen(
+            [*CLI, "subscribe", str(path), "--count", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while not w.statistics().readers or all(r.transport != "tcp" for r in w.statistics().readers):
+                assert sub.poll() is None, sub.communicate()
+                assert time.monotonic() < deadline, "the remote reader never attached"
+                time.sleep(0.05)
+            w.put("hello")
+            out, err = sub.communicate(timeout=30)
+        finally:
+            if sub.poll() is None:
+                sub.kill()
+                sub.communicate()
+    os.rmdir(elsewhere)
+    assert sub.returncode == 0, err
+    assert out == "hello\n"
+    assert "over TCP" in err
+
+
+# --- 6. bench, relay, help texts, plurals ----------------------------------------------------------
+def test_bench_usage_errors_have_the_documented_prefix() -> None:
+    res = run("bench", "--repeat", "0")
+    assert res.returncode == 2
+    assert "--repeat must be at least 1" in one_error(res)
+
+
+COMMANDS = ("demo", "publish", "subscribe", "stats", "keygen", "relay", "bench")
+
+
+def option_helps(help_text: str) -> dict[str, str]:
+    """Each option's entry in a ``--help`` text (its first words: its flags), joined into one line."""
+    entries: dict[str, str] = {}
+    current: list[str] = []
+    for line in help_text.splitlines():
+        if re.match(r"^  -", line):
+            current = [line.strip()]
+            entries[line.split()[0].rstrip(",")] = ""
+        elif current and line.startswith("    ") and line.strip():
+            current.append(line.strip())
+        else:
+            current = []
+            continue
+        entries[next(reversed(entries))] = " ".join(current)
+    return entries
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_help_states_each_default_once_and_none_for_required_options(command: str) -> None:
+    res = run(command, "--help")
+    assert res.returncode == 0, res.stderr
+    options = option_helps(res.stdout)
+    assert len(options) >= 3, res.stdout
+    for flag, text in options.items():
+        assert "(default: None)" not in text, (flag, text)
+        assert "(default: False)" not in text, (flag, text)  # a flag's default is not to be given
+        assert text.count("default") <= 1, (flag, text)
+    if command == "relay":
+        assert "default" not in options["--out"], options["--out"]
+
+
+def test_counts_agree_with_their_nouns(tmp_path: Path) -> None:
+    handle = tmp_path / "h.json"
+    lines = tmp_path / "lines.txt"
+    lines.write_text("x\n")  # published once the one reader is attached
+    with lines.open() as stdin:
+        pub = subprocess.Popen(
+            [*CLI, "publish", str(handle), "--wait-readers", "1"],
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    try:
+        # Attached until the channel closes: still counted in publish's summary at the end.
+        sub = run("subscribe", str(handle), "--name", "only", "--wait", "30")
+        _out, err = pub.communicate(timeout=30)
+    finally:
+        if pub.poll() is None:
+            pub.kill()
+            pub.communicate()
+    assert sub.returncode == 0, sub.stderr
+    assert sub.stderr.splitlines()[-1] == "only: received 1 message"
+    assert "waiting for 1 reader to attach" in err
+    assert "1 reader attached: only (shm)" in err
+    assert "published 1 message; 1 reader was attached at the end; channel closed" in err
+
+    # No reader at all: the TCP server's place in the ring is not a reader.
+    res = run("publish", str(tmp_path / "empty.json"), "--tcp", "tcp://127.0.0.1:0", stdin="")
+    assert res.returncode == 0, res.stderr
+    assert "published 0 messages; 0 readers were attached at the end" in res.stderr
 
 
 # --- 5. the README's dependencies ----------------------------------------------------------------

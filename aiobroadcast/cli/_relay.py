@@ -9,7 +9,7 @@ import anyio
 
 from .._handle import Handle
 from .._relay import relay
-from ._common import EXIT_OK
+from ._common import EXIT_OK, HelpFormatter
 
 
 def register(sub: Any) -> None:
@@ -21,7 +21,7 @@ def register(sub: Any) -> None:
             "message into a new shared-memory channel here, whose handle is written to --out "
             "(mode 0600). Local readers then cost the upstream writer one TCP stream."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("upstream", help="handle file of the upstream channel")
     p.add_argument("--out", required=True, help="where to write the local channel's handle")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -194,6 +195,120 @@ def test_help_states_each_default_once_and_none_for_required_options(command: st
         assert text.count("default") <= 1, (flag, text)
     if command == "relay":
         assert "default" not in options["--out"], options["--out"]
+
+
+def test_relay_says_when_its_upstream_closes_and_exits_1(tmp_path: Path) -> None:
+    upstream = tmp_path / "up.json"
+    out = tmp_path / "local.json"
+    with blocking.open_writer(codec="json", tcp="tcp://127.0.0.1:0") as w:
+        w.handle.save(upstream)
+        relay = subprocess.Popen(
+            [*CLI, "relay", str(upstream), "--out", str(out)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while not out.exists():
+                assert relay.poll() is None, relay.communicate()
+                assert time.monotonic() < deadline, "the relay never wrote its handle"
+                time.sleep(0.05)
+            with blocking.open_reader(ab.Handle.load(out), name="local") as local:
+                w.put("a")
+                w.put("b")
+                assert local.get(timeout=30) == "a"
+                assert local.get(timeout=30) == "b"
+                w.close()  # upstream closes
+                with pytest.raises(ab.EndOfStream):
+                    local.get(timeout=30)
+            stdout, stderr = relay.communicate(timeout=30)
+        finally:
+            if relay.poll() is None:
+                relay.kill()
+                relay.communicate()
+    assert relay.returncode == 1, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("aiobroadcast: error: ")]
+    assert len(errors) == 1 and "closed" in errors[0] and "2 messages" in errors[0], stderr
+    assert "Traceback" not in stderr
+    assert not out.exists()  # as publish does: its handle file goes with its channel
+    assert "relaying" in stdout
+
+
+def test_relay_says_when_its_upstream_writer_dies_and_exits_1(tmp_path: Path) -> None:
+    upstream = tmp_path / "up.json"
+    out = tmp_path / "local.json"
+    pub = subprocess.Popen(
+        [*CLI, "publish", str(upstream), "--tcp", "tcp://127.0.0.1:0", "--ticks", "50"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    relay = None
+    try:
+        deadline = time.monotonic() + 30
+        while not upstream.exists():
+            assert pub.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        segment = ab.Handle.load(upstream).path
+        relay = subprocess.Popen(
+            [*CLI, "relay", str(upstream), "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        while not out.exists():
+            assert relay.poll() is None and time.monotonic() < deadline, relay.communicate()
+            time.sleep(0.05)
+        with blocking.open_reader(ab.Handle.load(out), name="local") as local:
+            local.get(timeout=30)  # ticks flow through the relay
+            pub.kill()  # SIGKILL: the upstream writer cannot close anything
+            pub.wait()
+            with pytest.raises(ab.WriterGone):
+                while True:
+                    local.get(timeout=30)
+        _stdout, stderr = relay.communicate(timeout=30)
+    finally:
+        for p in (pub, relay):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert relay.returncode == 1, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("aiobroadcast: error: ")]
+    assert len(errors) == 1 and "died without closing" in errors[0], stderr
+    assert not out.exists()
+    deadline = time.monotonic() + 10
+    while os.path.exists(segment) and time.monotonic() < deadline:
+        ab.sweep_stale(os.path.dirname(segment))  # young files are kept 2 s
+        time.sleep(0.2)
+
+
+def test_relay_help_documents_its_exit_codes() -> None:
+    res = run("relay", "--help")
+    text = re.sub(r"\s+", " ", res.stdout)
+    assert "Exit codes:" in text and "1 the upstream channel ended" in text
+
+
+def test_relay_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
+    upstream = tmp_path / "up.json"
+    out = tmp_path / "local.json"
+    with blocking.open_writer(codec="json", tcp="tcp://127.0.0.1:0") as w:
+        w.handle.save(upstream)
+        relay = subprocess.Popen(
+            [*CLI, "relay", str(upstream), "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while not out.exists():
+                assert relay.poll() is None, relay.communicate()
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            segment = ab.Handle.load(out).path
+            relay.send_signal(signal.SIGTERM)
+            _stdout, stderr = relay.communicate(timeout=30)
+        finally:
+            if relay.poll() is None:
+                relay.kill()
+                relay.communicate()
+    assert relay.returncode == 0, stderr
+    assert "Traceback" not in stderr
+    assert not out.exists() and not os.path.exists(segment)
 
 
 def test_counts_agree_with_their_nouns(tmp_path: Path) -> None:

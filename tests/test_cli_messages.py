@@ -4,6 +4,7 @@ default once, and counts agree with their nouns."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -22,6 +23,8 @@ import pytest
 
 import aiobroadcast as ab
 from aiobroadcast import blocking
+from aiobroadcast.cli import build_parser
+from aiobroadcast.cli._common import HelpFormatter
 
 CLI = [sys.executable, "-m", "aiobroadcast"]
 ROOT = Path(__file__).resolve().parent.parent
@@ -195,6 +198,18 @@ def test_help_states_each_default_once_and_none_for_required_options(command: st
         assert text.count("default") <= 1, (flag, text)
     if command == "relay":
         assert "default" not in options["--out"], options["--out"]
+    # Every other default is stated (0 too: it is not a flag's False).
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    parser = sub.choices[command]
+    if parser.formatter_class is not HelpFormatter:
+        return  # bench: its help states its defaults in its own words
+    for action in parser._actions:
+        option = action.option_strings[0] if action.option_strings else None
+        default = action.default
+        if option is None or action.required or default is None or default is False or default == argparse.SUPPRESS:
+            continue
+        stated = options[option]
+        assert f"default: {default}" in stated or "(default:" in (action.help or ""), (option, stated)
 
 
 def test_relay_says_when_its_upstream_closes_and_exits_1(tmp_path: Path) -> None:

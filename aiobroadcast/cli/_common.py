@@ -42,7 +42,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
         text = action.help or ""
-        if action.required or action.default in (None, False, argparse.SUPPRESS) or "default" in text:
+        default = action.default
+        if action.required or default is None or default is False or default == argparse.SUPPRESS or "default" in text:
             return text
         return super()._get_help_string(action)
 

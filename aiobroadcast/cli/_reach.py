@@ -60,8 +60,8 @@ async def known_gone(handle: Handle) -> str | None:
     if await endpoint_state(handle.tcp) != "refused":
         return None
     return (
-        f"the writer of {handle.name} has closed or exited: its ring {handle.path} is not on this host "
-        f"and nothing listens at {handle.tcp} (connection refused)"
+        f"the writer of {handle.name} has closed or exited: its segment {handle.path} is gone (or on "
+        f"another host) and nothing listens at {handle.tcp} (connection refused)"
     )
 
 

@@ -294,6 +294,15 @@ def test_relay_says_when_its_upstream_writer_dies_and_exits_1(tmp_path: Path) ->
         time.sleep(0.2)
 
 
+def test_relay_that_cannot_write_its_handle_file_says_so(tmp_path: Path) -> None:
+    upstream = tmp_path / "up.json"
+    with blocking.open_writer(codec="json", tcp="tcp://127.0.0.1:0") as w:
+        w.handle.save(upstream)
+        res = run("relay", str(upstream), "--out", str(tmp_path / "no-such-dir" / "local.json"))
+    assert res.returncode == 2
+    assert "cannot write the handle file" in one_error(res)
+
+
 def test_relay_help_documents_its_exit_codes() -> None:
     res = run("relay", "--help")
     text = re.sub(r"\s+", " ", res.stdout)

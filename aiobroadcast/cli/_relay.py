@@ -8,7 +8,7 @@ from typing import Any
 from .._exceptions import TransportError, plural
 from .._handle import Handle
 from .._relay import RelayEnd, relay
-from ._common import EXIT_FAILED, HelpFormatter, error, run_async, stop_on_signals
+from ._common import EXIT_FAILED, HelpFormatter, error, fail, run_async, stop_on_signals
 from ._pubsub import _remove_if_ours
 
 
@@ -47,8 +47,11 @@ async def _relay(args: argparse.Namespace, upstream: Handle) -> int:
     local: list[Handle] = []
 
     def ready(h: Handle) -> None:
+        try:
+            h.save(args.out)
+        except OSError as exc:
+            fail(f"cannot write the handle file {args.out!r}: {exc.strerror or exc}")
         local.append(h)
-        h.save(args.out)
         print(f"relaying {upstream.tcp} into {h.name}; handle in {args.out}", flush=True)
 
     end: RelayEnd | None = None

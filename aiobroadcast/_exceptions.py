@@ -92,7 +92,7 @@ class ReaderLagged(BroadcastError):
 
     def __init__(self, missed: int) -> None:
         self.missed = missed
-        super().__init__(f"reader fell behind and missed {missed} message(s)")
+        super().__init__(f"reader fell behind and missed {plural(missed, 'message')}")
 
 
 class TooManyReaders(BroadcastError):
@@ -181,3 +181,9 @@ def os_error(kind: type[E], what: str, exc: OSError) -> E:
     """The one translation of an ``OSError`` at the operating-system boundary (files, mappings,
     sockets): what the library tried, and the system's reason. Raise it ``from exc``."""
     return kind(f"{what}: {exc.strerror or exc}")
+
+
+def plural(n: int, noun: str, nouns: str | None = None) -> str:
+    """``n`` and the form of ``noun`` that agrees with it: "1 reader", "0 readers", "2 replies"
+    (``nouns``: the plural where it is not ``noun`` + "s")."""
+    return f"{n} {noun if n == 1 else nouns or noun + 's'}"

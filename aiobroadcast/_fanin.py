@@ -60,6 +60,7 @@ from ._handle import (
     _first_problem,
     check_directory,
     handle_kind,
+    path_problem,
     require,
 )
 from ._open import DEFAULT_DIRECTORY, _decoder, _open_channel, _Opening, _WriterSpec
@@ -190,6 +191,11 @@ class CollectorHandle(BaseModel):
         return self.model_dump_json()
 
     @classmethod
+    def from_json(cls, text: str | bytes) -> CollectorHandle:
+        """The collector handle ``to_json`` wrote. Raises ``InvalidHandle``."""
+        return cls.parse(text)
+
+    @classmethod
     def parse(cls, data: str | bytes | dict[str, Any] | CollectorHandle | Handle) -> CollectorHandle:
         """Build a collector handle from its JSON text or dict. Raises ``InvalidHandle`` (a
         broadcast channel's handle gets one that says so)."""
@@ -205,7 +211,8 @@ class CollectorHandle(BaseModel):
                 return cls.model_validate(data)
             return cls.model_validate_json(data)
         except ValidationError as exc:
-            raise InvalidHandle(f"not an aiobroadcast collector handle: {_first_problem(exc)}") from exc
+            path = path_problem(data, "pass the file's text: CollectorHandle.from_json(Path(path).read_text())")
+            raise InvalidHandle(f"not an aiobroadcast collector handle: {path or _first_problem(exc)}") from exc
 
 
 def _looks_like_channel(data: object) -> bool:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ._exceptions import InvalidArgument, InvalidHandle
+from ._exceptions import InvalidArgument, InvalidHandle, plural
 
 Policy = Literal["block", "lag"]
 Codec = Literal["pickle", "json", "pydantic-json"]
@@ -65,8 +65,8 @@ def require(problem: str | None) -> None:
 
 class Handle(BaseModel):
     """Names a channel. Frozen, picklable, and round-trips through JSON
-    (``Handle.parse(handle.to_json()) == handle``). Pass it to ``open_reader`` in any
-    process on the host, or on another host when the writer serves TCP.
+    (``Handle.from_json(handle.to_json()) == handle``; ``save`` and ``load`` for files). Pass it
+    to ``open_reader`` in any process on the host, or on another host when the writer serves TCP.
 
     A handle of a TCP channel holds the readers' keys: treat it as a secret. ``repr`` hides
     the key material and ``save`` writes it readable by its owner only."""
@@ -121,6 +121,12 @@ class Handle(BaseModel):
         return self.model_dump_json()
 
     @classmethod
+    def from_json(cls, text: str | bytes) -> Handle:
+        """The handle ``to_json`` wrote. Raises ``InvalidHandle`` (a file's path gets one that
+        says to read it with ``Handle.load``)."""
+        return cls.parse(text)
+
+    @classmethod
     def parse(cls, data: str | bytes | dict[str, Any] | Handle) -> Handle:
         """Build a handle from its JSON text or dict. Raises ``InvalidHandle``. A ``Handle`` is
         checked again (``model_construct`` or ``model_copy`` skip validation)."""
@@ -136,7 +142,8 @@ class Handle(BaseModel):
                 return cls.model_validate(data)
             return cls.model_validate_json(data)
         except ValidationError as exc:
-            raise InvalidHandle(f"not an aiobroadcast handle: {_first_problem(exc)}") from exc
+            path = path_problem(data, "read it with Handle.load(path)")
+            raise InvalidHandle(f"not an aiobroadcast handle: {path or _first_problem(exc)}") from exc
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the handle as JSON, readable by its owner only (mode 0600)."""
@@ -205,6 +212,29 @@ def handle_kind(data: object) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
+def path_problem(data: object, todo: str) -> str | None:
+    """If ``data``, given where a handle's JSON belongs, looks like a file's path instead (a
+    path object; the name of an existing file; text without a "{" that ends in ".json" or holds
+    a path separator): one line that says so and ``todo``."""
+    if isinstance(data, os.PathLike):
+        text = os.fsdecode(os.fspath(data))
+    elif isinstance(data, bytes | bytearray):
+        text = bytes(data).decode("utf-8", "replace")
+    elif isinstance(data, str):
+        text = data
+    else:
+        return None
+    stripped = text.strip()
+    if not (
+        isinstance(data, os.PathLike)
+        or ("{" not in stripped and (stripped.endswith(".json") or os.sep in stripped))
+        or os.path.isfile(stripped)
+    ):
+        return None
+    shown = text if len(text) <= 200 else text[:200] + "..."
+    return f"this looks like a file path ({shown!r}), not a handle's JSON; {todo}"
+
+
 def _write_private(target: Path, text: str) -> None:
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -220,5 +250,5 @@ def _first_problem(exc: ValidationError) -> str:
         return str(exc).splitlines()[0]
     first = errors[0]
     where = ".".join(str(p) for p in first["loc"]) or "input"
-    more = f" (and {len(errors) - 1} more problem(s))" if len(errors) > 1 else ""
+    more = f" (and {plural(len(errors) - 1, 'more problem')})" if len(errors) > 1 else ""
     return f"{where}: {first['msg']}{more}"

@@ -5,11 +5,20 @@ reports (policy "lag") and liveness carry through end to end."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 from ._exceptions import EndOfStream, ReaderLagged, TransportError, WriterGone
 from ._handle import Handle
 from ._open import DEFAULT_DIRECTORY, Transport, _open_channel, _open_raw_reader, _WriterSpec
+
+
+class RelayEnd(NamedTuple):
+    """How a relay ended (what ``relay`` returns)."""
+
+    #: "closed": the upstream writer closed its channel (local readers get ``EndOfStream``);
+    #: "writer gone": it died without closing it (local readers get ``WriterGone``)
+    how: Literal["closed", "writer gone"]
+    relayed: int  #: messages republished into the local channel
 
 
 async def relay(
@@ -24,15 +33,16 @@ async def relay(
     tcp: str | None = None,
     insecure: bool = False,
     on_ready: Callable[[Handle], Any] | None = None,
-) -> None:
+) -> RelayEnd:
     """Read ``upstream`` (over TCP by default) and republish every message, unchanged and
     undecoded, into a new local channel. ``on_ready`` receives the local channel's handle.
 
-    Returns when the upstream writer closes (local readers then get ``EndOfStream``). If the
-    upstream writer dies, local readers get ``WriterGone``; messages lost upstream (policy
-    "lag") reach local readers as ``ReaderLagged`` with the same count. If the upstream stream
-    breaks (``TransportError``: refused, or its I/O failed), local readers get ``WriterGone``
-    too (never an ``EndOfStream`` they would take for a clean end) and the error propagates.
+    Returns (a ``RelayEnd``: how, and how many messages it relayed) when the upstream writer
+    closes (local readers then get ``EndOfStream``) or dies (local readers get ``WriterGone``);
+    messages lost upstream (policy "lag") reach local readers as ``ReaderLagged`` with the same
+    count. If the upstream stream breaks (``TransportError``: refused, or its I/O failed), local
+    readers get ``WriterGone`` too (never an ``EndOfStream`` they would take for a clean end) and
+    the error propagates.
     """
     up = Handle.parse(upstream)
     async with _open_raw_reader(up, name=name, transport=transport) as source:
@@ -51,6 +61,7 @@ async def relay(
             down.set_codec(up.codec, up.schema_path)
             if on_ready is not None:
                 on_ready(down.handle)
+            relayed = 0
             while True:
                 try:
                     body, oob = await source.get()
@@ -58,15 +69,16 @@ async def relay(
                     await down.put_gap(exc.missed)
                     continue
                 except EndOfStream:
-                    break
+                    return RelayEnd("closed", relayed)
                 except WriterGone:
                     await down.abandon()
-                    return
+                    return RelayEnd("writer gone", relayed)
                 except TransportError:
                     await down.abandon()
                     raise
                 # No await after the publish: source.get() already yields to the loop once in
                 # YIELD_EVERY messages, before it takes one.
                 await down.put_encoded((body,), len(body), oob, down.entries_for(len(body)))
+                relayed += 1
         finally:
             await down.aclose()

@@ -45,7 +45,7 @@ from ._fanin import (
     open_collector,
     open_sender,
 )
-from ._handle import Handle, _first_problem, handle_kind
+from ._handle import Handle, _first_problem, handle_kind, path_problem
 from ._open import DEFAULT_DIRECTORY, _Opening, open_reader, open_writer
 from ._owned import Owned
 from ._reader import Reader
@@ -127,6 +127,11 @@ class PoolHandle(BaseModel):
         return self.model_dump_json()
 
     @classmethod
+    def from_json(cls, text: str | bytes) -> PoolHandle:
+        """The pool handle ``to_json`` wrote. Raises ``InvalidHandle``."""
+        return cls.parse(text)
+
+    @classmethod
     def parse(cls, data: str | bytes | dict[str, Any] | PoolHandle | Handle | CollectorHandle) -> PoolHandle:
         if isinstance(data, PoolHandle):
             return data
@@ -142,7 +147,8 @@ class PoolHandle(BaseModel):
                 return cls.model_validate(data)
             return cls.model_validate_json(data)
         except ValidationError as exc:
-            raise InvalidHandle(f"not an aiobroadcast pool handle: {_first_problem(exc)}") from exc
+            path = path_problem(data, "pass the file's text: PoolHandle.from_json(Path(path).read_text())")
+            raise InvalidHandle(f"not an aiobroadcast pool handle: {path or _first_problem(exc)}") from exc
 
 
 def _check_workers(workers: Iterable[str]) -> tuple[str, ...]:
@@ -186,7 +192,8 @@ def _not_ready(book: _Book, names: tuple[str, ...]) -> list[str]:
 
 def _not_ready_error(missing: list[str], timeout: float | None) -> WaitTimeout:
     return WaitTimeout(
-        f"worker(s) {', '.join(repr(n) for n in missing)} did not say hello within {timeout} s "
+        f"{'worker' if len(missing) == 1 else 'workers'} {', '.join(repr(n) for n in missing)} "
+        f"did not say hello within {timeout} s "
         "(not started, still starting, or ended)"
     )
 

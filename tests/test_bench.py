@@ -149,7 +149,7 @@ def test_bad_arguments(argv: list[str], capsys: pytest.CaptureFixture[str]) -> N
     _bench.register(parser.add_subparsers())
     args = parser.parse_args(["bench", *argv])
     assert args.func(args) == 2
-    assert capsys.readouterr().err.startswith("aiobroadcast bench: ")
+    assert capsys.readouterr().err.startswith("aiobroadcast: error: ")
 
 
 def test_tcp_insecure_and_the_pyzmq_curve_peer() -> None:

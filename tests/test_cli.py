@@ -142,7 +142,7 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
             main([command, "--help"])
         assert info.value.code == 0
         text = " ".join(capsys.readouterr().out.split())
-        assert "(default:" in text
+        assert "(default:" in text or command == "keygen"  # keygen's options are a file and flags
         assert "Exit codes" in text or command in ("demo", "keygen")
         if command == "demo":
             assert "local reader processes (shared memory) (default: 3)" in text
@@ -179,7 +179,7 @@ def test_publish_json_values(tmp_path: Path, procs: list[Proc]) -> None:
     wait_file(handle)
     sub = Proc("subscribe", str(handle), "--count", "3")
     procs.append(sub)
-    pub.wait_for("1 readers attached")
+    pub.wait_for("1 reader attached")
     assert pub.popen.stdin is not None
     pub.popen.stdin.write('{"a": [1, 2]}\n\n"text"\n3.5\n')
     pub.popen.stdin.close()
@@ -463,7 +463,7 @@ def test_subscribe_exit_codes_when_the_writer_dies_or_ends_early(tmp_path: Path,
     procs.append(res_pub)
     sub2 = Proc("subscribe", str(handle), "--count", "5", "--wait", "10")
     procs.append(sub2)
-    res_pub.wait_for("1 readers attached")
+    res_pub.wait_for("1 reader attached")
     assert res_pub.popen.stdin is not None
     res_pub.popen.stdin.write("only\none\n")
     res_pub.popen.stdin.close()
@@ -488,10 +488,10 @@ def test_sigint_and_sigterm_stop_readers_cleanly(tmp_path: Path, procs: list[Pro
     assert b.wait() == 0
     for p in (a, b):
         assert "Traceback" not in "\n".join(p.err)
-        assert re.search(r"received \d+ messages", p.err[-1])
+        assert re.search(r"received \d+ messages?$", p.err[-1])
     pub.popen.send_signal(signal.SIGINT)
     assert pub.wait() == 130
-    assert re.search(r"published \d+ messages", pub.err[-1])
+    assert re.search(r"published \d+ messages?;", pub.err[-1])
     assert not handle.exists()
 
 

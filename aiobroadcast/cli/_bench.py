@@ -24,10 +24,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._exceptions import plural
 from ._bench_driver import default_loop, ring_for
 from ._bench_figures import MODES
 from ._bench_gather import ring_for_gather
-from ._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from ._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, error
 
 OURS = "aiobroadcast"
 
@@ -484,7 +485,7 @@ def introduce(progress: Progress, args: argparse.Namespace, cells: list[Cell], s
     if args.transport == "tcp":
         security = " (insecure: GMAC)" if args.insecure else " (AES-256-GCM sealed)"
     progress.say(
-        f"aiobroadcast bench: {len(cells)} cell(s) x {args.repeat} run(s) of {', '.join(systems)}; "
+        f"aiobroadcast bench: {plural(len(cells), 'cell')} x {plural(args.repeat, 'run')} of {', '.join(systems)}; "
         f"{os.cpu_count()} CPUs, Python {platform.python_version()}, aiobroadcast over {args.transport}"
         f"{security} on {'the blocking API' if args.blocking else args.loop}"
     )
@@ -503,7 +504,7 @@ def run(args: argparse.Namespace) -> int:
     the medians (one JSON object per cell with ``--json``) and the table."""
     problem = check(args)
     if problem is not None:
-        print(f"aiobroadcast bench: {problem}", file=sys.stderr)
+        error(problem)
         return EXIT_USAGE
     cells = select_cells(args)
     progress = Progress()
@@ -540,7 +541,7 @@ def finish(args: argparse.Namespace, rendered: str, failures: list[str]) -> int:
     """Print the table (stdout; stderr with ``--json``) and the failed runs; the exit code."""
     print(rendered, file=sys.stderr if args.json else sys.stdout, flush=True)
     if failures:
-        print(f"{len(failures)} run(s) failed:", file=sys.stderr)
+        error(f"{plural(len(failures), 'run')} failed:")
         for f in failures:
             print(f"  {f}", file=sys.stderr)
         return EXIT_FAILED

@@ -39,7 +39,7 @@ from ._bench_figures import (
     reap,
     server_cpu_ns,
 )
-from ._common import EXIT_FAILED, EXIT_OK
+from ._common import EXIT_FAILED, EXIT_OK, error
 
 #: Ring sizes by message size: (largest payload, capacity). Above the last: ``LARGE_CAPACITY``
 #: (what vLLM uses: 10 chunks).
@@ -425,7 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(out), flush=True)
     each = expected(args.mode, args.count)
     if out["received"] != [each] * args.readers or not out["in_order"]:
-        print(f"aiobroadcast: readers received {out['received']} (expected {each} each, in order)", file=sys.stderr)
+        error(f"readers received {out['received']} (expected {each} each, in order)")
         return EXIT_FAILED
     return EXIT_OK
 

@@ -3,6 +3,7 @@ one-line errors, stopping cleanly on SIGINT/SIGTERM, and the event loop they run
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
@@ -16,6 +17,7 @@ import anyio
 import anyio.abc
 from pydantic import BaseModel, ValidationError
 
+from .._exceptions import plural
 from .._handle import CurveKeys, Handle
 
 #: Exit codes of every command, ``bench`` and its driver included (the README lists them).
@@ -31,6 +33,19 @@ class UsageError(Exception):
 
 class MissingHandleFile(UsageError):
     """The handle file does not exist (yet): the writer has not started, or has exited."""
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Every command's help: each option's default, once. Not for a required option (it has
+    none), nor for a flag or an option without one (``None``), nor where the help already
+    says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if action.required or default is None or default is False or default == argparse.SUPPRESS or "default" in text:
+            return text
+        return super()._get_help_string(action)
 
 
 def error(message: str) -> None:
@@ -174,5 +189,5 @@ def _load_json_model(path: str, model: type[M], what: str, todo: str) -> M:
         errors = exc.errors()
         first = errors[0]
         where = ".".join(str(p) for p in first["loc"]) or "the file"
-        more = f" and {len(errors) - 1} more problem(s)" if len(errors) > 1 else ""
+        more = f" and {plural(len(errors) - 1, 'more problem')}" if len(errors) > 1 else ""
         fail(f"{path!r} is not a valid {what} ({where}: {first['msg']}{more}); {todo}")

@@ -15,10 +15,19 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from .._exceptions import BroadcastError
+from .._exceptions import BroadcastError, plural
 from .._handle import Handle
 from .._open import Transport, open_reader, open_writer
-from ._common import EXIT_FAILED, EXIT_OK, EXIT_USAGE, children_ignore_sigint, error, loop_options, stop_on_signals
+from ._common import (
+    EXIT_FAILED,
+    EXIT_OK,
+    EXIT_USAGE,
+    HelpFormatter,
+    children_ignore_sigint,
+    error,
+    loop_options,
+    stop_on_signals,
+)
 
 #: Seconds a reader process may take to start and attach.
 START_TIMEOUT_S = 30.0
@@ -37,7 +46,7 @@ def register(sub: Any) -> None:
             "summary table follows. Ctrl-C (or SIGTERM) stops the writer, lets the readers finish, and "
             "removes the ring: no process or /dev/shm file is left behind."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--readers", type=int, default=3, help="local reader processes (shared memory)")
     p.add_argument("--remote", type=int, default=1, help="remote reader processes (TCP on loopback; 0: none)")
@@ -78,7 +87,7 @@ def _reader_main(handle_json: str, name: str, transport: Transport, conn: Connec
                     expected += 1
                     lat.append(now - sent_ns)
         except BroadcastError as exc:
-            _send(conn, ("error", f"{type(exc).__name__}: {exc} (after {expected} messages)"))
+            _send(conn, ("error", f"{type(exc).__name__}: {exc} (after {plural(expected, 'message')})"))
             return
         lat.sort()
         p50 = lat[len(lat) // 2] if lat else 0
@@ -123,7 +132,7 @@ async def _demo(args: argparse.Namespace) -> int:
             handle: Handle = writer.handle
             print(
                 f"channel {handle.name}: ring of {handle.capacity} x {handle.slot_bytes} B in {handle.directory}, "
-                f"{args.count} messages of {args.size} B",
+                f"{plural(args.count, 'message')} of {args.size} B",
                 file=out,
             )
             local = [n for n, t in roles if t == "shm"]
@@ -154,7 +163,7 @@ async def _demo(args: argparse.Namespace) -> int:
             interrupted = stop.exit_code
             elapsed_pub = time.perf_counter() - t0
             if interrupted is not None:
-                out.write(f"\ninterrupted after {writer.statistics().sent} messages: closing the channel\n")
+                out.write(f"\ninterrupted after {plural(writer.statistics().sent, 'message')}: closing the channel\n")
                 out.flush()
         # Closed: the readers drain what was published, then report.
         results = [await anyio.to_thread.run_sync(_result, conn) for conn in pipes]
@@ -226,7 +235,8 @@ def _table(
     total = max((r[1] for r in results if r[0] == "done"), default=0)
     elapsed = max(elapsed, 1e-9)
     print(
-        f"{total} messages to each of {len(roles)} readers ({args.readers} local, {args.remote} remote) in "
+        f"{plural(total, 'message')} to each of {plural(len(roles), 'reader')} ({args.readers} local, "
+        f"{args.remote} remote) in "
         f"{elapsed:.2f} s: {total / elapsed:,.0f} msg/s, {total * args.size / elapsed / 1e6:,.1f} MB/s of payload "
         f"per reader (publishing took {elapsed_pub:.2f} s)",
         file=out,

@@ -15,7 +15,7 @@ import sys
 from typing import Any
 
 from .._handle import CurveKeys
-from ._common import EXIT_OK, fail, run_sync
+from ._common import EXIT_OK, HelpFormatter, fail, run_sync
 
 
 def register(sub: Any) -> None:
@@ -30,7 +30,7 @@ def register(sub: Any) -> None:
             "so its handle (which carries the readers' pair) stays valid across restarts. Without --keys the "
             "writer makes fresh keys each time and the handle file alone is enough for remote readers."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--out", "-o", default=None, metavar="FILE", help="write the keys here (mode 0600)")
     p.add_argument("--force", action="store_true", help="replace FILE if it exists")

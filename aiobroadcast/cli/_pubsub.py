@@ -23,6 +23,7 @@ from .._exceptions import (
     ReaderLagged,
     TransportError,
     WriterGone,
+    plural,
 )
 from .._handle import Handle
 from .._open import open_reader, open_writer
@@ -32,7 +33,7 @@ from ._common import (
     EXIT_FAILED,
     EXIT_OK,
     EXIT_USAGE,
-    MissingHandleFile,
+    HelpFormatter,
     UsageError,
     children_ignore_sigint,
     error,
@@ -42,6 +43,7 @@ from ._common import (
     run_async,
     stop_on_signals,
 )
+from ._reach import known_gone, may_still_start
 
 #: How often ``--wait-readers`` and ``--wait`` look again (seconds).
 POLL_S = 0.05
@@ -66,7 +68,7 @@ def _register_publish(sub: Any) -> None:
             "then end. SIGTERM or Ctrl-C closes the channel the same way, and the handle file is "
             "removed. Exit codes: 0 done (also after SIGTERM), 1 failed, 2 usage error, 130 Ctrl-C."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("handle_file", metavar="HANDLE_FILE", help="where to write the channel's handle (mode 0600)")
     source = p.add_mutually_exclusive_group()
@@ -185,7 +187,8 @@ async def _publish(args: argparse.Namespace) -> int:
             readers = len(_attached(writer))
         finally:
             _remove_if_ours(args.handle_file, handle)
-    _status(f"published {sent} messages; {readers} readers were attached at the end; channel closed")
+    attached = f"{plural(readers, 'reader')} {'was' if readers == 1 else 'were'} attached at the end"
+    _status(f"published {plural(sent, 'message')}; {attached}; channel closed")
     return stop.exit_code if stop.exit_code is not None else EXIT_OK
 
 
@@ -196,18 +199,18 @@ def _attached(writer: Writer[Any]) -> list[Any]:
     return [
         r
         for r in writer.statistics().readers
-        if not (serves_tcp and r.transport == "shm" and r.name == TCP_SERVER_READER_NAME)
+        if not (serves_tcp and r.transport in ("shm", "tcp-server") and r.name == TCP_SERVER_READER_NAME)
     ]
 
 
 async def _wait_readers(writer: Writer[Any], n: int) -> None:
-    _status(f"waiting for {n} readers to attach")
+    _status(f"waiting for {plural(n, 'reader')} to attach")
     while True:
         attached = _attached(writer)
         if len(attached) >= n:
             break
         await anyio.sleep(POLL_S)  # polling: the writer has no event for "a reader joined"
-    _status(f"{len(attached)} readers attached: " + ", ".join(f"{r.name} ({r.transport})" for r in attached))
+    _status(f"{plural(len(attached), 'reader')} attached: " + ", ".join(f"{r.name} ({r.transport})" for r in attached))
 
 
 async def _publish_ticks(writer: Writer[Any], rate: float, count: int) -> None:
@@ -304,7 +307,7 @@ def _register_subscribe(sub: Any) -> None:
             "1 the writer died or the channel closed before --count, 2 usage error (missing or bad "
             "handle file, writer unreachable), 130 Ctrl-C."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("handle_file", metavar="HANDLE_FILE", help="the handle file a writer saved (publish, relay)")
     p.add_argument("--name", default=None, help="this reader's name in stats and logs (default: subscribe-PID)")
@@ -340,8 +343,12 @@ async def _open_with_retry(args: argparse.Namespace, name: str) -> Reader[Any]:
     writer's) or its writer does not answer yet."""
     deadline = time.monotonic() + args.wait
     while True:
+        handle: Handle | None = None
         try:
             handle = load_handle(args.handle_file)
+            gone = await known_gone(handle) if args.transport == "auto" else None
+            if gone is not None:
+                raise InvalidHandle(gone)  # rather than waiting --connect-timeout for TCP
             return await open_reader(
                 handle,
                 name=name,
@@ -353,10 +360,10 @@ async def _open_with_retry(args: argparse.Namespace, name: str) -> Reader[Any]:
             if time.monotonic() >= deadline:
                 if args.wait:
                     hint = f" (after waiting {args.wait:g} s)"
-                elif isinstance(exc, UsageError) and not isinstance(exc, MissingHandleFile):
-                    hint = ""  # a bad file: waiting would not help
-                else:
+                elif await may_still_start(exc, handle):
                     hint = " (--wait SECONDS waits for the writer to start)"
+                else:
+                    hint = ""  # a bad file, a channel that is gone, another writer: waiting would not help
                 raise UsageError(f"{exc}{hint}") from None
         await anyio.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
 
@@ -381,7 +388,7 @@ async def _subscribe(args: argparse.Namespace) -> int:
                     obj = await reader.get()
                 except ReaderLagged as exc:
                     missed += exc.missed
-                    _status(f"{name}: missed {exc.missed} messages (the writer overwrote them: policy lag)")
+                    _status(f"{name}: missed {plural(exc.missed, 'message')} (the writer overwrote them: policy lag)")
                     continue
                 except DeserializationError as exc:
                     bad += 1
@@ -389,7 +396,7 @@ async def _subscribe(args: argparse.Namespace) -> int:
                     continue
                 except EndOfStream:
                     if args.count:
-                        error(f"the channel closed after {received} of the {args.count} messages asked for")
+                        error(f"the channel closed after {received} of the {plural(args.count, 'message')} asked for")
                         code = EXIT_FAILED
                     break
                 except WriterGone as exc:
@@ -402,7 +409,7 @@ async def _subscribe(args: argparse.Namespace) -> int:
                     out.flush()
     extra = f", missed {missed}" if missed else ""
     extra += f", {bad} could not be decoded" if bad else ""
-    _status(f"{name}: received {received} messages{extra}")
+    _status(f"{name}: received {plural(received, 'message')}{extra}")
     return stop.exit_code if stop.exit_code is not None else code
 
 

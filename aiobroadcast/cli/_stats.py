@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._constants import TCP_SERVER_READER_NAME
-from .._exceptions import InvalidHandle
+from .._exceptions import InvalidHandle, plural
 from .._handle import Handle
 from .._shm import layout as _layout
 from .._shm import segment as _segment
@@ -37,7 +37,7 @@ from .._shm.layout import (
     W_WRITER_PID,
 )
 from .._tcp.report import read_report, report_path
-from ._common import EXIT_FAILED, EXIT_OK, fail, load_handle, run_sync
+from ._common import EXIT_FAILED, EXIT_OK, HelpFormatter, fail, load_handle, run_sync
 
 
 def register(sub: Any) -> None:
@@ -54,7 +54,7 @@ def register(sub: Any) -> None:
             "writer is alive and the channel open (the live view: also when it closes), 1 the channel is closed "
             "(--once) or its writer died, 2 the handle file is missing or bad or the channel is gone, 130 Ctrl-C."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("handle_file", metavar="HANDLE_FILE", help="the handle file the writer saved")
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
@@ -186,7 +186,7 @@ def render(h: Handle, now: Snapshot, before: Snapshot | None) -> list[str]:
         f"channel {h.name}  writer {_where(now.writer_pid, now.writer_host)}  {state}",
         f"  policy {h.policy}, codec {h.codec}, ring {h.capacity} x {h.slot_bytes} B"
         + (f", tcp {h.tcp}" if h.tcp else ""),
-        f"  published {now.messages} messages ({now.head} ring entries)"
+        f"  published {plural(now.messages, 'message')} ({plural(now.head, 'ring entry', 'ring entries')})"
         + (f", {rate(now.messages, before.messages)} msg/s" if before is not None and span > 0 else ""),
     ]
     if now.arena is not None:
@@ -234,7 +234,7 @@ def render(h: Handle, now: Snapshot, before: Snapshot | None) -> list[str]:
             line += " - the TCP server, held by a slow remote reader"
             if slowest is not None:
                 where = _where(slowest.pid, slowest.host)
-                line += f": {slowest.name} (remote {where}, {slowest.lag} messages unacknowledged)"
+                line += f": {slowest.name} (remote {where}, {plural(slowest.lag, 'message')} unacknowledged)"
         else:
             line += " - it is alive but not reading (busy, stopped, or not calling get)"
         lines.append(line)

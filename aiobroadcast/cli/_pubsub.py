@@ -105,8 +105,17 @@ def _register_publish(sub: Any) -> None:
         "--keys",
         default=None,
         metavar="FILE",
-        help="serve with these CurveZMQ keys (from 'aiobroadcast keygen --out FILE') instead of fresh ones, "
-        "so that readers' handles stay valid across restarts",
+        help="serve with these CurveZMQ keys (from 'aiobroadcast keygen --out FILE') instead of fresh ones: "
+        "with a fixed port in --tcp, the channel is the same at every start, so readers' handles stay valid "
+        "across restarts (readers attached to the old run end; 'subscribe --follow' re-attaches)",
+    )
+    p.add_argument(
+        "--channel",
+        default=None,
+        metavar="NAME",
+        help="a name that makes the channel the same at every start of this command (same NAME, and with "
+        "--tcp the same endpoint and --keys): handles saved by earlier runs open readers on this one, over "
+        "shared memory too (default: a new channel each start, unless --keys and a fixed port)",
     )
     p.add_argument(
         "--insecure",
@@ -155,6 +164,7 @@ async def _publish(args: argparse.Namespace) -> int:
             insecure=args.insecure,
             advertise=args.advertise,
             keys=keys,
+            channel=args.channel,
         )
     except ValueError as exc:
         fail(str(exc))
@@ -278,9 +288,11 @@ async def _publish_stdin(writer: Writer[Any], as_json: bool, count: int) -> None
 
 
 def _remove_if_ours(path: str, handle: Handle) -> None:
-    """Remove the handle file at exit, unless another writer has replaced it meanwhile."""
+    """Remove the handle file at exit, unless another writer has replaced it meanwhile (a
+    restarted writer of the same channel has the same name, in another process)."""
     try:
-        if load_handle(path).name == handle.name:
+        saved = load_handle(path)
+        if (saved.name, saved.writer_pid) == (handle.name, handle.writer_pid):
             os.unlink(path)
     except (UsageError, OSError):
         pass
@@ -300,9 +312,12 @@ def _register_subscribe(sub: Any) -> None:
             "one line each: strings as they are, anything else as JSON. Over shared memory when the "
             "writer's ring is reachable from here, else over the writer's TCP endpoint (--transport "
             "chooses). Ends when the writer closes the channel, after --count messages, or on "
-            "SIGTERM/Ctrl-C; a summary goes to stderr. Exit codes: 0 done (also after SIGTERM), "
-            "1 the writer died or the channel closed before --count, 2 usage error (missing or bad "
-            "handle file, writer unreachable), 130 Ctrl-C."
+            "SIGTERM/Ctrl-C; a summary goes to stderr. With --follow, a writer that closes or dies does not "
+            "end it: it waits for the writer to start again and re-attaches with the same handle (a writer "
+            "started again with the same 'publish --channel', or the same --keys and --tcp port, accepts it), "
+            "saying on stderr that it did and how many messages it may have missed. Exit codes: 0 done (also "
+            "after SIGTERM), 1 the writer died or the channel closed before --count, 2 usage error (missing or "
+            "bad handle file, writer unreachable), 130 Ctrl-C."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -325,6 +340,12 @@ def _register_subscribe(sub: Any) -> None:
     )
     p.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for a TCP writer's answer")
     p.add_argument("--no-pickle", action="store_true", help="refuse a channel that sends pickle (JSON channels only)")
+    p.add_argument(
+        "--follow",
+        action="store_true",
+        help="when the writer closes the channel or dies, wait for it to start again and re-attach with the "
+        "same handle (until --count, SIGTERM or Ctrl-C)",
+    )
     p.set_defaults(func=_run_subscribe)
 
 
@@ -363,47 +384,95 @@ async def _open_with_retry(args: argparse.Namespace, name: str) -> Reader[Any]:
 
 async def _subscribe(args: argparse.Namespace) -> int:
     name = args.name or f"subscribe-{os.getpid()}"
-    received = missed = bad = 0
+    tally = _Tally()
     code = EXIT_OK
     async with stop_on_signals() as stop:
         reader = await _open_with_retry(args, name)
-        async with reader:
-            st = reader.statistics()
-            how = (
-                f"remote, over TCP {reader.handle.tcp}"
-                if st.place < 0
-                else f"local, over shared memory (place {st.place})"
-            )
-            _status(f"{name}: attached to {reader.handle.name}, {how}")
-            out = sys.stdout
-            while not args.count or received < args.count:
-                try:
-                    obj = await reader.get()
-                except ReaderLagged as exc:
-                    missed += exc.missed
-                    _status(f"{name}: missed {exc.missed} messages (the writer overwrote them: policy lag)")
-                    continue
-                except DeserializationError as exc:
-                    bad += 1
-                    _status(f"{name}: {exc}")
-                    continue
-                except EndOfStream:
-                    if args.count:
-                        error(f"the channel closed after {received} of the {args.count} messages asked for")
-                        code = EXIT_FAILED
-                    break
-                except WriterGone as exc:
-                    error(f"{exc} (received {received})")
-                    code = EXIT_FAILED
-                    break
-                received += 1
-                if not args.quiet:
-                    out.write(_format(obj) + "\n")
-                    out.flush()
-    extra = f", missed {missed}" if missed else ""
-    extra += f", {bad} could not be decoded" if bad else ""
-    _status(f"{name}: received {received} messages{extra}")
+        handle = reader.handle
+        _status(f"{name}: attached to {handle.name}, {_how(reader)}")
+        while True:
+            async with reader:
+                ended = await _read(reader, args, name, tally)
+            if ended == "count":
+                break
+            if not args.follow:
+                code = EXIT_FAILED if args.count or ended == "gone" else EXIT_OK
+                break
+            reader = await _reattach(args, name, handle)
+            # What the old run had not delivered here (if it died) and what the new one published
+            # before this reader attached (it starts with the next message) are not known here.
+            _status(f"{name}: writer restarted; re-attached ({_how(reader)}); messages missed: unknown")
+    extra = f", missed {tally.missed}" if tally.missed else ""
+    extra += f", {tally.bad} could not be decoded" if tally.bad else ""
+    _status(f"{name}: received {tally.received} messages{extra}")
     return stop.exit_code if stop.exit_code is not None else code
+
+
+class _Tally:
+    """What ``subscribe`` counted, over every run it followed."""
+
+    def __init__(self) -> None:
+        self.received = self.missed = self.bad = 0
+
+
+def _how(reader: Reader[Any]) -> str:
+    st = reader.statistics()
+    return f"remote, over TCP {reader.handle.tcp}" if st.place < 0 else f"local, over shared memory (place {st.place})"
+
+
+async def _read(reader: Reader[Any], args: argparse.Namespace, name: str, tally: _Tally) -> str:
+    """Print what arrives until ``--count`` ("count"), the channel closes ("closed") or the
+    writer is gone ("gone"), saying so on stderr."""
+    out = sys.stdout
+    while not args.count or tally.received < args.count:
+        try:
+            obj = await reader.get()
+        except ReaderLagged as exc:
+            tally.missed += exc.missed
+            _status(f"{name}: missed {exc.missed} messages (the writer overwrote them: policy lag)")
+            continue
+        except DeserializationError as exc:
+            tally.bad += 1
+            _status(f"{name}: {exc}")
+            continue
+        except EndOfStream:
+            if args.follow:
+                _status(f"{name}: the writer closed the channel; waiting for it to start again (--follow)")
+            elif args.count:
+                error(f"the channel closed after {tally.received} of the {args.count} messages asked for")
+            return "closed"
+        except WriterGone as exc:
+            if args.follow:
+                _status(f"{name}: {exc}; waiting for it to start again (--follow)")
+            else:
+                error(f"{exc} (received {tally.received})")
+            return "gone"
+        tally.received += 1
+        if not args.quiet:
+            out.write(_format(obj) + "\n")
+            out.flush()
+    return "count"
+
+
+async def _reattach(args: argparse.Namespace, name: str, handle: Handle) -> Reader[Any]:
+    """``--follow``: open a reader on ``handle`` again, as soon as a writer of its channel
+    accepts it (the segment is back, or the server answers); each new reason it is not yet
+    accepted is said once on stderr."""
+    said = ""
+    while True:
+        try:
+            return await open_reader(
+                handle,
+                name=name,
+                transport=args.transport,
+                trust_pickle=not args.no_pickle,
+                connect_timeout=args.connect_timeout,
+            )
+        except (InvalidHandle, TransportError) as exc:
+            if str(exc) != said:
+                said = str(exc)
+                _status(f"{name}: not re-attached yet: {said}")
+        await anyio.sleep(0.2)
 
 
 def _format(obj: Any) -> str:

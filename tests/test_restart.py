@@ -18,7 +18,17 @@ import pytest
 from test_cli import Proc, run, wait_file
 
 import aiobroadcast as ab
+from aiobroadcast import _seal as seal
 from aiobroadcast import blocking
+from aiobroadcast._tcp.protocol import (
+    Admitted,
+    ClientProtocol,
+    Ended,
+    ServerConfig,
+    ServerEvent,
+    ServerProtocol,
+    Welcomed,
+)
 
 
 @pytest.fixture
@@ -143,6 +153,26 @@ def test_another_key_or_another_channel_name_is_still_refused(tmp_path: Path, pr
     stop(pub)
 
 
+def test_publish_make_keys_makes_the_key_file_at_the_first_start_only(tmp_path: Path, procs: list[Proc]) -> None:
+    """``--keys FILE --make-keys``: the first start makes FILE (mode 0600) and serves with it;
+    the next start finds it and serves with the same keys, so the handle is the same channel's."""
+    keys, h_file = tmp_path / "k.json", tmp_path / "h.json"
+    endpoint = free_endpoint()
+    pub, h1 = publish(procs, h_file, "--tcp", endpoint, "--keys", str(keys), "--make-keys")
+    made = ab.CurveKeys.load(keys)
+    assert keys.stat().st_mode & 0o777 == 0o600
+    assert (h1.server_key, h1.client_secret_key) == (made.server_public, made.client_secret)
+    pub.wait_for(f"made fresh CurveZMQ keys in {keys}")
+    stop(pub)
+    pub, h2 = publish(procs, h_file, "--tcp", endpoint, "--keys", str(keys), "--make-keys")
+    assert ab.CurveKeys.load(keys) == made and (h2.name, h2.server_key) == (h1.name, h1.server_key)
+    assert not any("made fresh" in line for line in pub.err)
+    assert read_one(h1, "tcp")["seq"] >= 0
+    stop(pub)
+    res = run("publish", str(h_file), "--make-keys")
+    assert res.returncode == 2 and "--make-keys needs --keys" in res.stderr
+
+
 def ticks_after(sub: Proc, since: float) -> list[dict[str, Any]]:
     return [t for t in map(json.loads, list(sub.out)) if t["time"] > since]
 
@@ -171,7 +201,7 @@ def test_subscribe_follow_reattaches_after_restarts(tmp_path: Path, procs: list[
         pub, _ = publish(procs, h_file, *args)
         # (A remote follower learns that its writer restarted from the new run's server.)
         sub.wait_for(f"follower: .*{how}.*waiting for it to start again", 30)
-        sub.wait_for(r"follower: writer restarted; re-attached \(.*\); messages missed: unknown", 30)
+        sub.wait_for(r"follower: writer restarted; re-attached, (remote|local), .*; messages missed: unknown$", 30)
         deadline = time.monotonic() + 30
         while not ticks_after(sub, since):
             assert time.monotonic() < deadline, (sub.out[-5:], sub.err)
@@ -180,3 +210,56 @@ def test_subscribe_follow_reattaches_after_restarts(tmp_path: Path, procs: list[
     sub.popen.send_signal(signal.SIGTERM)
     assert sub.wait() == 0, sub.err
     assert sub.err[-1].startswith("follower: received ")
+
+
+# --- the run, in the protocol (sans-IO: the frames a real socket would carry) --------------------
+CHANNEL = "c" * 32
+KEY = b"k" * 32
+
+
+def _server(run: str) -> ServerProtocol:
+    config = ServerConfig(
+        "lag", KEY, 4, 16, hb_interval=1.0, hb_timeout=5.0, max_remote=4, channel=CHANNEL, run=run, data_port=5555
+    )
+    return ServerProtocol(config, start=0, now=0.0, returning=1, sealer=seal.Sealer(CHANNEL.encode(), secret=KEY))
+
+
+def _to_server(client: ClientProtocol, srv: ServerProtocol, ident: bytes = b"r") -> list[ServerEvent | None]:
+    return [srv.receive(ident, frames, now=0.0, published=srv.end) for frames in client.data_to_send()]
+
+
+def _to_client(srv: ServerProtocol, client: ClientProtocol) -> list[Any]:
+    return [client.receive(frames, 0.0) for _ident, frames in srv.data_to_send()]
+
+
+def test_a_returning_reader_is_told_its_writer_restarted_and_resumes_only_in_its_own_run() -> None:
+    """A reader welcomed by run "one" names it in the HELLO that resumes. A server of the same
+    run (its TCP server process started again by the writer) takes it back where it was; a
+    server of another run of the same channel does not admit it and answers RESTARTED, which
+    ends its stream; a WELCOME of another run ends it too."""
+    client = ClientProtocol(key=KEY, channel=CHANNEL, name="c", pid=1, host="h", window=4, now=0.0)
+    first = _server("one")
+    assert any(isinstance(e, Admitted) for e in _to_server(client, first))
+    assert any(isinstance(e, Welcomed) for e in _to_client(first, client)) and client.run == "one"
+
+    same_run = _server("one")  # the supervisor's new server: the reader resumes
+    client._hello(client.next)
+    assert any(isinstance(e, Admitted) for e in _to_server(client, same_run))
+    assert _to_client(same_run, client) == [None]  # a repeated WELCOME: the stream goes on
+
+    restarted = _server("two")
+    client._hello(client.next)
+    assert _to_server(client, restarted) == [None]  # not admitted
+    assert b"r" not in restarted.readers.clients
+    assert _to_client(restarted, client) == [Ended("restarted")]
+
+    # A server that does not check (it admitted the HELLO): its WELCOME names another run.
+    other = ClientProtocol(key=KEY, channel=CHANNEL, name="o", pid=2, host="h", window=4, now=0.0)
+    _to_server(other, first, b"o")
+    assert any(isinstance(e, Welcomed) for e in _to_client(first, other))
+    lax = _server("two")
+    run, other.run = other.run, None
+    other._hello(other.next)  # as a reader of a version that does not name its run would
+    other.run = run
+    assert any(isinstance(e, Admitted) for e in _to_server(other, lax, b"o"))
+    assert _to_client(lax, other) == [Ended("restarted")]

@@ -24,7 +24,7 @@ from .._exceptions import (
     TransportError,
     WriterGone,
 )
-from .._handle import Handle
+from .._handle import CurveKeys, Handle
 from .._open import open_reader, open_writer
 from .._reader import Reader
 from .._writer import Writer
@@ -82,6 +82,12 @@ def _register_publish(sub: Any) -> None:
     p.add_argument("--slot-bytes", type=int, default=1 << 16, help="bytes per slot (larger messages take several)")
     p.add_argument("--max-readers", type=int, default=16, help="readers that may attach at once (each transport)")
     p.add_argument(
+        "--directory",
+        default="/dev/shm",
+        metavar="DIR",
+        help="where the ring's file goes: a tmpfs (shared memory) that the readers on this host see at the same path",
+    )
+    p.add_argument(
         "--policy",
         choices=("block", "lag"),
         default="block",
@@ -108,6 +114,12 @@ def _register_publish(sub: Any) -> None:
         help="serve with these CurveZMQ keys (from 'aiobroadcast keygen --out FILE') instead of fresh ones: "
         "with a fixed port in --tcp, the channel is the same at every start, so readers' handles stay valid "
         "across restarts (readers attached to the old run end; 'subscribe --follow' re-attaches)",
+    )
+    p.add_argument(
+        "--make-keys",
+        action="store_true",
+        help="with --keys FILE: if FILE does not exist, make fresh keys and save them there (mode 0600) first, "
+        "so that this start and the later ones serve with the same keys (a service's first start)",
     )
     p.add_argument(
         "--channel",
@@ -138,12 +150,21 @@ def _run_publish(args: argparse.Namespace) -> int:
     if (args.insecure or args.keys) and args.tcp is None:
         error("--insecure and --keys need --tcp")
         return EXIT_USAGE
+    if args.make_keys and not args.keys:
+        error("--make-keys needs --keys FILE (where to keep the keys)")
+        return EXIT_USAGE
     if args.insecure and args.keys:
         error("--insecure sends no CurveZMQ at all: drop --keys or --insecure")
         return EXIT_USAGE
     if args.advertise is not None and not _HOST.fullmatch(args.advertise):
         error(f"--advertise takes a host name or address, without scheme or port, not {args.advertise!r}")
         return EXIT_USAGE
+    if args.make_keys and not os.path.lexists(args.keys):
+        try:
+            _make_keys(args.keys)
+        except UsageError as exc:
+            error(str(exc))
+            return EXIT_USAGE
     return run_async(lambda: _publish(args))
 
 
@@ -160,6 +181,7 @@ async def _publish(args: argparse.Namespace) -> int:
             max_readers=args.max_readers,
             policy=args.policy,
             codec="json",
+            directory=args.directory,
             tcp=args.tcp,
             insecure=args.insecure,
             advertise=args.advertise,
@@ -197,6 +219,15 @@ async def _publish(args: argparse.Namespace) -> int:
             _remove_if_ours(args.handle_file, handle)
     _status(f"published {sent} messages; {readers} readers were attached at the end; channel closed")
     return stop.exit_code if stop.exit_code is not None else EXIT_OK
+
+
+def _make_keys(path: str) -> None:
+    """``--make-keys``: the first start of a service makes the keys its later starts use."""
+    try:
+        CurveKeys.generate().save(path)
+    except OSError as exc:
+        fail(f"cannot write the key file {path!r}: {exc.strerror or exc}")
+    _status(f"made fresh CurveZMQ keys in {path} (mode 0600); later starts with --keys {path} use them")
 
 
 def _attached(writer: Writer[Any]) -> list[Any]:
@@ -401,7 +432,7 @@ async def _subscribe(args: argparse.Namespace) -> int:
             reader = await _reattach(args, name, handle)
             # What the old run had not delivered here (if it died) and what the new one published
             # before this reader attached (it starts with the next message) are not known here.
-            _status(f"{name}: writer restarted; re-attached ({_how(reader)}); messages missed: unknown")
+            _status(f"{name}: writer restarted; re-attached, {_how(reader)}; messages missed: unknown")
     extra = f", missed {tally.missed}" if tally.missed else ""
     extra += f", {tally.bad} could not be decoded" if tally.bad else ""
     _status(f"{name}: received {tally.received} messages{extra}")

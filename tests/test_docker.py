@@ -3,14 +3,17 @@
 1. compose.yaml follows the rules of the compose specification that the topology relies on
    (checked here rule by rule, for engines and compose versions other than the one the real run
    uses; ``docker-compose config`` also validates it when installed).
-2. The topology is the one the README promises: a writer, two readers sharing its IPC namespace
-   and /dev/shm, one remote reader in its own IPC namespace reading over TCP on the compose network
-   with CurveZMQ, the handle shared through a volume; one image, built once.
+2. The topology is the one the README promises: a writer, two readers sharing its ring through a
+   tmpfs volume (which outlives the writer's restarts), one remote reader in its own IPC namespace
+   reading over TCP on the compose network with CurveZMQ and keys that stay the same across the
+   writer's restarts, the handle shared through a volume; every reader follows the writer's
+   restarts; one image, built once.
 3. Every command the services run (and the healthcheck) exists in the CLI with exactly those
    flags, and the Dockerfile installs that CLI as the entry point from a small build context.
 4. The real run: docker-compose builds the image and starts the services on a Docker engine, and
    the test checks from outside what the README promises (namespaces, transports, the same ticks
-   everywhere, a killed reader dropped, SIGTERM and ``down -v`` ending and removing everything).
+   everywhere, a killed reader dropped, the readers re-attaching after ``docker compose restart
+   writer``, ``stop`` and ``down -v`` ending and removing everything).
    The engine comes from ../shared/tools/docker-engine.sh (beside the repository, as root); where
    none can be had the test is skipped with the reason, or fails where AIOBROADCAST_REQUIRE_DOCKER
    is set (CI sets it: there the run must happen).

@@ -263,3 +263,30 @@ def test_a_returning_reader_is_told_its_writer_restarted_and_resumes_only_in_its
     other.run = run
     assert any(isinstance(e, Admitted) for e in _to_server(other, lax, b"o"))
     assert _to_client(lax, other) == [Ended("restarted")]
+
+
+def test_a_reader_of_the_dead_run_closing_late_leaves_the_new_runs_wake_up_socket(
+    tmp_path: Path, procs: list[Proc]
+) -> None:
+    """The segment's path is the same at every run, and so are the wake-up sockets beside it: a
+    reader of a SIGKILLed run that closes after the new run's reader took the same place must
+    not remove that reader's socket (the writer could then no longer wake it)."""
+    h_file = tmp_path / "h.json"
+    pub1, h1 = publish(procs, h_file, "--channel", "sockets")
+    old = blocking.open_reader(h1, transport="shm", name="old")
+    try:
+        old.get(timeout=20)
+        os.kill(pub1.pid, signal.SIGKILL)
+        pub1.wait()
+        pub2, _ = publish(procs, h_file, "--channel", "sockets")
+        with blocking.open_reader(h1, transport="shm", name="new") as new:
+            place = new.statistics().place
+            assert place == old.statistics().place  # the same place: the same socket path
+            sock = f"{h1.path}-r{place}.sock"
+            assert os.path.exists(sock)
+            old.close()
+            assert os.path.exists(sock)
+            assert "seq" in new.get(timeout=20)
+    finally:
+        old.close()
+    stop(pub2)

@@ -73,6 +73,12 @@ def kill_with_server(pub: Proc) -> None:
     pub.wait()
 
 
+def group_keys(reader: blocking.BlockingReader[Any]) -> set[bytes]:
+    """The sealing keys (AES-256-GCM) a remote reader holds, as its server's WELCOME gave them."""
+    opener = reader._src._proto._opener  # type: ignore[attr-defined]
+    return {k.key for k in opener._keys.values()}
+
+
 def read_one(handle: ab.Handle, transport: Literal["shm", "tcp"]) -> Any:
     with blocking.open_reader(handle, transport=transport, name="later", connect_timeout=20) as reader:
         return reader.get(timeout=20)
@@ -107,13 +113,16 @@ def test_tcp_fixed_keys_and_endpoint_accept_the_handle_of_an_earlier_run(tmp_pat
     """``publish --tcp <fixed port> --keys k``, run twice: the handle of run 1 opens a reader on
     run 2 (over TCP and over shared memory). A remote reader attached to run 1, whose writer and
     server are SIGKILLed together, reconnects to run 2 by itself, and is told its stream ended
-    (``WriterGone``, restarted) instead of resuming in run 2's numbering."""
+    (``WriterGone``, restarted) instead of resuming in run 2's numbering. The data plane's keys
+    are the new server process's own: fixed CurveZMQ keys fix no sealing key, so no nonce (key
+    id, counter) of run 1 is used again under the same key."""
     keys = keygen(tmp_path / "k.json")
     endpoint = free_endpoint()
     h_file = tmp_path / "h.json"
     pub1, h1 = publish(procs, h_file, "--tcp", endpoint, "--keys", str(keys))
     with blocking.open_reader(h1, transport="tcp", name="across", connect_timeout=20) as across:
         assert "seq" in across.get(timeout=20)
+        run1_keys = group_keys(across)
         kill_with_server(pub1)
         pub2, h2 = publish(procs, h_file, "--tcp", endpoint, "--keys", str(keys))
         assert (h2.name, h2.tcp) == (h1.name, h1.tcp)
@@ -121,7 +130,10 @@ def test_tcp_fixed_keys_and_endpoint_accept_the_handle_of_an_earlier_run(tmp_pat
             for _ in range(1000):
                 across.get(timeout=30)
         assert gone.value.restarted, gone.value
-    assert read_one(h1, "tcp")["seq"] >= 0
+    with blocking.open_reader(h1, transport="tcp", name="later", connect_timeout=20) as later:
+        assert "seq" in later.get(timeout=20)
+        run2_keys = group_keys(later)
+    assert run1_keys and run2_keys and not run1_keys & run2_keys
     assert read_one(h1, "shm")["seq"] >= 0
     stop(pub2)
 

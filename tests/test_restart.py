@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -302,3 +303,28 @@ def test_a_reader_of_the_dead_run_closing_late_leaves_the_new_runs_wake_up_socke
     finally:
         old.close()
     stop(pub2)
+
+
+def test_one_channel_has_one_writer_at_a_time_and_a_bad_name_is_refused() -> None:
+    """A second writer of an open channel is refused, naming the first; so is a path that is
+    not this user's channel file; a channel name that could not be one is an InvalidArgument.
+    Other names, and the same name in another directory, are other channels."""
+    with blocking.open_writer(channel="one", capacity=4, slot_bytes=64) as first:
+        with pytest.raises(ab.BroadcastError, match=rf"open already: its writer \(pid {os.getpid()}\)"):
+            blocking.open_writer(channel="one", capacity=4, slot_bytes=64)
+        with blocking.open_writer(channel="two", capacity=4, slot_bytes=64) as second:
+            assert second.handle.name != first.handle.name
+        elsewhere = Path(tempfile.mkdtemp(prefix="ab-", dir="/dev/shm"))  # short: socket paths
+        with blocking.open_writer(channel="one", capacity=4, slot_bytes=64, directory=str(elsewhere)) as third:
+            assert third.handle.name != first.handle.name
+            in_the_way = third.handle.path
+    os.mkdir(in_the_way)  # where the channel's file would go: not a regular file
+    try:
+        with pytest.raises(ab.BroadcastError, match="in the way"):
+            blocking.open_writer(channel="one", capacity=4, slot_bytes=64, directory=str(elsewhere))
+    finally:
+        os.rmdir(in_the_way)
+        os.rmdir(elsewhere)
+    for bad in ("", "-x", "a/b", "x" * 129, "é"):
+        with pytest.raises(ab.InvalidArgument, match="channel must be a name"):
+            blocking.open_writer(channel=bad)

@@ -39,13 +39,26 @@ class ClosedResourceError(BroadcastError):
 
 class WriterGone(BroadcastError):
     """Raised by ``Reader.get`` when the writer's process died without closing the channel,
-    after the reader has received everything that was published."""
+    after the reader has received everything that was published; and by a remote reader's
+    ``get`` when the writer was restarted under it (``restarted``: its TCP server died with it,
+    and a new run now serves the same channel)."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, *, restarted: bool = False) -> None:
         self.pid = pid
-        super().__init__(
-            f"the writer (pid {pid}) died without closing the channel; every message it published has been delivered"
-        )
+        #: a remote reader found a new run of the writer serving the channel (it was restarted
+        #: with the same keys and endpoint): what the old run held for this reader may be lost
+        self.restarted = restarted
+        if restarted:
+            message = (
+                f"the writer (pid {pid}) was restarted: a new run serves this channel, its messages numbered "
+                "anew; what the old run had not delivered here may be lost (open the handle again to read on)"
+            )
+        else:
+            message = (
+                f"the writer (pid {pid}) died without closing the channel; every message it published has been "
+                "delivered"
+            )
+        super().__init__(message)
 
 
 class CollectorGone(BroadcastError):

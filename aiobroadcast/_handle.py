@@ -162,7 +162,9 @@ class Handle(BaseModel):
 class CurveKeys(BaseModel):
     """CurveZMQ key pairs for a TCP channel (Z85 text): the writer's server pair and the pair
     every reader presents. Made by ``CurveKeys.generate()`` (or ``aiobroadcast keygen``);
-    pass to ``open_writer(tcp=..., keys=...)`` to keep the same keys across writer restarts.
+    pass to ``open_writer(tcp=..., keys=...)`` to keep the same keys across writer restarts (with
+    a fixed port, the restarted writer is the same channel: it accepts the handles of its
+    earlier runs; docs/tcp.md, "Restarts").
     Secret: ``repr`` hides the secret keys and ``save`` writes mode 0600."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
+import re
 import secrets
 from collections.abc import Awaitable, Callable, Generator
 from dataclasses import dataclass, field
@@ -50,6 +53,9 @@ log = logging.getLogger("aiobroadcast")
 
 DEFAULT_DIRECTORY = "/dev/shm"
 Transport = Literal["auto", "shm", "tcp"]
+
+#: ``open_writer(channel=...)``: a name that stays the channel's across writer restarts
+_CHANNEL_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 
 class _Closable(Protocol):
@@ -104,6 +110,7 @@ class _WriterSpec:
     rekey_messages: int = REKEY_MESSAGES
     rekey_bytes: int = REKEY_BYTES
     data_port: int = 0
+    channel: str | None = None
     #: a fan-in remote sender's ring: its TCP server serves one reader, the collector
     #: (``ServerConfig.sole_reader``); set by ``open_sender(tcp=...)``, not an ``open_writer`` option
     sole_reader: bool = field(default=False, metadata={"internal": True})
@@ -134,6 +141,11 @@ class _WriterSpec:
             raise InvalidArgument(f"arena_bytes must be 0 (no arena) or a size in bytes, not {self.arena_bytes!r}")
         if self.arena_bytes and (self.policy != "block" or self.codec != "pickle" or self.schema is not None):
             raise InvalidArgument('an arena (arena_bytes) needs policy "block" and the pickle codec without schema')
+        if self.channel is not None and (type(self.channel) is not str or not _CHANNEL_RE.fullmatch(self.channel)):
+            raise InvalidArgument(
+                "channel must be a name of 1 to 128 letters, digits, '.', '_' or '-' (not starting with "
+                f"'.', '_' or '-'), not {self.channel!r}"
+            )
         require(check_directory(self.directory, self.ring_readers))
         object.__setattr__(self, "slot_bytes", (self.slot_bytes + 63) // 64 * 64)
 
@@ -141,10 +153,41 @@ class _WriterSpec:
     def ring_readers(self) -> int:
         return self.max_readers + (1 if self.tcp else 0)  # a place for the TCP server
 
+    def fixed_token(self) -> str | None:
+        """The channel id (the handle's token, which names the segment) when it is to be the same
+        at every run of this writer, so that the handles of earlier runs open readers on this
+        one: with a ``channel`` name, or serving TCP on a fixed port with fixed keys (the handle
+        carries the keys and the endpoint, and they would work again). Derived from what names
+        the channel: the directory, the name, the endpoint and the public keys (another name,
+        endpoint or key pair is another channel, whose handles are refused). None: a random id,
+        as for a channel that can never be reached again once its writer is gone (fresh keys, a
+        free port), and for a fan-in sender's ring (its collector may still drain the last one)."""
+        if self.sole_reader:
+            return None
+        keys = self.keys if self.tcp is not None and not self.insecure else None
+        keyed = keys is not None and self.tcp is not None and not self.tcp.endswith(":0")
+        if self.channel is None and not keyed:
+            return None
+        parts = {
+            "directory": os.path.normpath(self.directory),
+            "channel": self.channel,
+            "tcp": self.tcp,
+            "advertise": self.advertise,
+            "server_public": keys.server_public if keys else None,
+            "client_public": keys.client_public if keys else None,
+        }
+        text = json.dumps(parts, sort_keys=True).encode()
+        return hashlib.sha256(b"aiobroadcast channel id\0" + text).hexdigest()[:32]
+
     def create(self) -> WriterChannel:
-        """Create the segment and the channel's writing side (without the TCP server)."""
+        """Create the segment and the channel's writing side (without the TCP server). A fixed
+        channel id takes its segment's path over from a dead earlier run (``take_over_dead``)."""
         _segment.sweep_stale(self.directory)
-        token = secrets.token_hex(16)
+        token = self.fixed_token()
+        if token is None:
+            token = secrets.token_hex(16)
+        else:
+            _segment.take_over_dead(self.directory, token)
         encoder: PickleEncoder | SchemaCodec | JsonCodec
         if self.schema is not None:
             encoder, channel_codec = SchemaCodec(self.schema), "pydantic-json"
@@ -203,6 +246,7 @@ def open_writer(
     rekey_bytes: int = ...,
     data_port: int = ...,
     arena_bytes: int = ...,
+    channel: str | None = ...,
 ) -> _Opening[Writer[Any]]: ...
 @overload
 def open_writer(
@@ -225,6 +269,7 @@ def open_writer(
     rekey_bytes: int = ...,
     data_port: int = ...,
     arena_bytes: int = ...,
+    channel: str | None = ...,
 ) -> _Opening[Writer[M]]: ...
 def open_writer(
     *,
@@ -246,6 +291,7 @@ def open_writer(
     rekey_bytes: int = _WriterSpec.rekey_bytes,
     data_port: int = _WriterSpec.data_port,
     arena_bytes: int = _WriterSpec.arena_bytes,
+    channel: str | None = _WriterSpec.channel,
 ) -> _Opening[Writer[Any]]:
     """Create a channel in shared memory and return its writer.
 
@@ -264,7 +310,9 @@ def open_writer(
       HMAC-signed) for closed test networks, and logs a warning.
     - ``advertise``: the host name readers should connect to, when it differs from the bound
       address (e.g. ``tcp="tcp://0.0.0.0:5555", advertise="writer"`` in a container network).
-    - ``keys``: fixed ``CurveKeys`` (default: fresh keys for this channel).
+    - ``keys``: fixed ``CurveKeys`` (default: fresh keys for this channel). With fixed keys and a
+      fixed port in ``tcp``, the channel is the same at every run (see ``channel``): a writer
+      opened again with the same keys and endpoint accepts the handles of its earlier runs.
     - ``heartbeat_s``: remote liveness; a silent remote reader is dropped after 6 heartbeats.
     - ``tcp_window``: messages a remote reader may have in flight (its credit).
     - ``rekey_messages``, ``rekey_bytes``: remote readers' data is sealed (AES-256-GCM) under a
@@ -281,6 +329,15 @@ def open_writer(
       and a ``zero_copy`` reader's views of them stay valid for as long as they are referenced
       (docs/design.md, "The arena"). A full arena never blocks ``put``: the message is copied
       through the ring instead, and counted (``statistics().arena_fallbacks``). Reserved now.
+    - ``channel``: a name (letters, digits, ``.``, ``_``, ``-``; up to 128) that makes the channel
+      the same at every run of its writer: a writer opened again with the same name, directory
+      (and, serving TCP, the same endpoint and keys) accepts the handles of its earlier runs, over
+      shared memory and over TCP. Default: none (a channel of its own each time, unless fixed
+      keys and a fixed port make it the same, as said for ``keys``). Two writers of one channel
+      cannot be open at once: the second raises ``BroadcastError``; what a dead earlier run left
+      is taken over. Readers attached to an earlier run end with ``WriterGone`` (or
+      ``EndOfStream`` if it closed the channel) and open the handle again: a new run numbers its
+      messages anew (docs/tcp.md, "Restarts").
 
     Raises ``InvalidArgument`` (a ``ValueError``) for bad arguments, ``InsufficientSharedMemory`` when the ring does not
     fit, ``BroadcastError`` when the endpoint cannot be bound or the platform is not supported.
@@ -304,6 +361,7 @@ def open_writer(
         rekey_bytes=rekey_bytes,
         data_port=data_port,
         arena_bytes=arena_bytes,
+        channel=channel,
     )
 
     async def make() -> Writer[Any]:
@@ -368,6 +426,7 @@ class WriterOptions(TypedDict, total=False):
     rekey_bytes: int
     data_port: int
     arena_bytes: int
+    channel: str | None
 
 
 class _ServerStart:

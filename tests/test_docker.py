@@ -3,14 +3,17 @@
 1. compose.yaml follows the rules of the compose specification that the topology relies on
    (checked here rule by rule, for engines and compose versions other than the one the real run
    uses; ``docker-compose config`` also validates it when installed).
-2. The topology is the one the README promises: a writer, two readers sharing its IPC namespace
-   and /dev/shm, one remote reader in its own IPC namespace reading over TCP on the compose network
-   with CurveZMQ, the handle shared through a volume; one image, built once.
+2. The topology is the one the README promises: a writer, two readers sharing its ring through a
+   tmpfs volume (which outlives the writer's restarts), one remote reader in its own IPC namespace
+   reading over TCP on the compose network with CurveZMQ and keys that stay the same across the
+   writer's restarts, the handle shared through a volume; every reader follows the writer's
+   restarts; one image, built once.
 3. Every command the services run (and the healthcheck) exists in the CLI with exactly those
    flags, and the Dockerfile installs that CLI as the entry point from a small build context.
 4. The real run: docker-compose builds the image and starts the services on a Docker engine, and
    the test checks from outside what the README promises (namespaces, transports, the same ticks
-   everywhere, a killed reader dropped, SIGTERM and ``down -v`` ending and removing everything).
+   everywhere, a killed reader dropped, the readers re-attaching after ``docker compose restart
+   writer``, ``stop`` and ``down -v`` ending and removing everything).
    The engine comes from ../shared/tools/docker-engine.sh (beside the repository, as root); where
    none can be had the test is skipped with the reason, or fails where AIOBROADCAST_REQUIRE_DOCKER
    is set (CI sets it: there the run must happen).
@@ -224,13 +227,22 @@ class Topology:
     volume: str
 
 
+def ring_mount(writer: dict[str, Any]) -> str:
+    """The writer's volume mount (``source:target``) of its ring's directory (``--directory``)."""
+    directory = parse(cli_args(writer)).directory
+    mounts = [v for v in writer.get("volumes", []) if v.split(":")[1] == directory]
+    assert len(mounts) == 1, f"the writer's --directory {directory} must be a volume the local readers mount"
+    return str(mounts[0])
+
+
 def topology() -> Topology:
     svcs = services()
     writers = [n for n, s in svcs.items() if cli_args(s)[0] == "publish"]
     readers = [n for n, s in svcs.items() if cli_args(s)[0] == "subscribe"]
     assert len(writers) == 1 and len(readers) == 3
     writer = writers[0]
-    local = [n for n in readers if svcs[n].get("ipc") == f"service:{writer}"]
+    ring = ring_mount(svcs[writer])
+    local = [n for n in readers if ring in svcs[n].get("volumes", [])]
     remote = [n for n in readers if n not in local]
     assert len(local) == 2 and len(remote) == 1
     volume, handle_dir = svcs[writer]["volumes"][0].split(":")[:2]
@@ -243,16 +255,27 @@ def test_compose_topology_is_the_promised_one() -> None:
     t = topology()
     w = svcs[t.writer]
     w_args = parse(cli_args(w))
-    # The writer owns the IPC namespace the local readers join, with a /dev/shm big enough for the ring.
-    assert w.get("ipc") == "shareable"
+    # The ring is in a volume of its own, in memory (tmpfs), big enough for it, which the writer
+    # and the local readers mount at the same place: unlike the writer's IPC namespace and
+    # /dev/shm, it outlives the writer's restarts (a restarted container gets new ones).
+    ring_volume = ring_mount(w).split(":")[0]
+    opts = (yaml.load(COMPOSE.read_text(), Loader=_StrictLoader)["volumes"][ring_volume] or {}).get("driver_opts", {})
+    assert opts.get("type") == "tmpfs" and opts.get("device") == "tmpfs", opts
+    size = re.search(r"(?:^|,)size=(\w+)", opts.get("o", ""))
     ring = Layout(w_args.capacity, (w_args.slot_bytes + 63) // 64 * 64, w_args.max_readers + 1).size
-    assert byte_value(w["shm_size"]) >= 4 * ring
+    assert size and byte_value(size.group(1)) >= 4 * ring, opts
+    assert "uid=10001" in opts["o"], "the services' user (Dockerfile) must own the ring's directory"
     # It serves TCP on every interface of its container, and readers are told its service name.
     m = re.fullmatch(r"tcp://0\.0\.0\.0:(\d+)", w_args.tcp)
     assert m, w_args.tcp
     assert m.group(1) in [str(p) for p in w.get("expose", [])]
     assert w_args.advertise == t.writer
     assert not w_args.insecure  # CurveZMQ: the readers' keys travel in the handle file
+    # Fixed keys (made at the first start) and a fixed port: a restarted writer is the same
+    # channel. The key file (the server's secret) is in a volume that no reader mounts.
+    assert w_args.keys and w_args.make_keys
+    keys_volume = next(v.split(":")[0] for v in w["volumes"] if v.split(":")[1] == os.path.dirname(w_args.keys))
+    assert keys_volume != t.volume
     # The handle goes to the shared volume; every service mounts it at the same place.
     assert os.path.dirname(t.handle_file) == t.handle_dir
     assert f"{t.volume}:{t.handle_dir}" in w["volumes"]
@@ -265,13 +288,17 @@ def test_compose_topology_is_the_promised_one() -> None:
         assert f"{t.volume}:{t.handle_dir}:ro" in svc["volumes"]
         assert svc["depends_on"][t.writer]["condition"] == "service_healthy"
         assert args.name == name and args.wait > 0
+        assert args.follow  # a restarted writer: re-attach with the handle held
+        assert not any(v.split(":")[0] == keys_volume for v in svc["volumes"]), name
     for name in t.local:
         svc = svcs[name]
+        assert ring_mount(w) in svc["volumes"]
         assert parse(cli_args(svc)).transport in ("shm", "auto")
         assert svc.get("network_mode") == "none"  # shared memory only: no network at all
     remote = svcs[t.remote]
     assert parse(cli_args(remote)).transport == "tcp"
     assert remote.get("ipc", "private") == "private"  # its own IPC namespace and /dev/shm
+    assert not any(v.split(":")[0] == ring_volume for v in remote["volumes"])  # nor the ring's volume
     assert "network_mode" not in remote
     assert set(remote["networks"]) & set(w["networks"]), "the remote reader must reach the writer's network"
     # One image, built once (docker-compose 1.29 builds it once per service that has `build`): the
@@ -579,10 +606,16 @@ def test_compose_runs_on_a_docker_engine(tmp_path: Path, capsys: pytest.CaptureF
         assert set(c) == set(svcs)
         assert c[t.writer]["State"]["Health"]["Status"] == "healthy"
         ipc = {name: os.readlink(f"/proc/{info['State']['Pid']}/ns/ipc") for name, info in c.items()}
-        for name in t.local:  # the writer's IPC namespace, so its /dev/shm and the ring in it
-            assert ipc[name] == ipc[t.writer], name
+        ring_dir = parse(cli_args(svcs[t.writer])).directory
+
+        def ring_of(name: str) -> list[tuple[str, str]]:
+            return [(m["Type"], m["Name"]) for m in c[name]["Mounts"] if m["Destination"] == ring_dir]
+
+        assert ring_of(t.writer) and ring_of(t.writer)[0][0] == "volume"
+        for name in t.local:  # the writer's ring volume, and no network: shared memory only
+            assert ring_of(name) == ring_of(t.writer), name
             assert c[name]["HostConfig"]["NetworkMode"] == "none"
-        assert ipc[t.remote] != ipc[t.writer]
+        assert ipc[t.remote] != ipc[t.writer] and not ring_of(t.remote)
         readers = [*t.local, t.remote]
 
         def got(n: int) -> dict[str, tuple[list[str], list[str]]] | None:
@@ -635,9 +668,27 @@ def test_compose_runs_on_a_docker_engine(tmp_path: Path, capsys: pytest.CaptureF
             60,
         )
 
-        # SIGTERM to the writer (what `docker compose stop` sends it) closes the channel: every
-        # reader drains and exits 0, the writer too; `down -v` then removes everything.
-        d.docker("kill", "-s", "TERM", c[t.writer]["Id"])
+        # `docker compose restart writer`: SIGTERM closes the channel (every reader drains), and
+        # the writer starts again with the same keys and port, so it is the same channel: the
+        # readers (--follow) re-attach with the handle they hold and print the new run's ticks.
+        restarted_at = time.time()
+        d.compose("restart", "writer")
+        reattached = "writer restarted; re-attached"
+
+        def new_run(name: str) -> bool:
+            out, err = d.logs(c[name])
+            return any(reattached in e for e in err) and any(json.loads(o)["time"] > restarted_at for o in out)
+
+        _until("every reader re-attaches and reads the new run", lambda: all(map(new_run, readers)), 60)
+        for name in readers:
+            err = d.logs(c[name])[1]
+            assert any("the writer closed the channel" in e for e in err), err
+            assert any(re.search(rf"{name}: {reattached}, .*; messages missed: unknown$", e) for e in err), err
+        assert any(f"remote, over TCP tcp://{t.writer}:" in e for e in d.logs(c[t.remote])[1] if reattached in e)
+
+        # `docker compose stop` (SIGTERM to each, the readers first): every reader stops and exits
+        # 0, the writer closes the channel and exits 0; `down -v` then removes everything.
+        d.compose("stop")
         c = _until(
             "every container exits",
             lambda: (x := d.containers()) and not any(i["State"]["Running"] for i in x.values()) and x,

@@ -316,19 +316,20 @@ async def test_a_reader_admitted_before_a_rekey_keeps_reading_after() -> None:
         assert reader.statistics().rejected_frames == 0
 
 
-@pytest.mark.parametrize("same_keys", [False, True], ids=["new-keys", "same-keys"])
+@pytest.mark.parametrize("same_keys", [False, True], ids=["new-keys", "same-keys-other-name"])
 @ON_ASYNCIO
 async def test_the_old_handle_of_a_restarted_writer_is_refused(same_keys: bool) -> None:
     """A writer stops and another starts at the same endpoint. With new keys (the default) the
-    old handle fails the CurveZMQ handshake; with the same keys (CurveKeys kept in a file) it
-    passes it, and the server refuses the handle of another channel by name."""
+    old handle fails the CurveZMQ handshake; with the same keys (CurveKeys kept in a file) but
+    another channel name it passes it, and the server refuses the handle of another channel by
+    name (tests/test_restart.py: with the same name too, the old handle is accepted)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         endpoint = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     keys = ab.CurveKeys.generate()
     async with tcp_writer(tcp=endpoint, keys=keys) as first:
         old = first.handle
-    async with tcp_writer(tcp=endpoint, keys=keys if same_keys else None) as second:
+    async with tcp_writer(tcp=endpoint, keys=keys if same_keys else None, channel="another") as second:
         assert second.handle.tcp == old.tcp
         match = "another channel" if same_keys else "refused this reader's keys"
         with pytest.raises(ab.TransportError, match=match):

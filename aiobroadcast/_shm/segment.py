@@ -380,6 +380,43 @@ def sweep_stale(directory: str) -> list[str]:
     return removed
 
 
+def take_over_dead(directory: str, token: str) -> None:
+    """Before a writer with a fixed channel id (``open_writer(channel=...)``, or fixed keys and
+    endpoint) creates its segment: remove what an earlier run of the channel left at that path
+    if its writer is dead (the segment, its sockets, report and arena). Readers still attached
+    to it keep their mapping, and see the writer gone. ``BroadcastError`` if a live writer holds
+    it (two writers of one channel cannot be open at once), or the path is not this user's
+    regular file (``/dev/shm`` is writable by everyone: a file there is never trusted)."""
+    name = f"aiobroadcast-{token}"
+    path = os.path.join(directory, name)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise os_error(BroadcastError, f"cannot create the channel's segment: {path} is in the way", exc) from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            raise BroadcastError(
+                f"cannot create the channel's segment: {path} is in the way (not a regular file of this user)"
+            )
+        if is_locked(fd, WRITER_LOCK_BYTE):
+            head = os.pread(fd, 8 * (W_WRITER_PID + 1), 0)
+            pid = int.from_bytes(head[8 * W_WRITER_PID : 8 * W_WRITER_PID + 8], "little")
+            raise BroadcastError(
+                f"this channel is open already: its writer (pid {pid}) holds {path}; close that writer "
+                "first, or give this one another channel name"
+            )
+        for extra in os.listdir(directory):
+            m = _ORPHAN_RE.match(extra)
+            if m is not None and m.group(1) == name:
+                unlink_quietly(os.path.join(directory, extra))
+        unlink_quietly(path)
+    finally:
+        os.close(fd)
+
+
 def _kept_for_a_reader(fd: int) -> bool:
     """Whether a reader place of the segment is reserved for a live process that has not taken it
     yet: active, never occupied (generation 0), its pid alive. A fan-in sender reserves its

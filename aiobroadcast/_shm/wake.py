@@ -62,6 +62,9 @@ class Inbox:
                 pass
             self.sock.bind(path)
             os.chmod(path, 0o600)
+            st = os.stat(path)
+            #: the socket file this inbox bound: ``close`` removes it only if the path is still it
+            self._file = (st.st_dev, st.st_ino)
             if watch is not None:
                 self._epoll = select.epoll()
                 self._epoll.register(self.sock.fileno(), select.EPOLLIN)
@@ -153,8 +156,13 @@ class Inbox:
             os.close(self.watch)
             self.watch = None
         self.sock.close()
+        # Only our own file: a channel whose id is the same at every run (docs/tcp.md,
+        # "Restarts") has the same socket paths, and a reader of a dead run that closes late
+        # would otherwise remove the socket a reader of the new run bound at its place since.
         try:
-            os.unlink(self.path)
+            st = os.stat(self.path)
+            if (st.st_dev, st.st_ino) == self._file:
+                os.unlink(self.path)
         except FileNotFoundError:
             pass
 

@@ -859,7 +859,7 @@ class TcpSource:
             raise TransportError(item.reason) from item.cause
         if item.how == "closed":
             raise EndOfStream
-        raise WriterGone(self._handle.writer_pid)
+        raise WriterGone(self._handle.writer_pid, restarted=item.how == "restarted")
 
     def _consume(self, seq: int, nbytes: int) -> None:
         with self._lock:

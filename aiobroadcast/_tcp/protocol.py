@@ -513,9 +513,10 @@ class Lagged:
 @dataclass(frozen=True, slots=True)
 class Ended:
     """The stream ended: the writer ``closed`` it, is ``gone`` (it died; the server said so),
-    or the server fell ``silent`` for longer than the reader waits."""
+    the server fell ``silent`` for longer than the reader waits, or the writer ``restarted`` (a
+    new run of it serves the channel now, its messages numbered anew)."""
 
-    how: Literal["closed", "gone", "silent"]
+    how: Literal["closed", "gone", "silent", "restarted"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -589,6 +590,9 @@ class ClientProtocol:
         self.welcomed = False
         #: the next message expected (-1 before WELCOME)
         self.next = -1
+        #: the writer's run that welcomed this reader (None before WELCOME, or from a server that
+        #: does not say): named in the HELLOs that resume, and compared with later WELCOMEs
+        self.run: str | None = None
         #: what the server said it has (its heartbeats)
         self.server_end = 0
         self._out: list[list[Any]] = []
@@ -618,6 +622,8 @@ class ClientProtocol:
             "resume": resume,
             "channel": self._channel,
         }
+        if self.run is not None:
+            hello["run"] = self.run
         self._send([wire.HELLO, wire.encode_json(hello)])
 
     @property
@@ -656,6 +662,11 @@ class ClientProtocol:
             return None
         if kind == wire.REFUSED:
             return Refused(bytes(frames[1]).decode("utf-8", "replace"), self.welcomed)
+        if kind == wire.RESTARTED:
+            check_arity(frames, 0)
+            if not self.welcomed or self.run is None:
+                raise wire.FrameError("RESTARTED before a run was named")
+            return Ended("restarted")
         raise wire.FrameError(f"unknown frame kind {bytes(kind[:8])!r}")
 
     def _on_welcome(self, welcome: dict[str, Any]) -> ClientEvent | None:
@@ -668,6 +679,13 @@ class ClientProtocol:
         data_port = int(welcome["data_port"])
         if not 0 < data_port < 65536:
             raise wire.FrameError(f"data port {data_port}")
+        run = welcome.get("run")
+        if run is not None and not (isinstance(run, str) and 0 < len(run) <= wire.MAX_RUN):
+            raise wire.FrameError("run")
+        if self.welcomed and run != self.run:
+            # Welcomed by another run of the writer (a server that does not know our run, or
+            # one that did not check it): this reader's stream ended with its run.
+            return Ended("restarted")
         self._install_keys(keys)
         token = welcome.get("data_token")
         if token is not None and not (isinstance(token, str) and 0 < len(token) <= wire.MAX_DATA_TOKEN):
@@ -677,6 +695,7 @@ class ClientProtocol:
         if self.welcomed:
             return None  # a repeated WELCOME (our HELLO went twice): the place stays ours
         self.welcomed = True
+        self.run = run
         self.next = start
         return Welcomed(start)
 

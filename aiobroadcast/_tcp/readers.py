@@ -129,6 +129,9 @@ class ServerConfig:
     max_remote: int
     #: the channel id (the handle's token): a HELLO that names another channel is refused
     channel: str | None = None
+    #: the writer's run (``ServerSettings.run``), for WELCOME: a returning reader that names
+    #: another run is told its stream ended (``RESTARTED``)
+    run: str | None = None
     #: the port of the data socket, for WELCOME
     data_port: int = 0
     #: the password of the data socket's PLAIN handshake (hex), for WELCOME: a peer without it
@@ -270,9 +273,23 @@ class Readers:
             self.send(ident, [wire.REFUSED, b"protocol version mismatch"])
             return None
         if hello.channel is not None and self._cfg.channel is not None and hello.channel != self._cfg.channel:
-            # Same endpoint and keys (fixed CurveKeys), but the handle of another writer: its
-            # frames would never open here (the channel id is in every seal).
-            self.send(ident, [wire.REFUSED, b"this handle is of another channel (an earlier writer at this endpoint)"])
+            # Same endpoint and keys (fixed CurveKeys), but the handle of another channel (another
+            # channel name, or a writer that drew its channel id at random): its frames would
+            # never open here (the channel id is in every seal).
+            self.send(
+                ident,
+                [
+                    wire.REFUSED,
+                    b"this handle is of another channel than the one served at this endpoint "
+                    b"(another channel name, or an earlier writer here without a channel name or fixed keys)",
+                ],
+            )
+            return None
+        if hello.run is not None and self._cfg.run is not None and hello.run != self._cfg.run:
+            # The same channel (a writer restarted with the same keys and endpoint), but another
+            # run: the stream this reader was reading ended with the run, and this one's messages
+            # are numbered anew. It is told so (WriterGone), and may open the handle again.
+            self.send(ident, [wire.RESTARTED])
             return None
         if client is not None and now - client.resent_at < self._cfg.hb_interval:
             return None  # it said HELLO a moment ago; it says it again if the WELCOME is lost
@@ -312,6 +329,8 @@ class Readers:
         }
         if self._cfg.data_token is not None:
             welcome["data_token"] = self._cfg.data_token
+        if self._cfg.run is not None:
+            welcome["run"] = self._cfg.run
         self.send(ident, [wire.WELCOME, wire.encode_json(welcome)])
         return Admitted(ident, info)
 

@@ -194,6 +194,7 @@ class TcpServer:
             hb_timeout=settings.hb_timeout,
             max_remote=settings.max_remote,
             channel=handle.token,
+            run=settings.run,
             data_port=self.data_port,
             data_token=self.data_token,
             buffer_bytes=buffer_bytes,

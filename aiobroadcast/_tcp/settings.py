@@ -76,6 +76,11 @@ class ServerSettings(BaseModel):
     #: the data socket's PLAIN password: kept for the servers started again, so a reader's data
     #: connection, which reconnects by itself, gets in at once
     data_token: str = Field(default_factory=lambda: secrets.token_hex(16), repr=False)
+    #: this run of the writer (drawn once per ``open_writer``, kept for the servers started again):
+    #: readers learn it in WELCOME and name it when they come back, so a writer restarted with
+    #: the same channel id (fixed keys and endpoint, or a channel name), whose messages are
+    #: numbered anew, ends their stream instead of resuming it (docs/tcp.md, "Restarts")
+    run: str = Field(default_factory=lambda: secrets.token_hex(8))
     #: the report file (``report.report_path``)
     report_path: str
     #: a server started again: the pid of the one that died, whose ring place it takes over

@@ -30,12 +30,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 PROTOCOL_VERSION = 5
 
 # reader -> server
-HELLO = b"H"  # json {version, name, pid, host (optional), window, resume, channel}
+HELLO = b"H"  # json {version, name, pid, host (optional), window, resume, channel, run}
 ACK = b"A"  # u64 next seq wanted (everything before it consumed); also the heartbeat
 NACK = b"N"  # u64 next seq wanted: resend from there
 BYE = b"B"
 # server -> reader, on the control connection
-WELCOME = b"W"  # json {start, policy, hb_interval, hb_timeout, window, data_port, keys (hex)}
+WELCOME = b"W"  # json {start, policy, hb_interval, hb_timeout, window, data_port, keys (hex), run}
 KEYS = b"K"  # the keys message of _seal.py (after a rekey)
 HEARTBEAT = b"P"  # u64 end (next seq the server will have), u64 closed
 # server -> reader, on the data connection
@@ -45,6 +45,7 @@ END = b"E"  # sealed: u64 final seq, then the reason
 # server -> reader, on the control connection again
 UNKNOWN = b"U"  # "who are you?": the server dropped this reader; say HELLO again
 REFUSED = b"R"  # reason
+RESTARTED = b"G"  # "gone": the HELLO names an earlier run of this channel's writer; that stream ended
 
 U64 = struct.Struct("<Q")
 U64x2 = struct.Struct("<QQ")
@@ -60,6 +61,8 @@ DEFAULT_MAX_FRAME = 1 << 31
 MAX_CONTROL_FRAME = 4 * 1024
 #: the longest data-connection password a WELCOME may name (the server's are 32 hex digits)
 MAX_DATA_TOKEN = 128
+#: the longest run id a WELCOME or HELLO may name (the server's are 16 hex digits)
+MAX_RUN = 64
 #: the user name of the PLAIN handshakes (the data connection; the control connection under
 #: insecure=True): the password is what admits
 PLAIN_USER = b"aiobroadcast"
@@ -142,6 +145,10 @@ class Hello(BaseModel):
     #: the channel id (token) of the reader's handle: a handle of an earlier writer at the same
     #: endpoint, with the same keys, is refused by name instead of failing to open every frame
     channel: Annotated[str, Field(max_length=256)] | None = None
+    #: the writer's run that admitted this reader before (WELCOME's ``run``), on a HELLO that
+    #: resumes: a writer restarted with the same channel id has another run, and numbers its
+    #: messages anew, so the reader's stream has ended (``RESTARTED``) instead of resuming
+    run: Annotated[str, Field(max_length=MAX_RUN)] | None = None
 
 
 def decode_hello(raw: bytes) -> Hello:

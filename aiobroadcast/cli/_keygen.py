@@ -3,7 +3,8 @@
 Without keys, every ``open_writer(tcp=...)`` makes fresh ones and puts the readers' share in the
 handle (saved with mode 0600), so handing out the handle file is handing out the keys. A key
 file gives the same keys across writer restarts: ``aiobroadcast publish --keys FILE`` (or
-``open_writer(keys=CurveKeys.load(FILE))``). The file is ``CurveKeys`` as JSON, mode 0600.
+``open_writer(keys=CurveKeys.load(FILE))``); with a fixed port the restarted writer is the same
+channel, and accepts the handles of its earlier runs. The file is ``CurveKeys`` as JSON, mode 0600.
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ def register(sub: Any) -> None:
             "Generate CurveZMQ keys: the writer's pair (server_public, server_secret) and the pair every "
             "reader presents (client_public, client_secret), Z85-encoded, as the JSON of aiobroadcast.CurveKeys. "
             "With --out FILE they are written with mode 0600 (an existing FILE only with --force); otherwise "
-            "printed. 'aiobroadcast publish --tcp ... --keys FILE' then serves with these keys at every start, "
-            "so its handle (which carries the readers' pair) stays valid across restarts. Without --keys the "
-            "writer makes fresh keys each time and the handle file alone is enough for remote readers."
+            "printed. 'aiobroadcast publish --tcp tcp://HOST:PORT --keys FILE' (a fixed PORT) then serves with these "
+            "keys at every start and is the same channel each time, so its handle (which carries the readers' pair) "
+            "stays valid across restarts: readers attached to the old run end, and 'subscribe --follow' "
+            "re-attaches. Without --keys the writer makes fresh keys each time and the handle file alone is "
+            "enough for remote readers."
         ),
         formatter_class=HelpFormatter,
     )

@@ -25,7 +25,7 @@ from .._exceptions import (
     WriterGone,
     plural,
 )
-from .._handle import Handle
+from .._handle import CurveKeys, Handle
 from .._open import open_reader, open_writer
 from .._reader import Reader
 from .._writer import Writer
@@ -84,6 +84,12 @@ def _register_publish(sub: Any) -> None:
     p.add_argument("--slot-bytes", type=int, default=1 << 16, help="bytes per slot (larger messages take several)")
     p.add_argument("--max-readers", type=int, default=16, help="readers that may attach at once (each transport)")
     p.add_argument(
+        "--directory",
+        default="/dev/shm",
+        metavar="DIR",
+        help="where the ring's file goes: a tmpfs (shared memory) that the readers on this host see at the same path",
+    )
+    p.add_argument(
         "--policy",
         choices=("block", "lag"),
         default="block",
@@ -107,8 +113,23 @@ def _register_publish(sub: Any) -> None:
         "--keys",
         default=None,
         metavar="FILE",
-        help="serve with these CurveZMQ keys (from 'aiobroadcast keygen --out FILE') instead of fresh ones, "
-        "so that readers' handles stay valid across restarts",
+        help="serve with these CurveZMQ keys (from 'aiobroadcast keygen --out FILE') instead of fresh ones: "
+        "with a fixed port in --tcp, the channel is the same at every start, so readers' handles stay valid "
+        "across restarts (readers attached to the old run end; 'subscribe --follow' re-attaches)",
+    )
+    p.add_argument(
+        "--make-keys",
+        action="store_true",
+        help="with --keys FILE: if FILE does not exist, make fresh keys and save them there (mode 0600) first, "
+        "so that this start and the later ones serve with the same keys (a service's first start)",
+    )
+    p.add_argument(
+        "--channel",
+        default=None,
+        metavar="NAME",
+        help="a name that makes the channel the same at every start of this command (same NAME, and with "
+        "--tcp the same endpoint and --keys): handles saved by earlier runs open readers on this one, over "
+        "shared memory too (default: a new channel each start, unless --keys and a fixed port)",
     )
     p.add_argument(
         "--insecure",
@@ -131,12 +152,21 @@ def _run_publish(args: argparse.Namespace) -> int:
     if (args.insecure or args.keys) and args.tcp is None:
         error("--insecure and --keys need --tcp")
         return EXIT_USAGE
+    if args.make_keys and not args.keys:
+        error("--make-keys needs --keys FILE (where to keep the keys)")
+        return EXIT_USAGE
     if args.insecure and args.keys:
         error("--insecure sends no CurveZMQ at all: drop --keys or --insecure")
         return EXIT_USAGE
     if args.advertise is not None and not _HOST.fullmatch(args.advertise):
         error(f"--advertise takes a host name or address, without scheme or port, not {args.advertise!r}")
         return EXIT_USAGE
+    if args.make_keys and not os.path.lexists(args.keys):
+        try:
+            _make_keys(args.keys)
+        except UsageError as exc:
+            error(str(exc))
+            return EXIT_USAGE
     return run_async(lambda: _publish(args))
 
 
@@ -153,10 +183,12 @@ async def _publish(args: argparse.Namespace) -> int:
             max_readers=args.max_readers,
             policy=args.policy,
             codec="json",
+            directory=args.directory,
             tcp=args.tcp,
             insecure=args.insecure,
             advertise=args.advertise,
             keys=keys,
+            channel=args.channel,
         )
     except ValueError as exc:
         fail(str(exc))
@@ -190,6 +222,15 @@ async def _publish(args: argparse.Namespace) -> int:
     attached = f"{plural(readers, 'reader')} {'was' if readers == 1 else 'were'} attached at the end"
     _status(f"published {plural(sent, 'message')}; {attached}; channel closed")
     return stop.exit_code if stop.exit_code is not None else EXIT_OK
+
+
+def _make_keys(path: str) -> None:
+    """``--make-keys``: the first start of a service makes the keys its later starts use."""
+    try:
+        CurveKeys.generate().save(path)
+    except OSError as exc:
+        fail(f"cannot write the key file {path!r}: {exc.strerror or exc}")
+    _status(f"made fresh CurveZMQ keys in {path} (mode 0600); later starts with --keys {path} use them")
 
 
 def _attached(writer: Writer[Any]) -> list[Any]:
@@ -281,9 +322,11 @@ async def _publish_stdin(writer: Writer[Any], as_json: bool, count: int) -> None
 
 
 def _remove_if_ours(path: str, handle: Handle) -> None:
-    """Remove the handle file at exit, unless another writer has replaced it meanwhile."""
+    """Remove the handle file at exit, unless another writer has replaced it meanwhile (a
+    restarted writer of the same channel has the same name, in another process)."""
     try:
-        if load_handle(path).name == handle.name:
+        saved = load_handle(path)
+        if (saved.name, saved.writer_pid) == (handle.name, handle.writer_pid):
             os.unlink(path)
     except (UsageError, OSError):
         pass
@@ -303,9 +346,12 @@ def _register_subscribe(sub: Any) -> None:
             "one line each: strings as they are, anything else as JSON. Over shared memory when the "
             "writer's ring is reachable from here, else over the writer's TCP endpoint (--transport "
             "chooses). Ends when the writer closes the channel, after --count messages, or on "
-            "SIGTERM/Ctrl-C; a summary goes to stderr. Exit codes: 0 done (also after SIGTERM), "
-            "1 the writer died or the channel closed before --count, 2 usage error (missing or bad "
-            "handle file, writer unreachable), 130 Ctrl-C."
+            "SIGTERM/Ctrl-C; a summary goes to stderr. With --follow, a writer that closes or dies does not "
+            "end it: it waits for the writer to start again and re-attaches with the same handle (a writer "
+            "started again with the same 'publish --channel', or the same --keys and --tcp port, accepts it), "
+            "saying on stderr that it did and how many messages it may have missed. Exit codes: 0 done (also "
+            "after SIGTERM), 1 the writer died or the channel closed before --count, 2 usage error (missing or "
+            "bad handle file, writer unreachable), 130 Ctrl-C."
         ),
         formatter_class=HelpFormatter,
     )
@@ -328,6 +374,12 @@ def _register_subscribe(sub: Any) -> None:
     )
     p.add_argument("--connect-timeout", type=float, default=10.0, help="seconds to wait for a TCP writer's answer")
     p.add_argument("--no-pickle", action="store_true", help="refuse a channel that sends pickle (JSON channels only)")
+    p.add_argument(
+        "--follow",
+        action="store_true",
+        help="when the writer closes the channel or dies, wait for it to start again and re-attach with the "
+        "same handle (until --count, SIGTERM or Ctrl-C)",
+    )
     p.set_defaults(func=_run_subscribe)
 
 
@@ -370,47 +422,95 @@ async def _open_with_retry(args: argparse.Namespace, name: str) -> Reader[Any]:
 
 async def _subscribe(args: argparse.Namespace) -> int:
     name = args.name or f"subscribe-{os.getpid()}"
-    received = missed = bad = 0
+    tally = _Tally()
     code = EXIT_OK
     async with stop_on_signals() as stop:
         reader = await _open_with_retry(args, name)
-        async with reader:
-            st = reader.statistics()
-            how = (
-                f"remote, over TCP {reader.handle.tcp}"
-                if st.place < 0
-                else f"local, over shared memory (place {st.place})"
-            )
-            _status(f"{name}: attached to {reader.handle.name}, {how}")
-            out = sys.stdout
-            while not args.count or received < args.count:
-                try:
-                    obj = await reader.get()
-                except ReaderLagged as exc:
-                    missed += exc.missed
-                    _status(f"{name}: missed {plural(exc.missed, 'message')} (the writer overwrote them: policy lag)")
-                    continue
-                except DeserializationError as exc:
-                    bad += 1
-                    _status(f"{name}: {exc}")
-                    continue
-                except EndOfStream:
-                    if args.count:
-                        error(f"the channel closed after {received} of the {plural(args.count, 'message')} asked for")
-                        code = EXIT_FAILED
-                    break
-                except WriterGone as exc:
-                    error(f"{exc} (received {received})")
-                    code = EXIT_FAILED
-                    break
-                received += 1
-                if not args.quiet:
-                    out.write(_format(obj) + "\n")
-                    out.flush()
-    extra = f", missed {missed}" if missed else ""
-    extra += f", {bad} could not be decoded" if bad else ""
-    _status(f"{name}: received {plural(received, 'message')}{extra}")
+        handle = reader.handle
+        _status(f"{name}: attached to {handle.name}, {_how(reader)}")
+        while True:
+            async with reader:
+                ended = await _read(reader, args, name, tally)
+            if ended == "count":
+                break
+            if not args.follow:
+                code = EXIT_FAILED if args.count or ended == "gone" else EXIT_OK
+                break
+            reader = await _reattach(args, name, handle)
+            # What the old run had not delivered here (if it died) and what the new one published
+            # before this reader attached (it starts with the next message) are not known here.
+            _status(f"{name}: writer restarted; re-attached, {_how(reader)}; messages missed: unknown")
+    extra = f", missed {tally.missed}" if tally.missed else ""
+    extra += f", {tally.bad} could not be decoded" if tally.bad else ""
+    _status(f"{name}: received {plural(tally.received, 'message')}{extra}")
     return stop.exit_code if stop.exit_code is not None else code
+
+
+class _Tally:
+    """What ``subscribe`` counted, over every run it followed."""
+
+    def __init__(self) -> None:
+        self.received = self.missed = self.bad = 0
+
+
+def _how(reader: Reader[Any]) -> str:
+    st = reader.statistics()
+    return f"remote, over TCP {reader.handle.tcp}" if st.place < 0 else f"local, over shared memory (place {st.place})"
+
+
+async def _read(reader: Reader[Any], args: argparse.Namespace, name: str, tally: _Tally) -> str:
+    """Print what arrives until ``--count`` ("count"), the channel closes ("closed") or the
+    writer is gone ("gone"), saying so on stderr."""
+    out = sys.stdout
+    while not args.count or tally.received < args.count:
+        try:
+            obj = await reader.get()
+        except ReaderLagged as exc:
+            tally.missed += exc.missed
+            _status(f"{name}: missed {plural(exc.missed, 'message')} (the writer overwrote them: policy lag)")
+            continue
+        except DeserializationError as exc:
+            tally.bad += 1
+            _status(f"{name}: {exc}")
+            continue
+        except EndOfStream:
+            if args.follow:
+                _status(f"{name}: the writer closed the channel; waiting for it to start again (--follow)")
+            elif args.count:
+                error(f"the channel closed after {tally.received} of the {plural(args.count, 'message')} asked for")
+            return "closed"
+        except WriterGone as exc:
+            if args.follow:
+                _status(f"{name}: {exc}; waiting for it to start again (--follow)")
+            else:
+                error(f"{exc} (received {tally.received})")
+            return "gone"
+        tally.received += 1
+        if not args.quiet:
+            out.write(_format(obj) + "\n")
+            out.flush()
+    return "count"
+
+
+async def _reattach(args: argparse.Namespace, name: str, handle: Handle) -> Reader[Any]:
+    """``--follow``: open a reader on ``handle`` again, as soon as a writer of its channel
+    accepts it (the segment is back, or the server answers); each new reason it is not yet
+    accepted is said once on stderr."""
+    said = ""
+    while True:
+        try:
+            return await open_reader(
+                handle,
+                name=name,
+                transport=args.transport,
+                trust_pickle=not args.no_pickle,
+                connect_timeout=args.connect_timeout,
+            )
+        except (InvalidHandle, TransportError) as exc:
+            if str(exc) != said:
+                said = str(exc)
+                _status(f"{name}: not re-attached yet: {said}")
+        await anyio.sleep(0.2)
 
 
 def _format(obj: Any) -> str:

@@ -50,7 +50,7 @@ from typing import Any, Generic, Self, TypeVar, Unpack, final, overload
 
 from pydantic import BaseModel
 
-from . import _tuning
+from . import _fork, _tuning
 from ._channel import WriterChannel
 from ._codec import decode_pickle_view
 from ._exceptions import ClosedResourceError, EndOfStream, WouldBlock
@@ -122,6 +122,7 @@ class _Closable(ABC):
 
 # --- the writer --------------------------------------------------------------------------------
 @final
+@_fork.role("writer")
 class BlockingWriter(_Closable, Generic[T_contra]):
     """The sending end of a channel, for code without an event loop. Built by
     ``aiobroadcast.blocking.open_writer``; has no ``get``. Thread-safe (see the module)."""
@@ -259,6 +260,7 @@ _Source = Source
 
 
 @final
+@_fork.role("reader")
 class BlockingReader(_Closable, Generic[T_co]):
     """The receiving end of a channel, for code without an event loop. Built by
     ``aiobroadcast.blocking.open_reader``; has no ``put``. Thread-safe (see the module)."""

@@ -95,7 +95,14 @@ def role(
             made[name] = _does_nothing(is_async) if nothing else _refuses(is_async)
         made["__repr__"] = _repr
         made["_fork_refusal"] = _refusal_of(kind, fix)
-        _inherited[cls] = type(cls)(f"Inherited{cls.__name__}", (cls,), made)
+        _inherited[cls] = inherited = type(cls)(f"Inherited{cls.__name__}", (cls,), made)
+        # A bound method taken before the fork runs the role class's own function, not the
+        # inherited one's: ``atexit.register(writer.close)``, ``ExitStack.callback``. The ending
+        # methods (never on a hot path) look at the class they run for.
+        for name in ending:
+            end = inspect.getattr_static(cls, name, None)
+            if end is not None and callable(end):
+                type.__setattr__(cls, name, _ends_here_only(end, inherited))
         init = vars(cls)["__init__"]  # every role class has its own
 
         @functools.wraps(init)
@@ -128,6 +135,27 @@ def _does_nothing(is_async: bool) -> Callable[..., Any]:
         return None
 
     return nothing
+
+
+def _ends_here_only(end: Callable[..., Any], inherited: type) -> Callable[..., Any]:
+    """``end`` (a role's ``close``), doing nothing for a role made an inherited one by a fork."""
+    if inspect.iscoroutinefunction(end):
+
+        @functools.wraps(end)
+        async def end_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if type(self) is inherited:
+                return None
+            return await end(self, *args, **kwargs)
+
+        return end_async
+
+    @functools.wraps(end)
+    def end_sync(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if type(self) is inherited:
+            return None
+        return end(self, *args, **kwargs)
+
+    return end_sync
 
 
 def _refuses(is_async: bool) -> Callable[..., Any]:

@@ -76,6 +76,11 @@ class Family:
     uses: dict[str, dict[str, Callable[[Any], Any]]]
     closes: dict[str, dict[str, Callable[[Any], Any]]]
     answers: dict[str, dict[str, Callable[[Any], Any]]]
+    #: per role, its close (aclose) as a bound method taken before any fork, as
+    #: ``atexit.register(writer.close)`` takes it
+    bound: dict[str, Callable[[], Any]]
+    #: per role, some of its uses as bound methods taken before any fork
+    bound_uses: dict[str, dict[str, Callable[[], Any]]]
     directory: str = "/dev/shm"
 
     def round_trip(self, i: int) -> None:
@@ -364,7 +369,8 @@ def in_child(family: Family, role: str, op: str) -> dict[str, str]:
         for name in list(vars(family)):
             if getattr(family, name) is family.roles[role]:
                 delattr(family, name)
-        del family.roles[role], family.uses[role], family.closes[role], family.answers[role]
+        del family.roles[role], family.uses[role], family.closes[role], family.answers[role], family.bound[role]
+        family.bound_uses.pop(role, None)
         gc.collect()
         return {"gc": "ok"}
     calls = {"close": family.closes, "use": family.uses, "answers": family.answers}.get(op)
@@ -372,7 +378,13 @@ def in_child(family: Family, role: str, op: str) -> dict[str, str]:
         assert op == "statistics", op
         calls = {role: {"statistics": lambda r: r.statistics()}}
     obj = family.roles[role]
-    return {what: outcome(functools.partial(call, obj)) for what, call in calls[role].items()}
+    seen = {what: outcome(functools.partial(call, obj)) for what, call in calls[role].items()}
+    if op == "close":
+        seen["bound before the fork"] = outcome(family.bound[role])
+    for what, call in family.bound_uses.get(role, {}).items():
+        if (what == "statistics") == (op == "statistics") and op in ("use", "statistics"):
+            seen[f"{what}, bound before the fork"] = outcome(call)
+    return seen
 
 
 # --- what the parent checks it still has --------------------------------------------------------
@@ -431,6 +443,18 @@ def say(obj: object) -> None:
 
 # --- the parent's loop: at the top of the script, so a child's sys.exit ends the interpreter ---
 family: Family = FAMILIES[sys.argv[1]](sys.argv[2], cast(Transport, sys.argv[3]))
+family.bound = {name: getattr(obj, "aclose", None) or obj.close for name, obj in family.roles.items()}
+#: Not for a pool's roles: a caller's statistics() taken so reads only its own in-process counts,
+#: and a blocking worker's serve() taken so returns 0 at once (its reader refuses).
+family.bound_uses = {
+    name: {
+        what: functools.partial(getattr(obj, what), *(["x"] if what.startswith("put") else []))
+        for what in ("put_nowait", "get_nowait", "dequeue", "statistics")
+        if hasattr(obj, what)
+    }
+    for name, obj in family.roles.items()
+    if sys.argv[1] != "calls"
+}
 family.round_trip(0)
 say({"ready": os.getpid(), "roles": sorted(family.roles)})
 for n, line in enumerate(sys.stdin, 1):

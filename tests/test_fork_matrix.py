@@ -174,3 +174,86 @@ def test_an_inherited_role_does_nothing_on_close_and_refuses_every_use(
     if setup[2] == "tcp":
         assert got["before"]["servers"], "the parent serves TCP: the check sees its server"
     assert got["round_trip"] == "ok", got["round_trip"]
+
+
+def test_an_inherited_role_takes_no_lock_a_parent_thread_held_at_the_fork() -> None:
+    """A process forks while its threads wait inside its roles: one in a blocking reader's
+    ``get`` (holding the reader's sleeping place), one in a blocking writer's ``put`` on a full
+    ring (holding the writer's lock). The child has no such threads, but its copies of their
+    locks are held: closing either role, using it, and its ``statistics()``, return at once in
+    the child (an alarm ends a child that hangs). The parent's threads go on: the reader gets what
+    the parent publishes next, the writer's put completes once the reader drains the ring."""
+    proc = subprocess.run(
+        [sys.executable, "-c", THREADS_AT_THE_FORK], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    child, parent = (json.loads(line) for line in proc.stdout.splitlines())
+    assert child["exitcode"] == 0 and child["stderr"] == "", child
+    for what in ("reader.close", "writer.close", "full.close"):
+        assert child["seen"][what] == "ok", (what, child["seen"])
+    for what in ("reader.get_nowait", "reader.statistics", "writer.put_nowait", "full.put_nowait", "full.statistics"):
+        assert child["seen"][what].startswith("ClosedResourceError: this "), (what, child["seen"])
+    assert parent == {"got": ["after the fork"], "put": "done", "drained": 9}
+
+
+#: Run in a fresh interpreter: two threads parked in blocking roles while the main thread forks.
+THREADS_AT_THE_FORK = r"""
+import json, os, signal, sys, threading, time
+from aiobroadcast import blocking
+
+writer = blocking.open_writer(capacity=8, slot_bytes=256)
+reader = blocking.open_reader(writer.handle, name="asleep")
+full = blocking.open_writer(capacity=8, slot_bytes=256)  # a ring its reader lets fill up
+slow = blocking.open_reader(full.handle, name="slow")
+for i in range(8):
+    full.put(i)
+got, put = [], []
+getter = threading.Thread(target=lambda: got.append(reader.get(timeout=60)))
+putter = threading.Thread(target=lambda: (full.put(8, timeout=60), put.append("done")))
+getter.start()
+putter.start()
+while not (reader.statistics().tasks_waiting and full.statistics().waiting_for):
+    time.sleep(0.01)  # both threads are parked inside their roles, holding their locks
+
+err = "/tmp/threads-at-the-fork-%d.err" % os.getpid()
+sys.stdout.flush()
+pid = os.fork()
+if pid == 0:
+    fd = os.open(err, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(fd, 2)
+    signal.alarm(20)  # a child that hangs on a lock dies of it
+    seen = {}
+    for what, call in [
+        ("reader.close", reader.close), ("reader.get_nowait", reader.get_nowait),
+        ("reader.statistics", reader.statistics), ("writer.close", writer.close),
+        ("writer.put_nowait", lambda: writer.put_nowait("x")), ("full.put_nowait", lambda: full.put_nowait("x")),
+        ("full.statistics", full.statistics), ("full.close", full.close),
+    ]:
+        try:
+            call()
+            seen[what] = "ok"
+        except BaseException as exc:
+            seen[what] = f"{type(exc).__name__}: {exc}"
+    with open(err + ".json", "w") as f:
+        json.dump(seen, f)
+    sys.exit(0)
+code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+with open(err) as f:
+    stderr = f.read()
+try:
+    with open(err + ".json") as f:
+        seen = json.load(f)
+except OSError:
+    seen = {}
+for path in (err, err + ".json"):
+    if os.path.exists(path):
+        os.unlink(path)
+print(json.dumps({"exitcode": code, "stderr": stderr, "seen": seen}), flush=True)
+writer.put("after the fork")
+getter.join(30)
+drained = [slow.get(timeout=30) for _ in range(9)]
+putter.join(30)
+print(json.dumps({"got": got, "put": put[0] if put else "not done", "drained": len(drained)}), flush=True)
+for role in (slow, full, reader, writer):
+    role.close()
+"""

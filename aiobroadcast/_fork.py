@@ -15,7 +15,8 @@ included, raises ``ClosedResourceError`` saying whose the role is and what to do
 properties (``handle``, ``name``) still answer: they are what a child needs to open a role of its
 own. The role's own code never runs in the child, so no lock a thread of the parent held at the
 fork is taken, and nothing of the parent's is reached; nor does it cost the parent anything: no
-check is added to any method.
+check is added to any method but the ending ones (for a ``close`` bound before the fork, which
+runs the role class's own function: it looks at the class it runs for).
 """
 
 from __future__ import annotations

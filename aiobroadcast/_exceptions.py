@@ -32,9 +32,10 @@ class EndOfStream(BroadcastError):
 
 
 class ClosedResourceError(BroadcastError):
-    """Raised when a ``Writer`` or ``Reader`` is used after its own ``aclose()``, and when a fork
-    child uses one it inherited from its parent (a child inherits no role: it opens its own
-    reader from the handle)."""
+    """Raised when a role (a ``Writer``, ``Reader``, collector, sender, caller, worker, async or
+    blocking) is used after its own ``aclose()``/``close()``, and when a fork child uses one it
+    inherited from its parent, ``statistics()`` included (a child inherits no role: it opens its
+    own, a reader from the handle say)."""
 
 
 class WriterGone(BroadcastError):

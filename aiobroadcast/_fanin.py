@@ -89,6 +89,9 @@ _DIR_RE = r"^aiobroadcast-fanin-[0-9a-f]{32}$"
 _KNOCK_S = 0.05
 #: Liveness and discovery checks while the collector is busy: every this many takes at most.
 _CHECK_EVERY = 256
+#: What a fork child may do instead of using an inherited collector, or sender (``_fork.role``).
+COLLECTOR_FIX = "open a sender with open_sender(collector.handle, name=...)"
+SENDER_FIX = "open your own with open_sender(sender.handle, name=...) under a name of its own"
 
 
 # --- what the collector hands out ---------------------------------------------------------------
@@ -663,10 +666,7 @@ class _Gather(_Senders):
         """A fork child's copy: refuse every use; the rings' sources and the inbox let go of
         their own copies (they are tracked themselves); nothing is removed."""
         self.closed = True
-        self.refusal = (
-            f"this collector belongs to process {self.owner}; a fork child inherits no role: "
-            "open a sender with open_sender(collector.handle, name=...)"
-        )
+        self.refusal = _fork.refusal("collector", self.owner, COLLECTOR_FIX)
         try:
             os.close(self._lock_fd)
         except OSError:
@@ -727,6 +727,7 @@ def _guard(ch: WriterChannel, collector: CollectorHandle) -> tuple[int, Collecto
 
 # --- the collector (async) ------------------------------------------------------------------------
 @final
+@_fork.role("collector", COLLECTOR_FIX)
 class Collector(Generic[T_co]):
     """The receiving end of a fan-in. Built by ``open_collector``; has no ``put``.
 
@@ -980,6 +981,7 @@ def sleep_steps(g: _Gather, slept_ns: int, stop: Callable[[], bool], left_s: Cal
 
 # --- the sender (async) ---------------------------------------------------------------------------
 @final
+@_fork.role("sender", SENDER_FIX)
 class Sender(Generic[T_contra]):
     """One sending end of a fan-in. Built by ``open_sender``; has no ``get``.
 
@@ -1404,10 +1406,7 @@ def _holder_alive(link: str) -> int | None:
 
 def _sender_refusal(owner: int) -> str:
     """What a fork child's use of an inherited sender raises."""
-    return (
-        f"this sender belongs to process {owner}; a fork child inherits no role: "
-        "open your own with open_sender(sender.handle, name=...) under a name of its own"
-    )
+    return _fork.refusal("sender", owner, SENDER_FIX)
 
 
 def check_sender(

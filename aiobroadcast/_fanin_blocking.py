@@ -10,10 +10,12 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, fina
 
 from pydantic import BaseModel
 
-from . import _tuning
+from . import _fork, _tuning
 from ._exceptions import BroadcastError, ClosedResourceError, EndOfStream, WouldBlock
 from ._fanin import (
     _NOTHING,
+    COLLECTOR_FIX,
+    SENDER_FIX,
     CollectorHandle,
     CollectorStatistics,
     Delivery,
@@ -49,6 +51,7 @@ def _blocking() -> Any:
 
 
 @final
+@_fork.role("collector", COLLECTOR_FIX)
 class BlockingCollector(Generic[T_co]):
     """The receiving end of a fan-in, for code without an event loop. Built by
     ``aiobroadcast.blocking.open_collector``; has no ``put``. ``get`` returns what
@@ -218,6 +221,7 @@ class BlockingCollector(Generic[T_co]):
 
 
 @final
+@_fork.role("sender", SENDER_FIX)
 class BlockingSender(Generic[T_contra]):
     """One sending end of a fan-in, for code without an event loop. Built by
     ``aiobroadcast.blocking.open_sender``; has no ``get``. Thread-safe as ``BlockingWriter``."""

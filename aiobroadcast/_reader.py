@@ -143,6 +143,7 @@ class Source(Protocol):
 
 
 @final
+@_fork.role("reader")
 class Reader(Generic[T_co]):
     """The receiving end of a channel. Built by ``open_reader``; has no ``put``.
 

@@ -21,6 +21,7 @@ import anyio
 import anyio.lowlevel
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from . import _fork
 from ._exceptions import (
     BroadcastError,
     ClosedResourceError,
@@ -58,6 +59,9 @@ R_co = TypeVar("R_co", covariant=True)
 
 _private = object()
 _HELLO = 0
+#: What a fork child may do instead of using an inherited caller, or worker (``_fork.role``).
+CALLER_FIX = "a pool has one caller; open a pool of your own with open_caller(workers=...)"
+WORKER_FIX = "open your own with open_worker(pool handle, name=...) under a name no live worker holds"
 
 
 # --- what a call returns, per worker ---------------------------------------------------------------
@@ -428,6 +432,7 @@ def _error_reply(cid: int, exc: BaseException) -> tuple[int, bool, tuple[str, st
 
 # --- the caller (async) ------------------------------------------------------------------------------
 @final
+@_fork.role("caller", CALLER_FIX)
 class Caller(Generic[Q, R]):
     """Calls every worker of a pool and gathers their answers. Built by ``open_caller``.
 
@@ -685,6 +690,7 @@ class Request(_Answer[Q, R]):
 
 
 @final
+@_fork.role("worker", WORKER_FIX)
 class Worker(Generic[Q, R]):
     """One named worker of a pool. Built by ``open_worker``; has no ``call``.
 
@@ -921,6 +927,7 @@ def open_worker(handle: PoolHandle | str, *, name: str) -> _Opening[Worker[Any, 
 
 # --- blocking ---------------------------------------------------------------------------------------
 @final
+@_fork.role("caller", CALLER_FIX)
 class BlockingCaller(Generic[Q, R]):
     """``Caller`` for code without an event loop (``aiobroadcast.blocking.open_caller``)."""
 
@@ -1061,6 +1068,7 @@ class BlockingRequest(_Answer[Q, R]):
 
 
 @final
+@_fork.role("worker", WORKER_FIX)
 class BlockingWorker(Generic[Q, R]):
     """``Worker`` for code without an event loop (``aiobroadcast.blocking.open_worker``)."""
 

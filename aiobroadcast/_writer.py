@@ -8,7 +8,7 @@ from threading import get_ident as _get_ident
 from types import TracebackType
 from typing import Generic, NoReturn, TypeVar, final
 
-from . import _tuning
+from . import _fork, _tuning
 from ._channel import WriterChannel
 from ._codec import Buffer
 from ._exceptions import BroadcastError, WouldBlock
@@ -21,6 +21,7 @@ _private = object()
 
 
 @final
+@_fork.role("writer")
 class Writer(Generic[T_contra]):
     """The sending end of a channel. Built by ``open_writer``; has no ``get``.
 

@@ -40,6 +40,7 @@ negative timeout counts as 0 (never as "forever").
 
 from __future__ import annotations
 
+import os
 import threading
 import warnings
 from abc import ABC, abstractmethod
@@ -50,7 +51,7 @@ from typing import Any, Generic, Self, TypeVar, Unpack, final, overload
 
 from pydantic import BaseModel
 
-from . import _tuning
+from . import _fork, _tuning
 from ._channel import WriterChannel
 from ._codec import decode_pickle_view
 from ._exceptions import ClosedResourceError, EndOfStream, WouldBlock
@@ -122,6 +123,7 @@ class _Closable(ABC):
 
 # --- the writer --------------------------------------------------------------------------------
 @final
+@_fork.role("writer")
 class BlockingWriter(_Closable, Generic[T_contra]):
     """The sending end of a channel, for code without an event loop. Built by
     ``aiobroadcast.blocking.open_writer``; has no ``get``. Thread-safe (see the module)."""
@@ -259,6 +261,7 @@ _Source = Source
 
 
 @final
+@_fork.role("reader")
 class BlockingReader(_Closable, Generic[T_co]):
     """The receiving end of a channel, for code without an event loop. Built by
     ``aiobroadcast.blocking.open_reader``; has no ``put``. Thread-safe (see the module)."""
@@ -278,6 +281,9 @@ class BlockingReader(_Closable, Generic[T_co]):
         self._close_lock = threading.Lock()
         self._closing = False
         self._closed = False
+        self._refusal: str | None = None  # why a fork child may not use it
+        self._owner = os.getpid()
+        _fork.track(self)
 
     @property
     def handle(self) -> Handle:
@@ -294,7 +300,7 @@ class BlockingReader(_Closable, Generic[T_co]):
         try:
             lock.acquire(None)
             if self._closed:
-                raise ClosedResourceError("this reader is closed")
+                raise ClosedResourceError(self._refusal or "this reader is closed")
             return self._src.get_nowait()  # type: ignore[no-any-return]
         finally:
             lock.release()
@@ -309,7 +315,7 @@ class BlockingReader(_Closable, Generic[T_co]):
         try:
             if lock.try_acquire():  # the common case first: a message is there, nobody else takes
                 if self._closed:
-                    raise ClosedResourceError("this reader is closed")
+                    raise ClosedResourceError(self._refusal or "this reader is closed")
                 tried = True
                 return self._src.get_nowait()  # type: ignore[no-any-return]
         except WouldBlock:
@@ -323,7 +329,7 @@ class BlockingReader(_Closable, Generic[T_co]):
         try:
             lock.acquire(None)
             if self._closed:
-                raise ClosedResourceError("this reader is closed")
+                raise ClosedResourceError(self._refusal or "this reader is closed")
             return self._src.statistics(self._sleep_lock.waiting + (self._sleep_lock.owner != 0))
         finally:
             lock.release()
@@ -343,6 +349,7 @@ class BlockingReader(_Closable, Generic[T_co]):
                 try:
                     self._lock.acquire(None)
                     self._closed = True
+                    _fork.untrack(self)
                     self._src.close()
                 finally:
                     self._lock.release()
@@ -363,6 +370,13 @@ class BlockingReader(_Closable, Generic[T_co]):
         return f"<aiobroadcast.blocking.BlockingReader {self._name!r} {state}>"
 
     # --- internals ---------------------------------------------------------------------------
+    def _forget_in_child(self) -> None:
+        """In a fork child: the reader is the parent's, and its source let go of its copies. A
+        bound method taken before the fork (``get = reader.get``) runs this class's code, not the
+        inherited role's (``_fork.role``): it refuses here."""
+        self._closed = self._closing = True
+        self._refusal = _fork.refusal("reader", self._owner)
+
     def _get(
         self,
         deadline: float | None,

@@ -105,7 +105,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from . import blocking
+from . import _fork, blocking
 from ._exceptions import BroadcastError, InsufficientSharedMemory, WaitTimeout, WouldBlock
 from ._handle import Handle as ChannelHandle
 from ._open import DEFAULT_DIRECTORY, _ring_reachable
@@ -130,6 +130,8 @@ ARENA_BYTES = 256 * 1024 * 1024
 CANCEL_CHECK_S = 0.1
 #: How often a writer still waiting for its readers says so.
 READY_LOG_S = 60.0
+#: What a fork child may do instead of using a queue it inherited (``_fork.role``).
+QUEUE_FIX = "read the queue with MessageQueue.create_from_handle(queue.export_handle(), rank)"
 
 
 class QueueCancelled(BroadcastError, RuntimeError):
@@ -298,6 +300,7 @@ class MessageQueue:
         self.shutting_down = True
 
 
+@_fork.role("writer", QUEUE_FIX, ends=("close", "shutdown"), keep=("export_handle",))
 class MessageQueueWriter(MessageQueue):
     """The writer's ``MessageQueue``: ``enqueue`` and ``broadcast_object``; no ``dequeue``."""
 
@@ -418,6 +421,7 @@ class MessageQueueWriter(MessageQueue):
             time.sleep(0.005)
 
 
+@_fork.role("reader", QUEUE_FIX, ends=("close", "shutdown"), keep=("export_handle",))
 class MessageQueueReader(MessageQueue):
     """A reader's ``MessageQueue``: ``dequeue`` and ``broadcast_object``; no ``enqueue``."""
 

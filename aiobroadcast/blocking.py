@@ -53,7 +53,7 @@ from pydantic import BaseModel
 from . import _tuning
 from ._channel import WriterChannel
 from ._codec import decode_pickle_view
-from ._exceptions import ClosedResourceError, EndOfStream, WouldBlock
+from ._exceptions import ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
 from ._handle import Handle
 from ._open import (
     ReaderOptions,
@@ -163,13 +163,13 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         deadline = None if timeout is None else _deadline(timeout)
         lock = self._lock
         try:
-            lock.acquire(deadline, wait=True)
+            self._acquire(deadline, "put_many")
             self._check_open()
             w = self._w
             batch, entries = w.encode_batch(objs)
             if not batch or w.pub.try_publish_many(batch, entries):
                 return
-            self._wait(w.batch_steps(batch, entries), deadline)
+            self._wait(w.batch_steps(batch, entries), deadline, "put_many", entries)
         finally:
             lock.release()
 
@@ -212,7 +212,10 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             raise ClosedResourceError("this writer is closed")
         lock = self._lock
         try:
-            lock.acquire(deadline, wait=not nowait)
+            if nowait:
+                lock.acquire(deadline, wait=False)
+            else:
+                self._acquire(deadline, "put")
             self._check_open()
             w = self._w
             # Under the lock, so that a put from inside pickling (a __reduce__ that publishes)
@@ -222,16 +225,28 @@ class BlockingWriter(_Closable, Generic[T_contra]):
                 return
             if nowait:
                 raise WouldBlock
-            self._wait(w.publish_steps(parts, total, oob, entries), deadline)
+            self._wait(w.publish_steps(parts, total, oob, entries), deadline, "put", entries)
         finally:
             lock.release()
 
-    def _wait(self, steps: Steps[None], deadline: float | None) -> None:
+    def _acquire(self, deadline: float | None, what: str) -> None:
+        """Take this writer's lock for a put (inside the ``try`` whose ``finally`` releases it);
+        a ``WaitTimeout`` names what the put of the thread holding it waits for."""
+        try:
+            self._lock.acquire(deadline)
+        except WaitTimeout:
+            raise self._w.busy_timeout(what) from None
+
+    def _wait(self, steps: Steps[None], deadline: float | None, what: str, entries: int) -> None:
         """Run a put's waiting steps (``publish_steps``, ``batch_steps``) in this thread, which
-        holds ``self._lock`` (this writer's threads take turns on it), counted as waiting."""
+        holds ``self._lock`` (this writer's threads take turns on it), counted as waiting. A
+        ``WaitTimeout`` names the readers that held it (``put_timeout``), read when it is raised."""
         self._lock.count(1)
+        start = self._w.pub.head
         try:
             run_blocking(steps, self._sleeper(deadline))
+        except WaitTimeout:
+            raise self._w.put_timeout(what, entries, start) from None
         finally:
             self._lock.count(-1)
 

@@ -1,0 +1,142 @@
+"""A put whose time passes names what held it: the readers (name, pid, host, how far behind, alive
+or not) in ``WaitTimeout``'s message and in its ``holders``; a sender's, its collector; a
+call's, each worker that did not answer and why. The holders are real processes, stopped with
+SIGSTOP: alive, holding their place, reading nothing."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+from _blocking_workers import collect_proc, recv
+from _workers import Child, spawn
+
+import aiobroadcast as ab
+from aiobroadcast import blocking
+from aiobroadcast._stats import HOLDER_STUCK
+
+#: Generous bound for "it happens" (never a performance claim): a loaded 2-core machine.
+WITHIN_S = 30.0
+HERE = socket.gethostname()[:16]
+
+
+@contextmanager
+def stopped(child: Child) -> Iterator[None]:
+    """The child stopped (SIGSTOP) for the block; continued after, whatever happened."""
+    os.kill(child.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(child.pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("what", ["put", "put_many"])
+def test_a_put_that_times_out_names_the_stopped_reader_holding_it(what: str) -> None:
+    with (
+        blocking.open_writer(capacity=4, slot_bytes=256) as writer,
+        spawn(collect_proc, writer.handle.to_json(), "stuck-reader") as child,
+    ):
+        pid = recv(child, "attached")["pid"]
+        with stopped(child):
+            for i in range(4):
+                writer.put(i, timeout=WITHIN_S)  # the ring is full now: the reader has read nothing
+            with pytest.raises(ab.WaitTimeout) as info:
+                if what == "put":
+                    writer.put("one more", timeout=0.3)
+                else:
+                    writer.put_many(["one", "two"], timeout=0.3)
+        exc = info.value
+        assert isinstance(exc, ab.WouldBlock) and isinstance(exc, TimeoutError)  # the type is unchanged
+        (holder,) = exc.holders
+        assert (holder.name, holder.pid, holder.lag, holder.transport) == ("stuck-reader", pid, 4, "shm")
+        text = str(exc)
+        assert text.startswith(f"{what}: the timeout passed waiting for room for {1 if what == 'put' else 2} ring slot")
+        said = f"reader 'stuck-reader' (pid {pid} on {HERE}), 4 ring entries (4 messages) behind: {HOLDER_STUCK}"
+        assert said in text
+        assert "this process" not in text  # another process: it is not said to be this one
+
+
+def test_a_put_that_waits_for_another_threads_put_names_what_that_one_waits_for() -> None:
+    with (
+        blocking.open_writer(capacity=2, slot_bytes=256) as writer,
+        spawn(collect_proc, writer.handle.to_json(), "stuck-reader") as child,
+    ):
+        pid = recv(child, "attached")["pid"]
+        writer.put(0)
+        writer.put(1)
+        os.kill(child.pid, signal.SIGSTOP)
+        first = threading.Thread(target=writer.put, args=("waits for room",), daemon=True)
+        try:
+            first.start()
+            deadline = WITHIN_S
+            while not writer.statistics().waiting_for and deadline > 0:  # the other put announced its wait
+                first.join(0.05)
+                deadline -= 0.05
+            with pytest.raises(ab.WaitTimeout) as info:
+                writer.put("behind it", timeout=0.3)
+        finally:
+            os.kill(child.pid, signal.SIGCONT)
+        first.join(WITHIN_S)
+        assert not first.is_alive()
+        text = str(info.value)
+        assert text.startswith("put: the timeout passed while another thread's put held this writer")
+        assert f"that put waits for: reader 'stuck-reader' (pid {pid} on {HERE})" in text
+        assert [h.name for h in info.value.holders] == ["stuck-reader"]
+
+
+def test_a_message_larger_than_the_ring_with_its_reader_in_this_thread_says_why_it_cannot_finish() -> None:
+    """The reader is this thread's: it would read only after the put returns, which it never
+    does. The timeout bounds the wait, and the error says why: the message streams through the
+    ring and needs its readers running meanwhile."""
+    with (
+        blocking.open_writer(capacity=4, slot_bytes=256) as writer,
+        blocking.open_reader(writer.handle, name="r1") as reader,
+    ):
+        with pytest.raises(ab.WaitTimeout) as info:
+            writer.put(b"x" * 3000, timeout=0.3)  # 14 slots: 3.5 times the ring
+        text = str(info.value)
+        assert re.search(r"a message of 14 ring slots, 3\.5 times the ring's capacity of 4, streamed", text), text
+        assert "4 of its fragments were published" in text
+        assert (
+            f"reader 'r1' (pid {os.getpid()} on {HERE}, the pid and host of this process), has not taken its "
+            "first fragment" in text
+        )
+        assert "streams through it and needs its readers running meanwhile" in text
+        assert [(h.name, h.pid) for h in info.value.holders] == [("r1", os.getpid())]
+        # Read from another thread, as the error says: the cut-short message is dropped whole, the
+        # next one arrives.
+        got: list[object] = []
+        taker = threading.Thread(target=lambda: got.append(reader.get(timeout=WITHIN_S)), daemon=True)
+        taker.start()
+        writer.put("after", timeout=WITHIN_S)
+        taker.join(WITHIN_S)
+        assert got == ["after"]
+
+
+def test_a_holder_whose_process_died_is_said_to_be_gone() -> None:
+    """What the error says of a reader that died holding the writer (the writer drops it on its
+    next look, within a second): read from the ring the way a timed-out put reads it."""
+    with (
+        blocking.open_writer(capacity=2, slot_bytes=256) as writer,
+        spawn(collect_proc, writer.handle.to_json(), "doomed") as child,
+    ):
+        pid = recv(child, "attached")["pid"]
+        os.kill(child.pid, signal.SIGSTOP)
+        writer.put(0)
+        writer.put(1)
+        os.kill(child.pid, signal.SIGKILL)
+        child.proc.join(WITHIN_S)
+        ch = writer._w
+        (holder,) = ch.holding(1)  # no put waited since: nobody dropped it yet
+        assert (holder.name, holder.pid) == ("doomed", pid)
+        text = ch.describe_reader(holder)
+        assert text == (
+            f"reader 'doomed' (pid {pid} on {HERE}), 2 ring entries (2 messages) behind: its process is gone; "
+            "the writer drops it within a second"
+        )

@@ -5,8 +5,10 @@ SIGSTOP: alive, holding their place, reading nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import threading
@@ -15,6 +17,7 @@ from contextlib import contextmanager
 
 import pytest
 from _blocking_workers import collect_proc, recv
+from _fanin_workers import collector_proc
 from _workers import Child, spawn
 
 import aiobroadcast as ab
@@ -140,3 +143,49 @@ def test_a_holder_whose_process_died_is_said_to_be_gone() -> None:
             f"reader 'doomed' (pid {pid} on {HERE}), 2 ring entries (2 messages) behind: its process is gone; "
             "the writer drops it within a second"
         )
+
+
+# --- fan-in: a sender's ring is read by its collector alone ------------------------------------------
+def test_a_sender_put_that_times_out_names_its_stopped_collector() -> None:
+    with spawn(collector_proc, 4) as child:
+        handle = recv(child, "handle")
+        collector = ab.CollectorHandle.parse(handle)
+        try:
+            with blocking.open_sender(handle, name="a", capacity=4) as sender:
+                ring = sender._w.handle.path
+                sender.put("first")
+                child.send("go")  # the collector attaches this sender's ring and takes one item
+                recv(child, "took")
+                with stopped(child):
+                    for i in range(4):
+                        sender.put(i, timeout=WITHIN_S)
+                    with pytest.raises(ab.WaitTimeout) as info:
+                        sender.put("one more", timeout=0.3)
+        finally:
+            # The collector never drains the ring it was left (it is killed): remove what it would.
+            child.cleanup()
+            shutil.rmtree(collector.path, ignore_errors=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(ring)
+        text = str(info.value)
+        assert text.startswith(f"sender 'a' of collector {collector.name!r}, whose ring only the collector reads: put:")
+        said = f"reader 'collector' (pid {child.pid} on {HERE}), 4 ring entries (4 messages) behind: {HOLDER_STUCK}"
+        assert said in text
+        assert [(h.name, h.pid, h.lag) for h in info.value.holders] == [("collector", child.pid, 4)]
+
+
+def test_a_sender_put_that_times_out_says_its_collector_has_not_attached_it_yet() -> None:
+    with blocking.open_collector(capacity=4, slot_bytes=256) as collector:
+        with blocking.open_sender(collector.handle, name="early") as sender:
+            for i in range(4):
+                sender.put(i, timeout=WITHIN_S)  # nobody took the ring yet: its place waits at 0
+            with pytest.raises(ab.WaitTimeout) as info:
+                sender.put_many(["one more"], timeout=0.3)
+            text = str(info.value)
+            assert text.startswith(f"sender 'early' of collector {collector.handle.name!r}")
+            assert (
+                f"the place reserved for the reader of pid {os.getpid()}, 4 ring entries (4 messages) behind, "
+                "which has not attached yet" in text
+            )
+            assert [h.pid for h in info.value.holders] == [os.getpid()]
+        assert [d.value for d in collector.get_many(10, timeout=WITHIN_S)] == [0, 1, 2, 3]

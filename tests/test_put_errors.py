@@ -12,12 +12,15 @@ import shutil
 import signal
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 from _blocking_workers import collect_proc, recv
 from _fanin_workers import collector_proc
+from _rpc_workers import worker_proc
 from _workers import Child, spawn
 
 import aiobroadcast as ab
@@ -71,16 +74,16 @@ def test_a_put_that_waits_for_another_threads_put_names_what_that_one_waits_for(
         spawn(collect_proc, writer.handle.to_json(), "stuck-reader") as child,
     ):
         pid = recv(child, "attached")["pid"]
+        os.kill(child.pid, signal.SIGSTOP)  # it has read nothing: the ring fills
         writer.put(0)
         writer.put(1)
-        os.kill(child.pid, signal.SIGSTOP)
         first = threading.Thread(target=writer.put, args=("waits for room",), daemon=True)
         try:
             first.start()
-            deadline = WITHIN_S
-            while not writer.statistics().waiting_for and deadline > 0:  # the other put announced its wait
-                first.join(0.05)
-                deadline -= 0.05
+            deadline = time.monotonic() + WITHIN_S
+            while not writer.statistics().waiting_for:  # the other put announced its wait
+                assert first.is_alive() and time.monotonic() < deadline
+                time.sleep(0.01)
             with pytest.raises(ab.WaitTimeout) as info:
                 writer.put("behind it", timeout=0.3)
         finally:
@@ -188,4 +191,74 @@ def test_a_sender_put_that_times_out_says_its_collector_has_not_attached_it_yet(
                 "which has not attached yet" in text
             )
             assert [h.pid for h in info.value.holders] == [os.getpid()]
-        assert [d.value for d in collector.get_many(10, timeout=WITHIN_S)] == [0, 1, 2, 3]
+        assert collector.get_many(10, timeout=WITHIN_S) == [ab.Item("early", i) for i in range(4)]
+
+
+# --- calls: the workers that did not answer, and why ------------------------------------------------
+NAMES = ("a", "b", "c")
+
+
+@contextmanager
+def pool_workers(handle: str) -> Iterator[dict[str, Child]]:
+    """The pool's three workers, each a blocking worker in a process of its own."""
+    with (
+        spawn(worker_proc, handle, "a", "blocking") as a,
+        spawn(worker_proc, handle, "b", "blocking") as b,
+        spawn(worker_proc, handle, "c", "blocking") as c,
+    ):
+        children = {"a": a, "b": b, "c": c}
+        for child in children.values():
+            recv(child, "ready")
+        yield children
+
+
+def check_stuck_worker(out: dict[str, ab.Outcome[Any]], stuck: Child, timeout: float) -> None:
+    assert out["a"] == ab.Reply("a", ("a", "x")) and out["c"] == ab.Reply("c", ("c", "x"))
+    late = out["b"]
+    assert isinstance(late, ab.NoReply) and late.reason == "deadline"
+    assert late.detail == (
+        f"worker 'b' did not answer within {timeout} s: it has not taken the request: its reader 'b' "
+        f"(pid {stuck.pid} on {HERE}), 1 ring entry (1 message) behind: {HOLDER_STUCK}"
+    )
+    with pytest.raises(ab.NoReplyError, match=rf"worker 'b' .* \(pid {stuck.pid} on "):
+        late.unwrap()
+
+
+def check_unsent(out: dict[str, ab.Outcome[Any]], stuck: Child) -> None:
+    for name in NAMES:  # nobody got it: the request ring was full
+        late = out[name]
+        assert isinstance(late, ab.NoReply) and late.reason == "deadline"
+        assert "the request was not sent; put: the timeout passed waiting for room for 1 ring slot" in late.detail
+        assert f"reader 'b' (pid {stuck.pid} on {HERE}), 2 ring entries (2 messages) behind" in late.detail
+
+
+def check_slow_handlers(out: dict[str, ab.Outcome[Any]], children: dict[str, Child]) -> None:
+    for name in NAMES:
+        late = out[name]
+        assert isinstance(late, ab.NoReply) and late.reason == "deadline"
+        assert late.detail.endswith(
+            f"it took the request (pid {children[name].pid} on {HERE}) and has not replied: its handler is still "
+            "running, or its process stopped after taking it"
+        )
+
+
+def test_a_blocking_call_names_the_workers_that_did_not_answer_and_why() -> None:
+    with blocking.open_caller(workers=NAMES, capacity=2) as caller, pool_workers(caller.handle.to_json()) as children:
+        caller.wait_ready(timeout=WITHIN_S)
+        with stopped(children["b"]):
+            check_stuck_worker(caller.call("x", timeout=1.0), children["b"], 1.0)
+            caller.call("x", timeout=0.2)  # the ring holds two requests b has not taken: full
+            check_unsent(caller.call("x", timeout=0.3), children["b"])
+        check_slow_handlers(caller.call(("sleep", 30.0), timeout=3.0), children)
+
+
+@pytest.mark.anyio
+async def test_an_async_call_names_the_workers_that_did_not_answer_and_why() -> None:
+    async with ab.open_caller(workers=NAMES, capacity=2) as caller:
+        with pool_workers(caller.handle.to_json()) as children:
+            await caller.wait_ready(timeout=WITHIN_S)
+            with stopped(children["b"]):
+                check_stuck_worker(await caller.call("x", timeout=1.0), children["b"], 1.0)
+                await caller.call("x", timeout=0.2)
+                check_unsent(await caller.call("x", timeout=0.3), children["b"])
+            check_slow_handlers(await caller.call(("sleep", 30.0), timeout=3.0), children)

@@ -21,6 +21,9 @@ import pytest
 from _blocking_workers import collect_proc, recv
 from _fanin_workers import collector_proc
 from _rpc_workers import worker_proc
+from _tcp_workers import ASYNCIO, message, reader_proc
+from _tcp_workers import ReaderOpts as TcpReaderOpts
+from _tcp_workers import spawn as tcp_spawn
 from _workers import Child, spawn
 
 import aiobroadcast as ab
@@ -262,3 +265,38 @@ async def test_an_async_call_names_the_workers_that_did_not_answer_and_why() -> 
                 await caller.call("x", timeout=0.2)
                 check_unsent(await caller.call("x", timeout=0.3), children["b"])
             check_slow_handlers(await caller.call(("sleep", 30.0), timeout=3.0), children)
+
+
+# --- a writer that serves remote readers ----------------------------------------------------------------
+def test_a_put_held_by_the_tcp_server_names_the_stopped_remote_reader_behind_it() -> None:
+    """The TCP server reads the ring in one place for its remote readers: a remote reader that
+    stops acknowledging holds the server, which holds the writer. The error names both."""
+    with (
+        blocking.open_writer(
+            capacity=4, slot_bytes=256, tcp="tcp://127.0.0.1:0", heartbeat_s=1.0, tcp_window=4
+        ) as writer,
+        tcp_spawn(reader_proc, ASYNCIO, None, writer.handle.to_json(), TcpReaderOpts(name="far")) as child,
+    ):
+        recv(child, "attached")  # type: ignore[arg-type]
+        with stopped(child):  # type: ignore[arg-type]
+            deadline = time.monotonic() + WITHIN_S
+            n = 0
+            while True:  # until the server holds the writer for "far"
+                try:
+                    writer.put(message(n), timeout=0.3)
+                    n += 1
+                    continue
+                except ab.WaitTimeout as exc:
+                    info = exc
+                if any(h.transport == "tcp" and h.lag for h in info.holders) or time.monotonic() > deadline:
+                    break  # the server's report (each heartbeat) shows what "far" has not acknowledged
+        text = str(info)
+        kinds = [(h.name, h.transport) for h in info.holders]
+        assert kinds == [("tcp-server", "tcp-server"), ("far", "tcp")], text
+        far = info.holders[1]
+        assert (far.pid, far.host) == (child.pid, socket.gethostname())
+        server = info.holders[0]
+        assert server.pid in writer._w.server.pids  # type: ignore[union-attr]
+        assert f"reader 'tcp-server' (pid {server.pid} on {HERE}), " in text
+        assert "the TCP server, held by a slow remote reader" in text
+        assert f"remote reader far (remote pid {child.pid} on {socket.gethostname()}, {far.lag} messages " in text

@@ -29,6 +29,7 @@ from _workers import Child, spawn
 import aiobroadcast as ab
 from aiobroadcast import blocking
 from aiobroadcast._stats import HOLDER_STUCK
+from aiobroadcast.vllm import MessageQueue
 
 #: Generous bound for "it happens" (never a performance claim): a loaded 2-core machine.
 WITHIN_S = 30.0
@@ -300,3 +301,29 @@ def test_a_put_held_by_the_tcp_server_names_the_stopped_remote_reader_behind_it(
         assert f"reader 'tcp-server' (pid {server.pid} on {HERE}), " in text
         assert "the TCP server, held by a slow remote reader" in text
         assert f"remote reader far (remote pid {child.pid} on {socket.gethostname()}, {far.lag} messages " in text
+
+
+# --- vLLM's MessageQueue: enqueue is a blocking put -------------------------------------------------------
+def test_an_enqueue_that_times_out_names_the_reader_and_the_readers_not_attached() -> None:
+    writer = MessageQueue(2, 2, max_chunk_bytes=4096, max_chunks=2)
+    try:
+        with pytest.raises(ab.WaitTimeout, match=r"before every reader attached: 0 of 2 local and 0 of 0 remote"):
+            writer.enqueue("a", timeout=0.1)
+        first = MessageQueue.create_from_handle(writer.export_handle(), 0)
+        second = MessageQueue.create_from_handle(writer.export_handle(), 1)
+        try:
+            writer.enqueue("a")
+            writer.enqueue("b")
+            assert [second.dequeue(), second.dequeue()] == ["a", "b"]  # the first reader reads nothing
+            with pytest.raises(ab.WaitTimeout) as info:
+                writer.enqueue("c", timeout=0.1)
+            (holder,) = info.value.holders
+            assert holder.pid == os.getpid() and holder.lag == 2
+            assert f"reader {holder.name!r} (pid {os.getpid()} on {HERE}, the pid and host of this process)" in str(
+                info.value
+            )
+        finally:
+            first.close()
+            second.close()
+    finally:
+        writer.close()

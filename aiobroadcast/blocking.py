@@ -35,7 +35,7 @@ Threads. Every method of both classes may be called from any thread at any time:
 
 Timeouts: ``put(obj, timeout=s)`` and ``get(timeout=s)`` raise ``WaitTimeout`` (a ``WouldBlock``
 and a built-in ``TimeoutError``) when ``s`` seconds pass first; nothing is published or taken. A
-negative timeout counts as 0 (never as "forever").
+negative timeout counts as 0 (never as "forever"). A put's names the readers that held it.
 """
 
 from __future__ import annotations
@@ -150,8 +150,12 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         """Publish ``obj``, blocking this thread while a live reader would be overrun (policy
         "block") or another thread's ``put`` is in progress. ``timeout``: raise ``WaitTimeout``
         after that many seconds instead, having published nothing (a message larger than the
-        whole ring that times out midway is dropped by every reader). Raises like
-        ``Writer.put``, and ``ClosedResourceError`` if ``close()`` is called meanwhile."""
+        whole ring that times out midway is dropped by every reader); it names the readers that
+        held the writer (``holders``), or says that another thread's put held it and what that
+        one waits for. A message larger than the ring needs its readers reading while it streams:
+        one read by this thread only after ``put`` returns never lets it finish (the error says
+        so). Raises like ``Writer.put``, and ``ClosedResourceError`` if ``close()`` is called
+        meanwhile."""
         self._put(obj, None if timeout is None else _deadline(timeout), nowait=False)
 
     def put_many(self, objs: Iterable[T_contra], timeout: float | None = None) -> None:

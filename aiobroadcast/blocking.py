@@ -167,7 +167,10 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         deadline = None if timeout is None else _deadline(timeout)
         lock = self._lock
         try:
-            self._acquire(deadline, "put_many")
+            try:
+                lock.acquire(deadline, wait=True)
+            except WaitTimeout:
+                raise self._w.busy_timeout("put_many") from None
             self._check_open()
             w = self._w
             batch, entries = w.encode_batch(objs)
@@ -216,10 +219,10 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             raise ClosedResourceError("this writer is closed")
         lock = self._lock
         try:
-            if nowait:
-                lock.acquire(deadline, wait=False)
-            else:
-                self._acquire(deadline, "put")
+            try:
+                lock.acquire(deadline, wait=not nowait)
+            except WaitTimeout:  # another thread's put held the writer: say what that one waits for
+                raise self._w.busy_timeout("put") from None
             self._check_open()
             w = self._w
             # Under the lock, so that a put from inside pickling (a __reduce__ that publishes)
@@ -232,14 +235,6 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             self._wait(w.publish_steps(parts, total, oob, entries), deadline, "put", entries)
         finally:
             lock.release()
-
-    def _acquire(self, deadline: float | None, what: str) -> None:
-        """Take this writer's lock for a put (inside the ``try`` whose ``finally`` releases it);
-        a ``WaitTimeout`` names what the put of the thread holding it waits for."""
-        try:
-            self._lock.acquire(deadline)
-        except WaitTimeout:
-            raise self._w.busy_timeout(what) from None
 
     def _wait(self, steps: Steps[None], deadline: float | None, what: str, entries: int) -> None:
         """Run a put's waiting steps (``publish_steps``, ``batch_steps``) in this thread, which

@@ -179,7 +179,11 @@ class Serving:
         text = (
             f"{what}: the timeout passed while a message of {entries} ring slots, {entries / cap:.1f} times the "
             f"ring's capacity of {cap}, streamed through the ring ("
-            + (f"{sent} of its fragments were published; readers drop it whole)" if sent else "none of it published)")
+            + (
+                f"{sent} of its fragments {'was' if sent == 1 else 'were'} published; readers drop it whole)"
+                if sent
+                else "none of it published)"
+            )
         )
 
         def progress(r: ReaderInfo) -> str | None:
@@ -189,8 +193,10 @@ class Serving:
             if at >= streamed_from:
                 taken = at - streamed_from
                 return "has not taken its first fragment" if not taken else f"has taken {taken} of its fragments"
-            messages = pub.messages_from(at)  # the cut-short message counts among them: not said
-            earlier = f" ({_count(messages - 1, 'message', 'messages')})" if messages is not None else ""
+            messages = pub.messages_from(at)
+            if messages is not None and sent:
+                messages -= 1  # the cut-short message took a number: not one it is behind on
+            earlier = f" ({_count(messages, 'message', 'messages')})" if messages is not None else ""
             return f"{_count(streamed_from - at, 'ring entry', 'ring entries')}{earlier} behind its first fragment"
 
         text += self._waited_for(holders, progress)

@@ -129,6 +129,17 @@ def test_a_message_larger_than_the_ring_with_its_reader_in_this_thread_says_why_
         assert got == ["after"]
 
 
+def test_a_streamed_put_says_how_far_its_reader_is_behind_its_first_fragment() -> None:
+    with blocking.open_writer(capacity=4, slot_bytes=256) as writer, blocking.open_reader(writer.handle, name="r1"):
+        writer.put(1)
+        writer.put(2)
+        with pytest.raises(ab.WaitTimeout) as info:
+            writer.put(b"x" * 3000, timeout=0.3)
+        text = str(info.value)
+        assert "(2 of its fragments were published; readers drop it whole)" in text, text
+        assert "), 2 ring entries (2 messages) behind its first fragment: " in text, text
+
+
 def test_a_holder_whose_process_died_is_said_to_be_gone() -> None:
     """What the error says of a reader that died holding the writer (the writer drops it on its
     next look, within a second): read from the ring the way a timed-out put reads it."""

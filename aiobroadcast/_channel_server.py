@@ -18,7 +18,7 @@ from ._exceptions import WaitTimeout
 from ._handle import Handle
 from ._shm import segment as _segment
 from ._shm.layout import R_GENERATION, W_WAIT_TARGET, has_room, holds_writer, host_name, pack_host, unpack_host
-from ._shm.publisher import Publisher
+from ._shm.publisher import Publisher, messages_from
 from ._stats import (
     HOLDER_GONE,
     HOLDER_STUCK,
@@ -139,7 +139,7 @@ class Serving:
         pub = self.pub
         seg = pub.seg
         if behind is None:
-            messages = pub.messages_from(pub.head - r.lag)
+            messages = messages_from(pub, pub.head - r.lag)
             behind = _count(r.lag, "ring entry", "ring entries") + (
                 f" ({_count(messages, 'message', 'messages')})" if messages is not None else ""
             )
@@ -193,7 +193,7 @@ class Serving:
             if at >= streamed_from:
                 taken = at - streamed_from
                 return "has not taken its first fragment" if not taken else f"has taken {taken} of its fragments"
-            messages = pub.messages_from(at)
+            messages = messages_from(pub, at)
             if messages is not None and sent:
                 messages -= 1  # the cut-short message took a number: not one it is behind on
             earlier = f" ({_count(messages, 'message', 'messages')})" if messages is not None else ""

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import anyio
 import pytest
 from _blocking_workers import collect_proc, recv
 from _fanin_workers import collector_proc
@@ -338,3 +339,22 @@ def test_an_enqueue_that_times_out_names_the_reader_and_the_readers_not_attached
             second.close()
     finally:
         writer.close()
+
+
+@pytest.mark.anyio
+async def test_a_call_that_could_not_begin_says_another_call_held_the_caller() -> None:
+    async with ab.open_caller(workers=["w"]) as caller:
+        with spawn(worker_proc, caller.handle.to_json(), "w", "blocking") as child:
+            recv(child, "ready")
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: caller.call(("sleep", 2.0), timeout=WITHIN_S))
+                await anyio.sleep(0.1)  # the first call holds the caller's turn for 2 s
+                second = await caller.call("x", timeout=0.2)
+            assert second == {
+                "w": ab.NoReply(
+                    "w",
+                    "deadline",
+                    "worker 'w' did not answer within 0.2 s: the call did not begin: another call of this caller "
+                    "held it past the deadline",
+                )
+            }

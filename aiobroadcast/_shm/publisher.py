@@ -88,18 +88,6 @@ class Publisher(FragmentWrites):
     def room(self, entries: int) -> bool:
         return self.records.room(self.head, entries)
 
-    def messages_from(self, entry: int) -> int | None:
-        """How many messages a reader at ring entry ``entry`` has not finished: the messages
-        published from the one at ``entry`` on (it may have taken some of that one's fragments);
-        None if the slot no longer says. For errors, not for the hot path: reads a slot header."""
-        if entry >= self.head:
-            return 0
-        off = self._slot_offset(entry)
-        if entry < self.head - self._cap or self._words[off >> 3] != entry:  # overwritten (policy "lag")
-            return None
-        number: int = SLOT_REST.unpack_from(self._buf, off + SLOT_REST_OFFSET)[0]
-        return max(0, self.msg - number)
-
     def try_publish(self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, gap: int = 0) -> bool:
         """Publish now if no other thread is writing and there is room (or policy "lag")."""
         try:
@@ -299,3 +287,16 @@ class Publisher(FragmentWrites):
             self._give()
         _segment.unlock(self.seg.fd, _segment.WRITER_LOCK_BYTE)
         self.wake_all_readers()  # sleepers find the lock free on waking
+
+
+def messages_from(pub: Publisher, entry: int) -> int | None:
+    """How many messages a reader at ring entry ``entry`` has not finished: the messages ``pub``
+    published from the one at ``entry`` on (it may have taken some of that one's fragments); None
+    if the slot no longer says. For errors, not for the hot path: reads a slot's header."""
+    if entry >= pub.head:
+        return 0
+    off = pub.layout.slot_offset(entry)
+    if entry < pub.head - pub.layout.capacity or pub.seg.words[off >> 3] != entry:  # overwritten ("lag")
+        return None
+    number: int = SLOT_REST.unpack_from(pub.seg.buf, off + SLOT_REST_OFFSET)[0]
+    return max(0, pub.msg - number)

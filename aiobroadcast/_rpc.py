@@ -539,7 +539,8 @@ class Caller(Generic[Q, R]):
                         await self._w.put(call.message)
                     if scope.cancelled_caught:  # not sent: a cancelled put publishes nothing
                         ch = self._w._ch
-                        unsent = str(ch.put_timeout("put", ch.wanted, ch.pub.head))
+                        if not ch.pub.closed:
+                            unsent = str(ch.put_timeout("put", ch.wanted, ch.pub.head))
                         break
                 need = call.sent()
                 continue
@@ -549,7 +550,7 @@ class Caller(Generic[Q, R]):
                 need = call.ended()
             except WaitTimeout:
                 break
-        if need == _DONE:
+        if need == _DONE or self._w._ch.pub.closed:  # closed meanwhile: its ring is gone
             return call.result(limit)
         return call.result(limit, _why_late(self._w._ch, unsent))
 
@@ -1012,7 +1013,11 @@ class BlockingCaller(Generic[Q, R]):
                 break
         if need == _DONE:
             return call.result(timeout)
-        return call.result(timeout, _why_late(self._w._w, unsent))
+        w = self._w
+        with w._close_lock:  # as its statistics() reads the ring: a close from another thread waits
+            if w._closing:
+                return call.result(timeout)
+            return call.result(timeout, _why_late(w._w, unsent))
 
     def statistics(self) -> CallerStatistics:
         return self._core.book.statistics()

@@ -170,7 +170,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             try:
                 lock.acquire(deadline, wait=True)
             except WaitTimeout:
-                raise self._w.busy_timeout("put_many") from None
+                raise self._busy_timeout("put_many") from None
             self._check_open()
             w = self._w
             batch, entries = w.encode_batch(objs)
@@ -222,7 +222,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             try:
                 lock.acquire(deadline, wait=not nowait)
             except WaitTimeout:  # another thread's put held the writer: say what that one waits for
-                raise self._w.busy_timeout("put") from None
+                raise self._busy_timeout("put") from None
             self._check_open()
             w = self._w
             # Under the lock, so that a put from inside pickling (a __reduce__ that publishes)
@@ -235,6 +235,14 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             self._wait(w.publish_steps(parts, total, oob, entries), deadline, "put", entries)
         finally:
             lock.release()
+
+    def _busy_timeout(self, what: str) -> WaitTimeout:
+        """``busy_timeout``, read under the close lock as ``statistics()`` reads: this thread does
+        not hold the writer, so another one may be closing it (and unmapping the ring)."""
+        with self._close_lock:
+            if self._closing:
+                return WaitTimeout(f"{what}: the timeout passed while another thread held this writer, closing it")
+            return self._w.busy_timeout(what)
 
     def _wait(self, steps: Steps[None], deadline: float | None, what: str, entries: int) -> None:
         """Run a put's waiting steps (``publish_steps``, ``batch_steps``) in this thread, which

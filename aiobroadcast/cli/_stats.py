@@ -36,8 +36,7 @@ from .._shm.layout import (
     W_WAIT_TARGET,
     W_WRITER_PID,
 )
-from .._stats import HOLDER_GONE, HOLDER_STUCK, HOLDER_TCP_SERVER, remote_holder
-from .._stats import where as _where
+from .._stats import HOLDER_GONE, HOLDER_STUCK, HOLDER_TCP_SERVER, where
 from .._tcp.report import read_report, report_path
 from ._common import EXIT_FAILED, EXIT_OK, fail, load_handle, run_sync
 
@@ -235,13 +234,17 @@ def render(h: Handle, now: Snapshot, before: Snapshot | None) -> list[str]:
             slowest = max(now.remote or (), key=lambda rr: rr.lag, default=None)
             line += f" - {HOLDER_TCP_SERVER}"
             if slowest is not None:
-                line += f": {remote_holder(slowest.name, slowest.pid, slowest.host, slowest.lag)}"
+                where = _where(slowest.pid, slowest.host)
+                line += f": {slowest.name} (remote {where}, {slowest.lag} messages unacknowledged)"
         else:
             line += f" - {HOLDER_STUCK}"
         lines.append(line)
     if now.wait_target and not holding:
         lines.append("writer is waiting for room; the readers holding it have just moved")
     return lines
+
+
+_where = where  # a pid and where it means something, as the library's errors say it
 
 
 def _host(host: str) -> str:

@@ -84,4 +84,4 @@ def where(pid: int, host: str) -> str:
 
 def remote_holder(name: str, pid: int, host: str, lag: int) -> str:
     """A remote reader holding the TCP server back (``lag``: messages it has not acknowledged)."""
-    return f"{name} (remote {where(pid, host)}, {lag} messages unacknowledged)"
+    return f"{name} (remote {where(pid, host)}, {lag} {'message' if lag == 1 else 'messages'} unacknowledged)"

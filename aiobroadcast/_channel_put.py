@@ -36,6 +36,9 @@ class Publishing:
     waiting_tasks: int
     #: How long the last wait for room slept: a writer that slept only briefly polls first.
     slept_ns: int
+    #: The slots the last wait for room waited for (one, for a streamed message), kept for the
+    #: error of a wait cut short by a deadline (``Serving.holding``).
+    wanted: int = 1
     #: Encode a message a put is about to publish (``WriterChannel`` picks the method).
     encode: Callable[[object], tuple[Sequence[Buffer], int, bool]]
     _arena_source: Callable[[object], tuple[Sequence[Buffer], int, bool]]
@@ -194,6 +197,7 @@ class Publishing:
         ring was full only briefly of late, then sleeps on the inbox. Returns once the slowest
         live reader made room."""
         pub = self.pub
+        self.wanted = entries
         if self.slept_ns < _tuning.DENSE_NS:
 
             def room() -> bool:

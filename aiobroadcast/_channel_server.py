@@ -1,9 +1,11 @@
 """A writer's channel, its TCP side and its report: the server process that serves remote
-readers (attached by ``open_writer(tcp=...)``, stopped on close), and ``statistics()``, which
-counts the ring's readers and the server's together."""
+readers (attached by ``open_writer(tcp=...)``, stopped on close), ``statistics()``, which
+counts the ring's readers and the server's together, and, from the same records, what a put
+whose time passed says held it (``holding``, ``put_timeout``)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections.abc import Callable
@@ -12,10 +14,20 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.to_thread
 
+from ._exceptions import WaitTimeout
 from ._handle import Handle
-from ._shm.layout import W_WAIT_TARGET, holds_writer
-from ._shm.publisher import Publisher
-from ._stats import WriterStatistics
+from ._shm import segment as _segment
+from ._shm.layout import R_GENERATION, W_WAIT_TARGET, has_room, holds_writer, host_name, pack_host, unpack_host
+from ._shm.publisher import Publisher, messages_from
+from ._stats import (
+    HOLDER_GONE,
+    HOLDER_STUCK,
+    HOLDER_TCP_SERVER,
+    ReaderInfo,
+    WriterStatistics,
+    remote_holder,
+    where,
+)
 
 if TYPE_CHECKING:
     from ._shm.arena import ArenaWriter
@@ -95,3 +107,126 @@ class Serving:
             arena_placed=arena.placed if arena is not None else 0,
             arena_fallbacks=arena.fallbacks if arena is not None else 0,
         )
+
+    # --- what holds a put -------------------------------------------------------------------------
+    # Read when a wait ends without room (a timeout), from the records statistics() reads: never
+    # per put, so the hot path pays nothing for it.
+    def holding(self, entries: int | None = None) -> tuple[ReaderInfo, ...]:
+        """The readers a put waits for now: with ``entries``, the ring places whose cursor leaves
+        no room for that many slots; without, those below the target a waiting put announced
+        (``statistics().waiting_for``: another thread's put). Then, if the TCP server's place is
+        one of them, the remote readers that hold the server back, slowest first."""
+        pub = self.pub
+        server = self.server
+        head = pub.head
+        cap = pub.layout.capacity
+        target = pub.seg.words[W_WAIT_TARGET]
+        readers = pub.records.infos(head, server.pids if server is not None else ())
+        if entries is None:
+            out = [r for r in readers if holds_writer(head - r.lag, target)]
+        else:
+            out = [r for r in readers if not has_room(head, head - r.lag, entries, cap)]
+        if server is not None and any(r.transport == "tcp-server" for r in out):
+            out += sorted((r for r in server.report()[1] if r.lag), key=lambda r: -r.lag)
+        return tuple(out)
+
+    def describe_reader(self, r: ReaderInfo, behind: str | None = None) -> str:
+        """A reader of ``holding`` (or of ``statistics().readers``) in words: its name, pid and
+        host, how far behind it is (``behind``, else ring entries and messages), and whether its
+        process lives."""
+        if r.transport == "tcp":
+            return "remote reader " + remote_holder(r.name, r.pid, r.host, r.lag)
+        pub = self.pub
+        seg = pub.seg
+        if behind is None:
+            messages = messages_from(pub, pub.head - r.lag)
+            behind = _count(r.lag, "ring entry", "ring entries") + (
+                f" ({_count(messages, 'message', 'messages')})" if messages is not None else ""
+            )
+            behind += " behind"
+        if not seg.words[seg.layout.record_word(r.place, R_GENERATION)]:
+            # Never joined: a place kept for a reader to come (a fan-in sender's, for its collector).
+            return (
+                f"the place reserved for the reader of pid {r.pid}, {behind}, which has not attached yet "
+                "(a fan-in collector attaches a new sender's ring when it next looks for items)"
+            )
+        here = unpack_host(pack_host(host_name()))  # as the ring records it: its first 16 bytes
+        mine = ", the pid and host of this process" if r.pid == os.getpid() and r.host == here else ""
+        if not _segment.is_locked(seg.fd, _segment.reader_lock_byte(r.place)):
+            state = HOLDER_GONE
+        elif r.transport == "tcp-server":
+            state = HOLDER_TCP_SERVER
+        else:
+            state = HOLDER_STUCK
+        return f"reader {r.name!r} ({where(r.pid, r.host)}{mine}), {behind}: {state}"
+
+    def put_timeout(self, what: str, entries: int, streamed_from: int) -> WaitTimeout:
+        """The ``WaitTimeout`` of a put (``what``: "put", "put_many") whose time passed waiting
+        for room for ``entries`` ring slots. ``streamed_from``: the head when it began to wait;
+        for a message larger than the ring (streamed), the entry of its first fragment."""
+        pub = self.pub
+        cap = pub.layout.capacity
+        if entries <= cap or not pub.block:
+            holders = self.holding(entries)
+            text = (
+                f"{what}: the timeout passed waiting for room for {_count(entries, 'ring slot', 'ring slots')} "
+                f"(the ring has {cap})"
+            )
+            return WaitTimeout(text + self._waited_for(holders), holders=holders)
+        # Streamed: it waited for one slot at a time, as its readers took the fragments before.
+        holders = self.holding(1)
+        sent = pub.head - streamed_from
+        text = (
+            f"{what}: the timeout passed while a message of {entries} ring slots, {entries / cap:.1f} times the "
+            f"ring's capacity of {cap}, streamed through the ring ("
+            + (
+                f"{sent} of its fragments {'was' if sent == 1 else 'were'} published; readers drop it whole)"
+                if sent
+                else "none of it published)"
+            )
+        )
+
+        def progress(r: ReaderInfo) -> str | None:
+            if r.transport == "tcp":
+                return None
+            at = pub.head - r.lag
+            if at >= streamed_from:
+                taken = at - streamed_from
+                return "has not taken its first fragment" if not taken else f"has taken {taken} of its fragments"
+            messages = messages_from(pub, at)
+            if messages is not None and sent:
+                messages -= 1  # the cut-short message took a number: not one it is behind on
+            earlier = f" ({_count(messages, 'message', 'messages')})" if messages is not None else ""
+            return f"{_count(streamed_from - at, 'ring entry', 'ring entries')}{earlier} behind its first fragment"
+
+        text += self._waited_for(holders, progress)
+        text += (
+            ". A message larger than the ring streams through it and needs its readers running meanwhile: a "
+            "reader that reads only after this put returns (one in the thread or task blocked in it) never lets it "
+            "finish. Read from another thread or task, or make the ring larger than the message "
+            "(capacity * slot_bytes)"
+        )
+        return WaitTimeout(text, holders=holders)
+
+    def busy_timeout(self, what: str) -> WaitTimeout:
+        """The ``WaitTimeout`` of a blocking put whose time passed while another thread's put of
+        the same writer held it (waiting for room, if it announced a target)."""
+        holders = self.holding()
+        text = f"{what}: the timeout passed while another thread's put held this writer"
+        if holders:
+            text += self._waited_for(holders, said="; that put waits for: ")
+        return WaitTimeout(text, holders=holders)
+
+    def _waited_for(
+        self,
+        holders: tuple[ReaderInfo, ...],
+        behind: Callable[[ReaderInfo], str | None] | None = None,
+        said: str = "; the writer waits for: ",
+    ) -> str:
+        if not holders:
+            return "; the readers that held the writer moved on just as the time passed"
+        return said + "; ".join(self.describe_reader(r, behind(r) if behind is not None else None) for r in holders)
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from ._stats import ReaderInfo
 
 
 class BroadcastError(Exception):
@@ -23,7 +26,20 @@ class WouldBlock(BroadcastError):
 class WaitTimeout(WouldBlock, TimeoutError):
     """Raised by the blocking API's ``put(obj, timeout=...)`` and ``get(timeout=...)`` when the
     time passed first: nothing was published or taken. It is a ``WouldBlock`` and a built-in
-    ``TimeoutError``, so either ``except`` catches it."""
+    ``TimeoutError``, so either ``except`` catches it.
+
+    A put's (``put``, ``put_many``, a blocking sender's, ``vllm`` ``enqueue``) names what held it
+    back when the time passed, in its message and in ``holders``: the readers it waited for, as
+    ``ReaderInfo`` (``statistics()``'s: name, pid, host, ``lag`` in ring entries, ``transport``);
+    behind a writer's TCP server (``transport="tcp-server"``), the remote readers holding the
+    server back (``transport="tcp"``, ``lag`` in messages not acknowledged), slowest first. The
+    message adds how many messages each is behind and whether its process is alive. ``holders``
+    is empty for a get, and when the readers moved on just as the time passed. Read from the ring
+    when the time passes, never before."""
+
+    def __init__(self, *args: object, holders: tuple[ReaderInfo, ...] = ()) -> None:
+        super().__init__(*args)
+        self.holders = holders
 
 
 class EndOfStream(BroadcastError):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, fina
 from pydantic import BaseModel
 
 from . import _fork, _tuning
-from ._exceptions import BroadcastError, ClosedResourceError, EndOfStream, WouldBlock
+from ._exceptions import BroadcastError, ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
 from ._fanin import (
     _NOTHING,
     COLLECTOR_FIX,
@@ -282,15 +282,29 @@ class BlockingSender(Generic[T_contra]):
         # _check, written out for the usual case, as in Sender.put (a worker's every reply).
         if self._w._closing or self._pub.closed or not words[active] or monotonic() >= self._watch.next:
             self._check()
-        self._w.put(obj, timeout)
+        try:
+            self._w.put(obj, timeout)
+        except WaitTimeout as exc:
+            raise self._timed_out(exc) from None
         if not words[active]:
             self._check(after=True)
 
     def put_many(self, objs: Iterable[T_contra], timeout: float | None = None) -> None:
         """Send several items as one operation (``BlockingWriter.put_many``)."""
         self._check()
-        self._w.put_many(objs, timeout)
+        try:
+            self._w.put_many(objs, timeout)
+        except WaitTimeout as exc:
+            raise self._timed_out(exc) from None
         self._check(after=True)
+
+    def _timed_out(self, exc: WaitTimeout) -> WaitTimeout:
+        """A put's ``WaitTimeout`` (it names the holders: the collector's place in this sender's
+        ring, or the TCP server and the remote collector behind it), said of this sender."""
+        return WaitTimeout(
+            f"sender {self._name!r} of collector {self._collector.name!r}, whose ring only the collector reads: {exc}",
+            holders=exc.holders,
+        )
 
     def close(self) -> None:
         """Close: the collector takes what was sent, then reports ``SourceClosed(name)``."""

@@ -50,8 +50,12 @@ from ._handle import Handle, _first_problem, handle_kind, path_problem
 from ._open import DEFAULT_DIRECTORY, _Opening, open_reader, open_writer
 from ._owned import Owned
 from ._reader import Reader
+from ._stats import where
 from ._steps import drive, drive_blocking
 from ._writer import Writer
+
+if TYPE_CHECKING:
+    from ._channel import WriterChannel
 
 Q = TypeVar("Q")  #: what a call sends
 R = TypeVar("R")  #: what a worker answers
@@ -284,7 +288,11 @@ class _Book:
         self.next_id += 1
         return cid
 
-    def result(self, got: dict[str, Reply[Any] | Failed], timeout: float) -> dict[str, Outcome[Any]]:
+    def result(
+        self, got: dict[str, Reply[Any] | Failed], timeout: float, why: Callable[[str], str] | None = None
+    ) -> dict[str, Outcome[Any]]:
+        """Each worker's outcome; ``why(worker)``: what is known of a worker that did not answer
+        in time (``_why_late``), added to its ``NoReply``."""
         out: dict[str, Outcome[Any]] = {}
         for w in self.workers:
             g = got.get(w)
@@ -295,7 +303,8 @@ class _Book:
             elif w in self.absent:
                 out[w] = self.absent[w]
             else:
-                out[w] = NoReply(w, "deadline", f"worker {w!r} did not answer within {timeout} s")
+                late = f"worker {w!r} did not answer within {timeout} s"
+                out[w] = NoReply(w, "deadline", late if why is None else f"{late}: {why(w)}")
         return out
 
     def statistics(self) -> CallerStatistics:
@@ -367,8 +376,8 @@ class _Call:
         self._phase = _REPLIES
         return self.need()
 
-    def result(self, timeout: float) -> dict[str, Outcome[Any]]:
-        return self._book.result(self._got, timeout)
+    def result(self, timeout: float, why: Callable[[str], str] | None = None) -> dict[str, Outcome[Any]]:
+        return self._book.result(self._got, timeout, why)
 
 
 class _CallerCore:
@@ -395,7 +404,7 @@ class _CallerCore:
 
     def timed_out(self, timeout: float) -> dict[str, Outcome[Any]]:
         """The answer of a call whose deadline passed before it could begin."""
-        return self.book.result({}, timeout)
+        return self.book.result({}, timeout, _not_begun)
 
     def wanted(self, names: Iterable[str] | None, timeout: float | None) -> tuple[str, ...]:
         return _ready_names(self.book.workers, names, timeout)
@@ -424,6 +433,33 @@ class _CallerCore:
     def hello(self, delivery: object) -> None:
         """A delivery taken while waiting for workers to attach (answers met are late ones)."""
         self.book.absorb(delivery, 0, {})
+
+
+def _not_begun(worker: str) -> str:
+    return "the call did not begin: another call of this caller held it past the deadline"
+
+
+def _why_late(ch: WriterChannel, unsent: str | None) -> Callable[[str], str]:
+    """What a call whose deadline passed says of each worker that did not answer: why the
+    request was not sent (``unsent``), or where the worker's reader of the requests stands. Read
+    from the request ring once the deadline passed, never per call. The request is the last
+    message of the ring (calls take turns): a reader at the head has taken it."""
+    if unsent is not None:
+        return lambda worker: f"the request was not sent; {unsent}"
+    readers = {r.name: r for r in ch.pub.records.infos(ch.pub.head, ())}
+
+    def why(worker: str) -> str:
+        r = readers.get(worker)
+        if r is None:
+            return "it has no reader of the requests attached"
+        if not r.lag:
+            return (
+                f"it took the request ({where(r.pid, r.host)}) and has not replied: its handler is still "
+                "running, or its process stopped after taking it"
+            )
+        return "it has not taken the request: its " + ch.describe_reader(r)
+
+    return why
 
 
 def _error_reply(cid: int, exc: BaseException) -> tuple[int, bool, tuple[str, str]]:
@@ -505,6 +541,7 @@ class Caller(Generic[Q, R]):
         a paced call's round trip (docs/performance.md, "Calls: fewer frames ...")."""
         call = self._core.start(request)
         need = call.need()
+        unsent = None
         while need != _DONE:
             if need == _PUT:
                 try:
@@ -512,8 +549,11 @@ class Caller(Generic[Q, R]):
                 except WouldBlock:  # the ring is full: wait for room, until the deadline
                     with anyio.move_on_after(deadline - monotonic()) as scope:
                         await self._w.put(call.message)
-                    if scope.cancelled_caught:
-                        break  # not sent: a cancelled put publishes nothing
+                    if scope.cancelled_caught:  # not sent: a cancelled put publishes nothing
+                        ch = self._w._ch
+                        if not ch.pub.closed:
+                            unsent = str(ch.put_timeout("put", ch.wanted, ch.pub.head))
+                        break
                 need = call.sent()
                 continue
             try:
@@ -522,7 +562,9 @@ class Caller(Generic[Q, R]):
                 need = call.ended()
             except WaitTimeout:
                 break
-        return call.result(limit)
+        if need == _DONE or self._w._ch.pub.closed:  # closed meanwhile: its ring is gone
+            return call.result(limit)
+        return call.result(limit, _why_late(self._w._ch, unsent))
 
     def statistics(self) -> CallerStatistics:
         return self._core.book.statistics()
@@ -968,6 +1010,7 @@ class BlockingCaller(Generic[Q, R]):
         call = self._core.start(request)
         deadline = monotonic() + timeout
         need = call.need()
+        unsent = None
         while need != _DONE:
             left = max(0.0, deadline - monotonic())
             try:
@@ -978,9 +1021,17 @@ class BlockingCaller(Generic[Q, R]):
                     need = call.take(self._c.get(left))
             except EndOfStream:
                 need = call.ended()
-            except WaitTimeout:
+            except WaitTimeout as exc:
+                if need == _PUT:
+                    unsent = str(exc)  # it names the workers that held the request ring
                 break
-        return call.result(timeout)
+        if need == _DONE:
+            return call.result(timeout)
+        w = self._w
+        with w._close_lock:  # as its statistics() reads the ring: a close from another thread waits
+            if w._closing:
+                return call.result(timeout)
+            return call.result(timeout, _why_late(w._w, unsent))
 
     def statistics(self) -> CallerStatistics:
         return self._core.book.statistics()

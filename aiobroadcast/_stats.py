@@ -63,3 +63,25 @@ class ReaderStatistics(NamedTuple):
     writer_closed: bool
     #: remote readers: data frames refused (did not open, replayed, out of window, unknown key)
     rejected_frames: int = 0
+
+
+# --- why a writer waits, in words ----------------------------------------------------------------
+# One wording for ``aiobroadcast stats`` (which reads the ring from outside) and for the
+# ``WaitTimeout`` of a put (which reads it from the writer's side, when the time passed).
+
+#: A holder whose process is gone: the writer finds it dead on its next look (``ROOM_CHECK_S``).
+HOLDER_GONE = "its process is gone; the writer drops it within a second"
+#: A holder whose process is alive: the writer cannot tell busy from stopped, and waits.
+HOLDER_STUCK = "it is alive but not reading (busy, stopped, or not calling get)"
+#: The place of the process that serves remote readers: it holds the writer for them.
+HOLDER_TCP_SERVER = "the TCP server, held by a slow remote reader"
+
+
+def where(pid: int, host: str) -> str:
+    """A pid and where it means something: 'pid 7 on 3f2a9c1d0b4e'."""
+    return f"pid {pid} on {host}" if host else f"pid {pid}"
+
+
+def remote_holder(name: str, pid: int, host: str, lag: int) -> str:
+    """A remote reader holding the TCP server back (``lag``: messages it has not acknowledged)."""
+    return f"{name} (remote {where(pid, host)}, {lag} {'message' if lag == 1 else 'messages'} unacknowledged)"

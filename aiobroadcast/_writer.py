@@ -72,6 +72,11 @@ class Writer(Generic[T_contra]):
         ring is streamed; if cancelled midway, readers drop the incomplete message). Raises
         like ``put_nowait``; a reader that dies while the writer waits for it is dropped within
         about a second and the ``put`` goes on.
+
+        A message larger than the ring streams through it while its readers take the fragments:
+        a reader that reads only after this ``put`` returns (in the same task) makes it wait
+        forever. The writer cannot tell such a reader from a busy one (another task or thread
+        may read it any time), so it waits; ``statistics().waiting_for`` names the readers.
         """
         pending = self._publish_now(obj)
         if pending is not None:

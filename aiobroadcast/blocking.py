@@ -35,7 +35,7 @@ Threads. Every method of both classes may be called from any thread at any time:
 
 Timeouts: ``put(obj, timeout=s)`` and ``get(timeout=s)`` raise ``WaitTimeout`` (a ``WouldBlock``
 and a built-in ``TimeoutError``) when ``s`` seconds pass first; nothing is published or taken. A
-negative timeout counts as 0 (never as "forever").
+negative timeout counts as 0 (never as "forever"). A put's names the readers that held it.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from pydantic import BaseModel
 from . import _fork, _tuning
 from ._channel import WriterChannel
 from ._codec import decode_pickle_view
-from ._exceptions import ClosedResourceError, EndOfStream, WouldBlock
+from ._exceptions import ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
 from ._handle import Handle
 from ._open import (
     ReaderOptions,
@@ -152,8 +152,12 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         """Publish ``obj``, blocking this thread while a live reader would be overrun (policy
         "block") or another thread's ``put`` is in progress. ``timeout``: raise ``WaitTimeout``
         after that many seconds instead, having published nothing (a message larger than the
-        whole ring that times out midway is dropped by every reader). Raises like
-        ``Writer.put``, and ``ClosedResourceError`` if ``close()`` is called meanwhile."""
+        whole ring that times out midway is dropped by every reader); it names the readers that
+        held the writer (``holders``), or says that another thread's put held it and what that
+        one waits for. A message larger than the ring needs its readers reading while it streams:
+        one read by this thread only after ``put`` returns never lets it finish (the error says
+        so). Raises like ``Writer.put``, and ``ClosedResourceError`` if ``close()`` is called
+        meanwhile."""
         self._put(obj, None if timeout is None else _deadline(timeout), nowait=False)
 
     def put_many(self, objs: Iterable[T_contra], timeout: float | None = None) -> None:
@@ -165,13 +169,16 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         deadline = None if timeout is None else _deadline(timeout)
         lock = self._lock
         try:
-            lock.acquire(deadline, wait=True)
+            try:
+                lock.acquire(deadline, wait=True)
+            except WaitTimeout:
+                raise self._busy_timeout("put_many") from None
             self._check_open()
             w = self._w
             batch, entries = w.encode_batch(objs)
             if not batch or w.pub.try_publish_many(batch, entries):
                 return
-            self._wait(w.batch_steps(batch, entries), deadline)
+            self._wait(w.batch_steps(batch, entries), deadline, "put_many", entries)
         finally:
             lock.release()
 
@@ -214,7 +221,10 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             raise ClosedResourceError("this writer is closed")
         lock = self._lock
         try:
-            lock.acquire(deadline, wait=not nowait)
+            try:
+                lock.acquire(deadline, wait=not nowait)
+            except WaitTimeout:  # another thread's put held the writer: say what that one waits for
+                raise self._busy_timeout("put") from None
             self._check_open()
             w = self._w
             # Under the lock, so that a put from inside pickling (a __reduce__ that publishes)
@@ -224,16 +234,28 @@ class BlockingWriter(_Closable, Generic[T_contra]):
                 return
             if nowait:
                 raise WouldBlock
-            self._wait(w.publish_steps(parts, total, oob, entries), deadline)
+            self._wait(w.publish_steps(parts, total, oob, entries), deadline, "put", entries)
         finally:
             lock.release()
 
-    def _wait(self, steps: Steps[None], deadline: float | None) -> None:
+    def _busy_timeout(self, what: str) -> WaitTimeout:
+        """``busy_timeout``, read under the close lock as ``statistics()`` reads: this thread does
+        not hold the writer, so another one may be closing it (and unmapping the ring)."""
+        with self._close_lock:
+            if self._closing:
+                return WaitTimeout(f"{what}: the timeout passed while another thread held this writer, closing it")
+            return self._w.busy_timeout(what)
+
+    def _wait(self, steps: Steps[None], deadline: float | None, what: str, entries: int) -> None:
         """Run a put's waiting steps (``publish_steps``, ``batch_steps``) in this thread, which
-        holds ``self._lock`` (this writer's threads take turns on it), counted as waiting."""
+        holds ``self._lock`` (this writer's threads take turns on it), counted as waiting. A
+        ``WaitTimeout`` names the readers that held it (``put_timeout``), read when it is raised."""
         self._lock.count(1)
+        start = self._w.pub.head
         try:
             run_blocking(steps, self._sleeper(deadline))
+        except WaitTimeout:
+            raise self._w.put_timeout(what, entries, start) from None
         finally:
             self._lock.count(-1)
 

@@ -406,7 +406,10 @@ class MessageQueueWriter(MessageQueue):
                 return
             now = time.monotonic()
             if deadline is not None and now >= deadline:
-                raise WaitTimeout("the timeout passed before every reader attached")
+                raise WaitTimeout(
+                    f"the timeout passed before every reader attached: {local} of {self.n_local_reader} local and "
+                    f"{remote} of {self.n_remote_reader} remote attached"
+                )
             if now - said >= READY_LOG_S:
                 said = now
                 log.warning(

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
+import socket
 import sys
 import time
 from typing import Any
@@ -17,6 +19,8 @@ from _workers import spawn
 
 import aiobroadcast as ab
 from aiobroadcast import blocking
+
+HERE = socket.gethostname()[:16]  #: as a ring records a reader's host
 
 #: Generous bound for "it happens" (never a performance claim): a loaded 2-core machine.
 WITHIN_S = 15.0
@@ -106,7 +110,12 @@ async def test_a_late_reply_is_dropped_and_counted_and_an_unknown_id_too() -> No
             await slow.recv("ready")
             await rogue.recv("ready")
             first = await caller.call(("sleep", 1.5), timeout=0.3)
-            assert first["slow"] == ab.NoReply("slow", "deadline", "worker 'slow' did not answer within 0.3 s")
+            late = first["slow"]
+            assert isinstance(late, ab.NoReply) and late.reason == "deadline"
+            # Why, as the request ring shows it: taken by now, or (a loaded machine) not yet.
+            took = rf"it took the request \(pid {slow.pid} on {HERE}\) and has not replied: its handler"
+            not_yet = rf"it has not taken the request: its reader 'slow' \(pid {slow.pid} on {HERE}\), "
+            assert re.match(rf"worker 'slow' did not answer within 0\.3 s: ({took}|{not_yet})", late.detail), late
             assert first["rogue"].reason == "deadline"  # type: ignore[union-attr]
             # The next call is answered after the late reply to the first arrived: it is dropped.
             second = await caller.call("next", timeout=3)
@@ -215,7 +224,16 @@ async def test_a_call_waits_for_room_until_its_deadline_and_then_sends_nothing()
             start = time.monotonic()
             full = await caller.call("no room", timeout=0.3)
             assert 0.25 <= time.monotonic() - start < WITHIN_S
-            assert full == {"busy": ab.NoReply("busy", "deadline", "worker 'busy' did not answer within 0.3 s")}
+            assert full == {
+                "busy": ab.NoReply(
+                    "busy",
+                    "deadline",
+                    "worker 'busy' did not answer within 0.3 s: the request was not sent; put: the timeout passed "
+                    "waiting for room for 1 ring slot (the ring has 2); the writer waits for: reader 'busy' "
+                    f"(pid {busy.pid} on {HERE}), 2 ring entries (2 messages) behind: it is alive but not reading "
+                    "(busy, stopped, or not calling get)",
+                )
+            }
             assert caller._w.statistics().sent == sent + 2  # "no room" was not sent
             # Once the worker is back, it answers what was sent, in order; then the next call.
             assert (await caller.call("after", timeout=WITHIN_S))["busy"] == ab.Reply("busy", ("busy", "after"))

@@ -287,3 +287,16 @@ class Publisher(FragmentWrites):
             self._give()
         _segment.unlock(self.seg.fd, _segment.WRITER_LOCK_BYTE)
         self.wake_all_readers()  # sleepers find the lock free on waking
+
+
+def messages_from(pub: Publisher, entry: int) -> int | None:
+    """How many messages a reader at ring entry ``entry`` has not finished: the messages ``pub``
+    published from the one at ``entry`` on (it may have taken some of that one's fragments); None
+    if the slot no longer says. For errors, not for the hot path: reads a slot's header."""
+    if entry >= pub.head:
+        return 0
+    off = pub.layout.slot_offset(entry)
+    if entry < pub.head - pub.layout.capacity or pub.seg.words[off >> 3] != entry:  # overwritten ("lag")
+        return None
+    number: int = SLOT_REST.unpack_from(pub.seg.buf, off + SLOT_REST_OFFSET)[0]
+    return max(0, pub.msg - number)

@@ -36,6 +36,7 @@ from .._shm.layout import (
     W_WAIT_TARGET,
     W_WRITER_PID,
 )
+from .._stats import HOLDER_GONE, HOLDER_STUCK, HOLDER_TCP_SERVER, where
 from .._tcp.report import read_report, report_path
 from ._common import EXIT_FAILED, EXIT_OK, HelpFormatter, fail, load_handle, run_sync
 
@@ -228,24 +229,22 @@ def render(h: Handle, now: Snapshot, before: Snapshot | None) -> list[str]:
     for r in now.holding():
         line = f"writer is waiting for: {r.name} ({_where(r.pid, r.host)}) at entry {r.cursor} of {now.head}"
         if not r.alive:
-            line += " - its process is gone; the writer drops it within a second"
+            line += f" - {HOLDER_GONE}"
         elif _is_tcp_server(h, r):
             slowest = max(now.remote or (), key=lambda rr: rr.lag, default=None)
-            line += " - the TCP server, held by a slow remote reader"
+            line += f" - {HOLDER_TCP_SERVER}"
             if slowest is not None:
                 where = _where(slowest.pid, slowest.host)
                 line += f": {slowest.name} (remote {where}, {plural(slowest.lag, 'message')} unacknowledged)"
         else:
-            line += " - it is alive but not reading (busy, stopped, or not calling get)"
+            line += f" - {HOLDER_STUCK}"
         lines.append(line)
     if now.wait_target and not holding:
         lines.append("writer is waiting for room; the readers holding it have just moved")
     return lines
 
 
-def _where(pid: int, host: str) -> str:
-    """A pid and where it means something: 'pid 7 on 3f2a9c1d0b4e'."""
-    return f"pid {pid} on {host}" if host else f"pid {pid}"
+_where = where  # a pid and where it means something, as the library's errors say it
 
 
 def _host(host: str) -> str:

@@ -1204,6 +1204,78 @@ def test_a_forged_server_without_the_key_is_never_believed() -> None:
     assert isinstance(event, Messages) and bytes(event.items[0][0]) == b"0"
 
 
+# --- where a gap starts --------------------------------------------------------------------------
+
+
+def _deliver(c: ClientProtocol, sent: list[tuple[bool, list[Any]]], now: float, consumed: int) -> list[ClientEvent]:
+    """Feed ``c`` frame groups as the server sent them (control or data); the events it gives."""
+    events = [c.receive_data(f, now, consumed) if data else c.receive(f, now) for data, f in sent]
+    return [e for e in events if e is not None]
+
+
+def test_a_lagged_sealed_for_another_reader_does_not_move_this_one() -> None:
+    """The seal binds a LAGGED to its channel, key and counter, not to its reader, so A's LAGGED
+    opens at B. Its gap starts where A was: B, still before that, must not take it (it would skip
+    messages the server still holds for it). It refuses it as out of its window and asks for
+    what it lacks; the server then sends B everything it holds, and B's own exact gap."""
+    srv, net = server(window=16), Net()
+    a, b = client(window=16), client(window=16)
+    for ident, c in ((b"a", a), (b"b", b)):
+        for frames in c.data_to_send():
+            net.receive(srv, ident, frames, now=0.0, published=0)
+        assert _deliver(c, net.take(ident), 0.0, 0) == [Welcomed(0)]
+    publish(srv, 0, 1, 2)
+    net.full.add(b"b")  # B's queue is full: the batch goes to A only
+    net.transmit(srv)
+    assert [type(e) for e in _deliver(a, net.take(b"a"), 0.1, 0)] == [Messages]
+    srv.lost(10)
+    publish(srv, 10)
+    net.transmit(srv)
+    (lagged, _batch) = net.take(b"a")
+    assert lagged[1][0] == wire.LAGGED
+    # An on-path host copies A's LAGGED into B's data connection.
+    assert b.receive_data(lagged[1], 0.2, consumed=0) is None
+    assert b.next == 0 and b.rejected == {"out_of_window": 1}
+    assert kinds(b) == [(wire.NACK, 0)]
+    net.full.discard(b"b")
+    net.transmit(srv)
+    net.transmit(srv)
+    net.transmit(srv)
+    events = _deliver(b, net.take(b"b"), 0.3, 0)
+    assert [(type(e), getattr(e, "first", None)) for e in events] == [(Messages, 0), (Lagged, None), (Messages, 10)]
+    assert events[1] == Lagged(missed=7, resume_at=10)
+    assert [bytes(body) for body, _ in events[0].items] == [b"mmm"] * 3  # type: ignore[union-attr]
+
+
+def test_a_readers_own_lagged_that_overtakes_a_lost_batch_is_asked_again_not_taken() -> None:
+    """No attacker: the batch 0..2 is lost in transit (a data reconnect), and the reader's own
+    LAGGED for 3..9 comes first. Its gap starts after the reader's place: the reader asks for
+    what follows what it has, and gets 0..2 (the server still holds them), then the gap."""
+    srv, net = server(window=16), Net()
+    c = client(window=16)
+    for frames in c.data_to_send():
+        net.receive(srv, b"c", frames, now=0.0, published=0)
+    assert _deliver(c, net.take(b"c"), 0.0, 0) == [Welcomed(0)]
+    publish(srv, 0, 1, 2)
+    net.transmit(srv)
+    net.take(b"c")  # lost
+    srv.lost(10)
+    publish(srv, 10)
+    net.transmit(srv)
+    net.transmit(srv)
+    assert _deliver(c, net.take(b"c"), 0.1, 0) == []  # LAGGED refused, then batch 10 after a gap
+    assert c.next == 0 and c.rejected == {"out_of_window": 2}
+    for frames in c.data_to_send():
+        assert wire.verify(KEY, frames)[0] == wire.NACK
+        net.receive(srv, b"c", frames, now=1.5, published=11)
+    for _ in range(3):
+        net.transmit(srv)
+    events = _deliver(c, net.take(b"c"), 1.6, 0)
+    assert [type(e) for e in events] == [Messages, Lagged, Messages]
+    assert events[0].first == 0 and len(events[0].items) == 3  # type: ignore[union-attr]
+    assert events[1] == Lagged(missed=7, resume_at=10)
+
+
 # --- both together, over a lossy link ----------------------------------------------------------
 
 OPS = st.lists(
@@ -1215,6 +1287,9 @@ OPS = st.lists(
         st.tuples(st.just("consume"), st.integers(1, 8)),
         st.tuples(st.just("time"), st.floats(0.01, 2.5)),
         st.tuples(st.just("hostile"), st.sampled_from(list(HOSTILE))),
+        # another reader's frames: delivered to it, lost, or also copied into this reader's data
+        # connection by an on-path host (they open there: the seal does not name the reader)
+        st.tuples(st.just("other"), st.sampled_from(["deliver", "lose", "copy"])),
     ),
     max_size=60,
 )
@@ -1222,6 +1297,24 @@ OPS = st.lists(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, policy=st.sampled_from(["lag", "block"]), window=st.integers(1, 6), buffer_max=st.integers(2, 8))
+# the reader's batch is lost, and its own LAGGED for what follows comes: it asks again for 0
+@example([("publish", 1), ("to_client", False), ("ring_loses", 1)], "lag", 2, 2)
+# the other reader's LAGGED (a gap from 4) copied to this one, which has 0 and 1 and still
+# needs 2 and 3 (the server holds them, but this reader's credit is used up)
+@example(
+    [
+        ("publish", 4),
+        ("to_client", True),
+        ("other", "deliver"),
+        ("other", "deliver"),
+        ("ring_loses", 2),
+        ("publish", 1),
+        ("other", "copy"),
+    ],
+    "lag",
+    2,
+    8,
+)
 def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact_gap(
     ops: list[tuple[str, Any]], policy: str, window: int, buffer_max: int
 ) -> None:
@@ -1229,9 +1322,12 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
     from another peer: what the reader takes is always in order, never twice, every number
     accounted for (a message or a counted gap); the server never sends beyond the credit nor
     holds more than its bound; once the stream ends and the link is good, the reader ends with
-    everything accounted for."""
+    everything accounted for. A gap the reader is told of starts where the reader is, and holds
+    only messages the server no longer has (so could not send it), even when another reader's
+    gaps are copied into its data connection."""
     srv, net = server(policy, window=window, buffer_max=buffer_max), Net()
     c = ClientProtocol(key=KEY, channel=CHANNEL, name="c", pid=1, host="h", window=window, now=0.0, gone_timeout=1e9)
+    other = ClientProtocol(key=KEY, channel=CHANNEL, name="o", pid=2, host="h", window=2, now=0.0, gone_timeout=1e9)
     now, seq = 0.0, 0
     queue: list[ClientEvent] = []  # what the reader has not taken yet
     taken: list[int] = []  # message numbers taken
@@ -1244,14 +1340,35 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
                 net.receive(srv, b"c", frames, now=now, published=seq)
 
     def to_client(deliver: bool) -> None:
-        nonlocal consumed
         for data, frames in net.take(b"c"):
             if deliver:
-                event = c.receive_data(frames, now, consumed) if data else c.receive(frames, now)
-                if isinstance(event, Welcomed):
-                    consumed = event.start
-                elif event is not None:
-                    queue.append(event)
+                receive(data, frames)
+
+    def receive(data: bool, frames: list[Any]) -> None:
+        nonlocal consumed
+        before = c.next
+        event = c.receive_data(frames, now, consumed) if data else c.receive(frames, now)
+        if isinstance(event, Welcomed):
+            consumed = event.start
+        elif event is not None:
+            if isinstance(event, Lagged):
+                # where the gap starts is the reader's place, and nothing in it is still held
+                assert event.resume_at - event.missed == before >= 0
+                held = set(srv._held.seqs)
+                assert not any(s in held for s in range(before, event.resume_at)), (before, event, held)
+            queue.append(event)
+
+    def to_other(how: str) -> None:
+        """The other reader takes what it is sent at once (so it keeps up under "block")."""
+        for data, frames in net.take(b"o"):
+            if how == "lose":
+                continue
+            other.receive_data(frames, now, other.next) if data else other.receive(frames, now)
+            if how == "copy" and data:
+                receive(True, frames)
+        other.tick(now, max(other.next, 0), ack=True)
+        for frames in other.data_to_send():
+            net.receive(srv, b"o", frames, now=now, published=seq)
 
     def take(n: int) -> None:
         nonlocal accounted, consumed
@@ -1291,6 +1408,9 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
     to_client(True)
     assert c.welcomed
     accounted = consumed = c.next
+    to_other("deliver")
+    to_other("deliver")
+    assert other.welcomed
     for op, arg in ops:
         if op == "publish":
             for _ in range(arg):
@@ -1316,6 +1436,8 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
         elif op == "hostile":
             net.receive(srv, b"other", signed(*HOSTILE[arg]), now=now, published=seq)
             net.take(b"other")
+        elif op == "other":
+            to_other(arg)
         step()
     # The stream ends; from here the link is good and the reader reads everything.
     srv.stream_ended("closed")
@@ -1327,6 +1449,7 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
         to_server(True)
         step()
         to_client(True)
+        to_other("deliver")
         take(10**6)
         if queue and isinstance(queue[0], Ended):
             break

@@ -721,8 +721,14 @@ class ClientProtocol:
             return Messages(first + skip, opened)
         if kind == wire.LAGGED:
             check_arity(frames, 1)
-            from_seq, _missed = wire.U64x2.unpack(self._opener.open_control(kind, frames[1]))
+            from_seq, missed = wire.U64x2.unpack(self._opener.open_control(kind, frames[1]))
             if from_seq > self.next >= 0:
+                # The seal does not name the reader (the counter is shared by all): this may be
+                # another reader's LAGGED, or ours overtaking a batch lost in transit. Its gap
+                # [from_seq - missed, from_seq) is lost for every reader; one that starts after
+                # our place would skip what the server still holds for us: ask for that instead.
+                if missed > from_seq or from_seq - missed > self.next:
+                    raise seal.OutOfWindow(f"a gap from {from_seq - missed}, message {self.next} is expected")
                 lagged = Lagged(from_seq - self.next, from_seq)
                 self.next = from_seq
                 return lagged

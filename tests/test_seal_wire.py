@@ -474,3 +474,35 @@ def test_the_blocking_writer_takes_the_rekey_policy_and_the_data_port() -> None:
             for i in range(5):
                 w.put(i)
                 assert r.get(timeout=10) == i
+
+
+@pytest.mark.parametrize("insecure", [False, True], ids=["sealed", "insecure"])
+@ON_ASYNCIO
+async def test_a_slow_reader_under_a_rekey_per_message_reads_everything_it_was_sent(insecure: bool) -> None:
+    """rekey_messages=1: a key per message. A reader that takes nothing for 60 messages holds
+    them all unacknowledged, so the server holds them, each under a key of its own: more keys
+    than a keys message carries (16). The server waits with its rekeys while that many old keys
+    are held, so every keys message fits and the reader, once it reads, opens every message
+    (before: a keys message of 61 keys was refused, the bodies under keys it lacked did not open,
+    and the reader asked for the keys again forever)."""
+    async with (
+        tcp_writer(rekey_messages=1, insecure=insecure) as writer,
+        ab.open_reader(writer.handle, transport="tcp", name="slow") as reader,
+    ):
+        with anyio.fail_after(30):
+            await writer.put(0)
+            assert await reader.get() == 0
+            for i in range(1, 61):
+                await writer.put(i)
+
+            # the server took all of them from the ring, and holds them for the reader
+            def taken() -> list[int]:
+                return [r.received for r in writer.statistics().readers if r.transport == "tcp-server"]
+
+            await until(lambda: taken() == [61])
+            got = [await reader.get() for _ in range(60)]
+            await writer.put(61)
+            got.append(await reader.get())
+        assert got == list(range(1, 62))
+        assert reader.statistics().lagged == 0
+        assert reader._src.rejected.get("unknown_key", 0) == 0  # type: ignore[attr-defined]

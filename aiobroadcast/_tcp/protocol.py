@@ -325,7 +325,8 @@ class ServerProtocol:
         self._held.add(seq, (sealed, flags), n)
 
     def rekey(self) -> None:
-        """A new group key now (on demand); ``send_keys`` tells the readers."""
+        """A new group key now (on demand), or with the first message sealed once there is room
+        for one more old key (``Sealer.rekey``); ``send_keys`` tells the readers."""
         self.sealer.rekey()
 
     def send_keys(self) -> None:

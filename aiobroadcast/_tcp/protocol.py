@@ -568,12 +568,15 @@ class ClientProtocol:
         now: float,
         gone_timeout: float | None = None,
     ) -> None:
-        self._key = key
+        # Insecure mode (``key``: the handle's): control frames are signed in a session of this
+        # connection, and the data plane's keys derive from a secret of its own (wire.py).
+        self._signer = None if key is None else wire.ReaderSigner(key)
         self._channel = channel
         # Opens the data frames with the keys WELCOME and KEYS deliver (docs/security.md), large
         # bodies into buffers used again once decoded (given back when the stream pauses).
         self._buffers = seal.Buffers(OPENED_KEEP_BYTES)
-        self._opener = seal.Opener(channel.encode(), secret=key, buffer=self._buffers.take)
+        secret = None if key is None else wire.data_secret(key)
+        self._opener = seal.Opener(channel.encode(), secret=secret, buffer=self._buffers.take)
         #: the port of the server's data socket (a restarted server may take another)
         self.data_port: int | None = None
         #: the data connection's PLAIN password, as the last WELCOME said (None: no handshake)
@@ -604,10 +607,13 @@ class ClientProtocol:
 
     def bye(self) -> list[Any]:
         """The frame group that says this reader leaves."""
-        return wire.sign(self._key, [wire.BYE])
+        return self._sign([wire.BYE])
+
+    def _sign(self, frames: list[Any]) -> list[Any]:
+        return frames if self._signer is None else self._signer.sign(frames)
 
     def _send(self, frames: list[Any]) -> None:
-        self._out.append(wire.sign(self._key, frames))
+        self._out.append(self._sign(frames))
 
     def _hello(self, resume: int | None) -> None:
         hello = {
@@ -634,7 +640,9 @@ class ClientProtocol:
         """A frame group from the server (signature still on). One that is not authentic or not
         well formed is dropped: it is not even proof that the server lives."""
         try:
-            event = self._on_frames(wire.verify(self._key, frames), now)
+            if self._signer is not None:
+                frames = self._signer.verify(frames)
+            event = self._on_frames(frames, now)
         except _BAD_FRAME:
             return None
         self._last_heard = now
@@ -653,7 +661,11 @@ class ClientProtocol:
         if kind == wire.WELCOME:
             return self._on_welcome(wire.decode_json(frames[1]))
         if kind == wire.UNKNOWN:
-            self._hello(self.next if self.next >= 0 else None)  # the server dropped us: resume
+            # The server dropped us, or does not hold our session (it is another server process):
+            # a new session, resuming where we are.
+            if self._signer is not None:
+                self._signer.new_session()
+            self._hello(self.next if self.next >= 0 else None)
             return None
         if kind == wire.REFUSED:
             return Refused(bytes(frames[1]).decode("utf-8", "replace"), self.welcomed)

@@ -13,6 +13,7 @@ side are defined here too (``protocol.py`` exports them).
 from __future__ import annotations
 
 import math
+import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -109,6 +110,8 @@ class Client:
     ended: bool = False
     #: the transport refused the last send (its queue is full, or it is not connected)
     choked: bool = False
+    #: its signed control connection's session (insecure mode; None under CurveZMQ)
+    session: wire.Session | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +120,8 @@ class ServerConfig:
 
     #: "block" or "lag", as the ring's
     policy: str
-    #: the HMAC key (insecure mode); None under CurveZMQ
+    #: the handle's key (insecure mode: control frames are signed with a key derived from it);
+    #: None under CurveZMQ
     key: bytes | None
     #: the most credit a reader gets (it asks for its own, maybe smaller)
     window: int
@@ -159,6 +163,10 @@ class Readers:
         self._returning = returning
         self._grace_until = now + 2 * config.hb_timeout
         self._keys = keys
+        #: the key control frames are signed with (insecure mode)
+        self._mac = None if config.key is None else wire.control_key(config.key)
+        #: the frame group being taken, and from whom: what an answer outside a session answers
+        self._asking: tuple[bytes, wire.Signed] | None = None
         #: the readers admitted
         self.clients: dict[bytes, Client] = {}
         self._out: list[Outgoing] = []
@@ -169,9 +177,21 @@ class Readers:
         #: ``sole_reader``: its reader left for good; nothing is taken from the ring any more
         self.abandoned = False
 
-    def send(self, ident: bytes, frames: list[Any]) -> None:
-        """Queue a control frame group for ``ident`` (signed here)."""
-        self._out.append((ident, wire.sign(self._cfg.key, frames)))
+    def send(self, ident: bytes, frames: list[Any], session: wire.Session | None = None) -> None:
+        """Queue a control frame group for ``ident``. Insecure mode: signed here, in ``session``,
+        or that of the reader ``ident``; without one, as the answer to the frame group being
+        taken from ``ident`` (``wire.sign_answer``), or not at all (nothing authentic asked)."""
+        mac = self._mac
+        if mac is not None:
+            if session is None and (client := self.clients.get(ident)) is not None:
+                session = client.session
+            if session is not None:
+                frames = session.sign(mac, frames)
+            elif self._asking is not None and self._asking[0] == ident:
+                frames = wire.sign_answer(mac, frames, self._asking[1])
+            else:
+                return  # a stranger's frame: nobody to answer who would believe it
+        self._out.append((ident, frames))
 
     def data_to_send(self) -> list[Outgoing]:
         """The control frame groups to send, signed, oldest first (each is taken once)."""
@@ -182,30 +202,113 @@ class Readers:
         """A frame group from ``ident`` (its signature still on). ``horizon``: the number of the
         next message the stream has (the writer published, or the server took). Every field is
         checked before it is acted on; a bad frame costs only its sender."""
-        if len(frames) > wire.MAX_CONTROL_FRAMES:
-            return self.reject(ident, f"{len(frames)} frames in one message")
+        # Insecure mode: nothing is authentic before its signature is checked, so nobody is
+        # dropped (nor told) for a frame that fails a check before that one.
+        early = self.reject if self._mac is None else self._not_authentic
         if any(len(f) > wire.MAX_CONTROL_FRAME for f in frames):
             # ZeroMQ cuts these off (maxmsgsize) before they reach us; a pump without that limit
             # must not get further.
-            return self.reject(ident, "a frame larger than a control frame")
+            return early(ident, "a frame larger than a control frame")
+        if self._mac is None and len(frames) > wire.MAX_CONTROL_FRAMES:
+            return self.reject(ident, f"{len(frames)} frames in one message")
+        session: wire.Session | None = None
+        if self._mac is not None:
+            try:
+                signed = wire.verify(self._mac, frames, to_reader=False)
+            except wire.FrameError as exc:
+                return self._legacy(ident, frames) or self._not_authentic(ident, str(exc))
+            frames = signed.frames
+            try:
+                session = self._session(ident, signed)
+            except wire.FrameError as exc:
+                return self._not_authentic(ident, str(exc))
+            self._asking = (ident, signed)
+            if session is None:
+                try:
+                    self._unknown(ident, frames)
+                finally:
+                    self._asking = None
+                if ident not in self.clients:
+                    return None  # a reader this server dropped, or never served: it comes back
+                # A reader's connection, but not its session: a copy of another connection's
+                # frame, or of an older session's (or its new session's, the HELLO of which was
+                # not taken yet).
+                return self._not_authentic(ident, "signed in another session than that reader's")
+            if len(signed.frames) >= wire.MAX_CONTROL_FRAMES:  # the signature no longer counts
+                try:
+                    return self.reject(ident, f"{len(signed.frames) + 1} frames in one message")
+                finally:
+                    self._asking = None
         try:
-            frames = wire.verify(self._cfg.key, frames)
-        except wire.FrameError as exc:
-            self.rejected_frames += 1
-            return Rejected(ident, str(exc), None, self.rejected_frames)
-        try:
-            return self._on_frames(ident, frames, now, horizon)
+            return self._on_frames(ident, frames, now, horizon, session)
         except (wire.FrameError, struct.error) as exc:
             return self.reject(ident, str(exc))
         except Exception as exc:  # a bug: the pump drops this reader (``reject``), not the others
             raise ReaderFault(ident, f"internal error {type(exc).__name__}") from exc
+        finally:
+            self._asking = None
+
+    def _not_authentic(self, ident: bytes, reason: str) -> Rejected:
+        """A frame group that is not authentic, or not fresh: counted, answered with nothing."""
+        self.rejected_frames += 1
+        return Rejected(ident, reason, None, self.rejected_frames)
+
+    def _session(self, ident: bytes, signed: wire.Signed) -> wire.Session | None:
+        """The session an authentic frame group from ``ident`` belongs to: the reader's (its
+        counter must be new: else ``FrameError``, a replay), or a new one for a HELLO outside
+        any (the server's nonce is drawn here, and goes back in the WELCOME's signature); None
+        for a frame of a session the server does not hold for ``ident``: an old one, another
+        connection's, or one of a server that died (the reader is asked who it is)."""
+        client = self.clients.get(ident)
+        current = client.session if client is not None else None
+        # A HELLO has no server nonce until its WELCOME came (one repeated before that has none).
+        opening = bool(signed.frames) and bytes(signed.frames[0]) == wire.HELLO and signed.server_nonce == wire.NO_NONCE
+        if (
+            current is not None
+            and signed.reader_nonce == current.reader_nonce
+            and (signed.server_nonce == current.server_nonce or opening)
+        ):
+            if signed.counter <= current.heard:
+                raise wire.FrameError(f"frame {signed.counter} of this session taken already (a replay)")
+            current.heard = signed.counter
+            return current
+        if opening:
+            return wire.Session(signed.reader_nonce, os.urandom(wire.NONCE_BYTES), signed.counter)
+        return None
+
+    def _unknown(self, ident: bytes, frames: list[Any]) -> None:
+        """An authentic frame group of a session the server does not hold for ``ident``: "who
+        are you?" (not to a BYE), signed as the answer to that frame group; the reader says HELLO
+        again (the answer to a copy of another reader's frame goes to a reader of another nonce,
+        which refuses it)."""
+        if frames and bytes(frames[0]) != wire.BYE:
+            self._answer(ident, [wire.UNKNOWN])
+
+    def _answer(self, ident: bytes, frames: list[Any]) -> None:
+        """Answer the frame group being taken from ``ident``, outside any session (insecure mode:
+        signed for the reader's nonce, echoing its counter): a refusal of a HELLO."""
+        if self._mac is not None and self._asking is not None and self._asking[0] == ident:
+            self._out.append((ident, wire.sign_answer(self._mac, frames, self._asking[1])))
+        elif self._mac is None:
+            self._out.append((ident, frames))
+
+    def _legacy(self, ident: bytes, frames: list[Any]) -> Rejected | None:
+        """A HELLO of a reader of protocol 5 (signed as that protocol signs, with the handle's
+        key): refused by name, in the terms that reader checks, so it says why it cannot read."""
+        assert self._cfg.key is not None
+        if wire.legacy_verify(self._cfg.key, frames) is None:
+            return None
+        reason = f"protocol version mismatch: this server speaks protocol {wire.PROTOCOL_VERSION}, the reader 5"
+        self._out.append((ident, wire.legacy_sign(self._cfg.key, [wire.REFUSED, reason.encode()])))
+        return None
 
     def reject(self, ident: bytes, reason: str) -> Rejected:
         """Refuse a frame from ``ident``: count it, drop that reader (only it), tell it why. The
         pump calls it for a ``ReaderFault`` that ``receive`` raised."""
         self.rejected_frames += 1
         client = self.clients.pop(ident, None)
-        self.send(ident, [wire.REFUSED, f"malformed frame: {reason}".encode()[:256]])
+        session = client.session if client is not None else None
+        self.send(ident, [wire.REFUSED, f"malformed frame: {reason}".encode()[:256]], session)
         if client is not None:
             self.reader_left(None)
         return Rejected(ident, reason, client.info if client else None, self.rejected_frames)
@@ -219,14 +322,16 @@ class Readers:
         self.reader_left(None)
         return client.info
 
-    def _on_frames(self, ident: bytes, frames: list[bytes], now: float, horizon: int) -> ServerEvent | None:
+    def _on_frames(
+        self, ident: bytes, frames: list[bytes], now: float, horizon: int, session: wire.Session | None
+    ) -> ServerEvent | None:
         if not frames:
             raise wire.FrameError("empty message")
         kind = frames[0]
         client = self.clients.get(ident)
         if kind == wire.HELLO:
             check_arity(frames, 1)
-            return self._hello(ident, client, wire.decode_hello(frames[1]), now, horizon)
+            return self._hello(ident, client, wire.decode_hello(frames[1]), now, horizon, session)
         if kind == wire.ACK or kind == wire.NACK:
             check_arity(frames, 1)
             if len(frames[1]) != wire.U64.size:
@@ -264,23 +369,34 @@ class Readers:
         return None
 
     def _hello(
-        self, ident: bytes, client: Client | None, hello: wire.Hello, now: float, horizon: int
+        self,
+        ident: bytes,
+        client: Client | None,
+        hello: wire.Hello,
+        now: float,
+        horizon: int,
+        session: wire.Session | None,
     ) -> ServerEvent | None:
+        """``session``: the signed session the HELLO came in (insecure mode): the reader's own
+        (a repeated HELLO), or a new one, which an admission makes the reader's."""
         if hello.version != wire.PROTOCOL_VERSION:
-            self.send(ident, [wire.REFUSED, b"protocol version mismatch"])
+            reason = f"protocol version mismatch: this server speaks protocol {wire.PROTOCOL_VERSION}, "
+            self._answer(ident, [wire.REFUSED, f"{reason}the reader {hello.version}".encode()])
             return None
         if hello.channel is not None and self._cfg.channel is not None and hello.channel != self._cfg.channel:
             # Same endpoint and keys (fixed CurveKeys), but the handle of another writer: its
             # frames would never open here (the channel id is in every seal).
-            self.send(ident, [wire.REFUSED, b"this handle is of another channel (an earlier writer at this endpoint)"])
+            self._answer(
+                ident, [wire.REFUSED, b"this handle is of another channel (an earlier writer at this endpoint)"]
+            )
             return None
         if client is not None and now - client.resent_at < self._cfg.hb_interval:
             return None  # it said HELLO a moment ago; it says it again if the WELCOME is lost
         if self.abandoned:
-            self.send(ident, [wire.REFUSED, b"this sender's collector left: it serves no reader any more"])
+            self._answer(ident, [wire.REFUSED, b"this sender's collector left: it serves no reader any more"])
             return None
         if client is None and len(self.clients) >= self._cfg.max_remote:
-            self.send(ident, [wire.REFUSED, f"all {self._cfg.max_remote} remote reader places are taken".encode()])
+            self._answer(ident, [wire.REFUSED, f"all {self._cfg.max_remote} remote reader places are taken".encode()])
             return None
         if hello.resume is not None and self._returning:
             self._returning -= 1
@@ -298,7 +414,7 @@ class Readers:
         self.had_reader = True
         info = ClientInfo(hello.name[:NAME_BYTES], hello.pid, hello.host)
         window = min(hello.window, self._cfg.window)
-        self.clients[ident] = Client(ident, info, window, start, start, now, now)
+        self.clients[ident] = Client(ident, info, window, start, start, now, now, session=session)
         welcome = {
             "start": start,
             "policy": self._cfg.policy,

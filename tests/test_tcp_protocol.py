@@ -1432,6 +1432,34 @@ def test_a_recorded_bye_or_hello_drops_nobody_and_a_reflected_frame_is_refused()
     assert srv.rejected_frames == 2 and [r["name"] for r in srv.report()["readers"]] == ["b"]
 
 
+def test_a_recorded_hello_neither_moves_nor_replaces_a_readers_session() -> None:
+    """A reader's first HELLO (no resume: "start me at the stream's end"), played again in its
+    session, is a replay; played again once the reader is in a later session (it was dropped,
+    and came back), it is of another session on that reader's connection: refused either way,
+    and the reader keeps its place (under "block", a place moved to the end would let the server
+    forget what the reader has not read)."""
+    srv, net = server("block", window=8), Net()
+    b = _reader("b")
+    (hello1,) = b.data_to_send()
+    assert isinstance(net.receive(srv, b"b", hello1, now=0.0, published=3), Admitted)
+    (welcome1,) = [f for _, f in net.take(b"b")]
+    assert b.receive(welcome1, 0.0) == Welcomed(3)
+    event = net.receive(srv, b"b", hello1, now=2.0, published=9)
+    assert isinstance(event, Rejected) and "replay" in event.reason and event.dropped is None
+    assert net.heartbeat(srv, TIMEOUT + 1.0)  # silent: dropped
+    b.tick(TIMEOUT + 1.0, consumed=3)
+    for frames in b.data_to_send():  # its ACK: "who are you?"
+        net.receive(srv, b"b", frames, now=TIMEOUT + 1.0, published=9)
+    for _, frames in net.take(b"b"):
+        b.receive(frames, TIMEOUT + 1.0)
+    for frames in b.data_to_send():  # a HELLO of a new session, resuming at 3
+        assert isinstance(net.receive(srv, b"b", frames, now=TIMEOUT + 1.0, published=9), Admitted)
+    event = net.receive(srv, b"b", hello1, now=TIMEOUT + 9.0, published=9)
+    assert isinstance(event, Rejected) and "another session" in event.reason and event.dropped is None
+    (reader,) = srv.report()["readers"]
+    assert reader["received"] == 3  # its place, not the stream's end
+
+
 def test_a_reader_of_protocol_5_is_refused_by_name_in_its_own_terms() -> None:
     """A reader of protocol 5 signs its HELLO with the handle's key itself, and checks what it
     is answered the same way: it gets a REFUSED it can check, that names the versions."""

@@ -228,12 +228,7 @@ class Readers:
                     self._unknown(ident, frames)
                 finally:
                     self._asking = None
-                if ident not in self.clients:
-                    return None  # a reader this server dropped, or never served: it comes back
-                # A reader's connection, but not its session: a copy of another connection's
-                # frame, or of an older session's (or its new session's, the HELLO of which was
-                # not taken yet).
-                return self._not_authentic(ident, "signed in another session than that reader's")
+                return None
             if len(signed.frames) >= wire.MAX_CONTROL_FRAMES:  # the signature no longer counts
                 try:
                     return self.reject(ident, f"{len(signed.frames) + 1} frames in one message")
@@ -255,32 +250,34 @@ class Readers:
 
     def _session(self, ident: bytes, signed: wire.Signed) -> wire.Session | None:
         """The session an authentic frame group from ``ident`` belongs to: the reader's (its
-        counter must be new: else ``FrameError``, a replay), or a new one for a HELLO outside
-        any (the server's nonce is drawn here, and goes back in the WELCOME's signature); None
-        for a frame of a session the server does not hold for ``ident``: an old one, another
-        connection's, or one of a server that died (the reader is asked who it is)."""
+        counter must be new), or a new one for a HELLO outside any on a connection without a
+        reader (the server's nonce is drawn here, and goes back in the WELCOME's signature);
+        None for a frame the server answers "who are you?": from a connection without a reader
+        (one it dropped, or one of a server that died), or of the reader's nonce before it had
+        its WELCOME. ``FrameError`` (refused, counted) for a replay, and for a frame of another
+        session on a reader's connection: a copy of another connection's frame, or of an older
+        session's (a reader opens a new session only once the server lost its own)."""
         client = self.clients.get(ident)
         current = client.session if client is not None else None
         # A HELLO has no server nonce until its WELCOME came (one repeated before that has none).
         opening = bool(signed.frames) and bytes(signed.frames[0]) == wire.HELLO and signed.server_nonce == wire.NO_NONCE
-        if (
-            current is not None
-            and signed.reader_nonce == current.reader_nonce
-            and (signed.server_nonce == current.server_nonce or opening)
-        ):
+        if current is None:
+            return wire.Session(signed.reader_nonce, os.urandom(wire.NONCE_BYTES), signed.counter) if opening else None
+        if signed.reader_nonce != current.reader_nonce:
+            raise wire.FrameError("signed in another session than that reader's")
+        if signed.server_nonce == current.server_nonce or opening:
             if signed.counter <= current.heard:
                 raise wire.FrameError(f"frame {signed.counter} of this session taken already (a replay)")
             current.heard = signed.counter
             return current
-        if opening:
-            return wire.Session(signed.reader_nonce, os.urandom(wire.NONCE_BYTES), signed.counter)
-        return None
+        if signed.server_nonce == wire.NO_NONCE:
+            return None  # its WELCOME was lost: it says HELLO again
+        raise wire.FrameError("signed in another session than that reader's")
 
     def _unknown(self, ident: bytes, frames: list[Any]) -> None:
-        """An authentic frame group of a session the server does not hold for ``ident``: "who
-        are you?" (not to a BYE), signed as the answer to that frame group; the reader says HELLO
-        again (the answer to a copy of another reader's frame goes to a reader of another nonce,
-        which refuses it)."""
+        """An authentic frame group of no session the server holds for ``ident`` (``_session``):
+        "who are you?" (not to a BYE), signed as the answer to that frame group; the reader says
+        HELLO again."""
         if frames and bytes(frames[0]) != wire.BYE:
             self._answer(ident, [wire.UNKNOWN])
 

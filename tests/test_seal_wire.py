@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
+import _tcp_workers as tw
 import anyio
 import anyio.to_thread
 import pytest
@@ -508,6 +509,39 @@ async def test_a_slow_reader_under_a_rekey_per_message_reads_everything_it_was_s
         assert got == list(range(1, 62))
         assert reader.statistics().lagged == 0
         assert reader._src.rejected.get("unknown_key", 0) == 0  # type: ignore[attr-defined]
+
+
+@ON_ASYNCIO
+async def test_a_sigstopped_reader_under_a_rekey_per_message_reads_on_once_resumed() -> None:
+    """rekey_messages=1, and a remote reader process stopped (SIGSTOP) while 60 messages go out:
+    it holds them unacknowledged, and the KEYS of 60 rekeys pile up for it (or are lost: its
+    control queue is full). Once resumed it reads every message, or is told exactly what it
+    missed (ReaderLagged, had the server dropped it meanwhile), and reads on to the end (before:
+    the keys it asked for again came in a WELCOME of more than 16 keys, which it refused, and it
+    asked again forever)."""
+    n = 62
+    async with tcp_writer(rekey_messages=1, heartbeat_s=2.0) as writer:
+        opts = tw.ReaderOpts(name="stopped", live=True)
+        with tw.spawn(tw.reader_proc, tw.ASYNCIO, None, writer.handle.to_json(), opts) as reader:
+            await reader.recv("attached")
+            await writer.put(tw.message(0))
+            await reader.until(lambda ev: len(ev) >= 1)
+            reader.signal(signal.SIGSTOP)
+            try:
+                with anyio.fail_after(30):
+                    for i in range(1, n - 1):
+                        await writer.put(tw.message(i))
+            finally:
+                reader.signal(signal.SIGCONT)
+            await writer.put(tw.message(n - 1))
+            await reader.until(
+                lambda ev: sum(1 if e[0] == "msg" else e[1] if e[0] == "lagged" else 0 for e in ev) >= n, 60
+            )
+            with anyio.fail_after(20):
+                await writer.aclose()
+            events = (await reader.recv("events"))["events"]
+    tw.account(events, n)
+    assert events[-1] == ("end",), tw.summary(events)
 
 
 # --- insecure mode: control frames recorded on one connection, played into another --------------

@@ -53,6 +53,9 @@ END = b"E"  # sealed: u64 final seq, then the reason
 # server -> reader, on the control connection again
 UNKNOWN = b"U"  # "who are you?": the server dropped this reader; say HELLO again
 REFUSED = b"R"  # reason
+#: the kinds a server may send as the answer to a frame of no session it holds (insecure mode:
+#: signed without the server's nonce, echoing the counter of the frame answered)
+ANSWER_KINDS = (UNKNOWN, REFUSED)
 
 U64 = struct.Struct("<Q")
 U64x2 = struct.Struct("<QQ")
@@ -269,7 +272,7 @@ class ReaderSigner:
         if signed.reader_nonce != self.reader_nonce:
             raise FrameError("signed for another session (another reader's, or an old one)")
         if signed.server_nonce == NO_NONCE:
-            if not body or body[0] not in (UNKNOWN, REFUSED):
+            if not body or bytes(body[0]) not in ANSWER_KINDS:
                 raise FrameError("only UNKNOWN and REFUSED answer a frame of no session")
             if not self._echoed < signed.counter < self._sent:
                 raise FrameError(f"an answer to frame {signed.counter}, taken already or never sent")

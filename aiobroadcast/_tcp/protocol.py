@@ -568,14 +568,12 @@ class ClientProtocol:
         now: float,
         gone_timeout: float | None = None,
     ) -> None:
-        # Insecure mode (``key``: the handle's): control frames are signed in a session of this
-        # connection, and the data plane's keys derive from a secret of its own (wire.py).
-        self._signer = None if key is None else wire.ReaderSigner(key)
+        self._signer = None if key is None else wire.ReaderSigner(key)  # insecure: ``key`` is the handle's
         self._channel = channel
         # Opens the data frames with the keys WELCOME and KEYS deliver (docs/security.md), large
         # bodies into buffers used again once decoded (given back when the stream pauses).
         self._buffers = seal.Buffers(OPENED_KEEP_BYTES)
-        secret = None if key is None else wire.data_secret(key)
+        secret = None if key is None else wire.data_secret(key)  # insecure: the data plane's (wire.py)
         self._opener = seal.Opener(channel.encode(), secret=secret, buffer=self._buffers.take)
         #: the port of the server's data socket (a restarted server may take another)
         self.data_port: int | None = None
@@ -607,13 +605,10 @@ class ClientProtocol:
 
     def bye(self) -> list[Any]:
         """The frame group that says this reader leaves."""
-        return self._sign([wire.BYE])
-
-    def _sign(self, frames: list[Any]) -> list[Any]:
-        return frames if self._signer is None else self._signer.sign(frames)
+        return [wire.BYE] if self._signer is None else self._signer.sign([wire.BYE])
 
     def _send(self, frames: list[Any]) -> None:
-        self._out.append(self._sign(frames))
+        self._out.append(frames if self._signer is None else self._signer.sign(frames))
 
     def _hello(self, resume: int | None) -> None:
         hello = {
@@ -640,9 +635,7 @@ class ClientProtocol:
         """A frame group from the server (signature still on). One that is not authentic or not
         well formed is dropped: it is not even proof that the server lives."""
         try:
-            if self._signer is not None:
-                frames = self._signer.verify(frames)
-            event = self._on_frames(frames, now)
+            event = self._on_frames(frames if self._signer is None else self._signer.verify(frames), now)
         except _BAD_FRAME:
             return None
         self._last_heard = now
@@ -661,11 +654,7 @@ class ClientProtocol:
         if kind == wire.WELCOME:
             return self._on_welcome(wire.decode_json(frames[1]))
         if kind == wire.UNKNOWN:
-            # The server dropped us, or does not hold our session (it is another server process):
-            # a new session, resuming where we are.
-            if self._signer is not None:
-                self._signer.new_session()
-            self._hello(self.next if self.next >= 0 else None)
+            self._hello(self.next if self.next >= 0 else None)  # the server dropped us: resume
             return None
         if kind == wire.REFUSED:
             return Refused(bytes(frames[1]).decode("utf-8", "replace"), self.welcomed)
@@ -736,10 +725,7 @@ class ClientProtocol:
             check_arity(frames, 1)
             from_seq, missed = wire.U64x2.unpack(self._opener.open_control(kind, frames[1]))
             if from_seq > self.next >= 0:
-                # The seal does not name the reader (the counter is shared by all): this may be
-                # another reader's LAGGED, or ours overtaking a batch lost in transit. Its gap
-                # [from_seq - missed, from_seq) is lost for every reader; one that starts after
-                # our place would skip what the server still holds for us: ask for that instead.
+                # another reader's, or ours before a lost batch: a gap past our place skips what is held
                 if missed > from_seq or from_seq - missed > self.next:
                     raise seal.OutOfWindow(f"a gap from {from_seq - missed}, message {self.next} is expected")
                 lagged = Lagged(from_seq - self.next, from_seq)

@@ -13,7 +13,6 @@ side are defined here too (``protocol.py`` exports them).
 from __future__ import annotations
 
 import math
-import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -163,8 +162,8 @@ class Readers:
         self._returning = returning
         self._grace_until = now + 2 * config.hb_timeout
         self._keys = keys
-        #: the key control frames are signed with (insecure mode)
-        self._mac = None if config.key is None else wire.control_key(config.key)
+        #: insecure mode: signs and checks the readers' control frames in their sessions
+        self._signer = None if config.key is None else wire.ServerSigner(config.key)
         #: the frame group being taken, and from whom: what an answer outside a session answers
         self._asking: tuple[bytes, wire.Signed] | None = None
         #: the readers admitted
@@ -178,19 +177,15 @@ class Readers:
         self.abandoned = False
 
     def send(self, ident: bytes, frames: list[Any], session: wire.Session | None = None) -> None:
-        """Queue a control frame group for ``ident``. Insecure mode: signed here, in ``session``,
-        or that of the reader ``ident``; without one, as the answer to the frame group being
-        taken from ``ident`` (``wire.sign_answer``), or not at all (nothing authentic asked)."""
-        mac = self._mac
-        if mac is not None:
-            if session is None and (client := self.clients.get(ident)) is not None:
-                session = client.session
-            if session is not None:
-                frames = session.sign(mac, frames)
-            elif self._asking is not None and self._asking[0] == ident:
-                frames = wire.sign_answer(mac, frames, self._asking[1])
-            else:
-                return  # a stranger's frame: nobody to answer who would believe it
+        """Queue a control frame group for ``ident``. Insecure mode: signed in ``session``, or that
+        of the reader ``ident``, or as the answer to the frame group being taken from it."""
+        if self._signer is not None:
+            client = self.clients.get(ident)
+            asked = self._asking[1] if self._asking is not None and self._asking[0] == ident else None
+            signed = self._signer.sign(frames, session or (client.session if client else None), asked)
+            if signed is None:
+                return  # nobody authentic asked: nobody would believe it
+            frames = signed
         self._out.append((ident, frames))
 
     def data_to_send(self) -> list[Outgoing]:
@@ -201,40 +196,31 @@ class Readers:
     def receive(self, ident: bytes, frames: list[bytes], *, now: float, horizon: int) -> ServerEvent | None:
         """A frame group from ``ident`` (its signature still on). ``horizon``: the number of the
         next message the stream has (the writer published, or the server took). Every field is
-        checked before it is acted on; a bad frame costs only its sender."""
-        # Insecure mode: nothing is authentic before its signature is checked, so nobody is
-        # dropped (nor told) for a frame that fails a check before that one.
-        early = self.reject if self._mac is None else self._not_authentic
+        checked before it is acted on; a bad frame costs only its sender (insecure mode: once its
+        signature and session are checked; before, it drops nobody and is answered nothing)."""
+        signer = self._signer
         if any(len(f) > wire.MAX_CONTROL_FRAME for f in frames):
             # ZeroMQ cuts these off (maxmsgsize) before they reach us; a pump without that limit
             # must not get further.
-            return early(ident, "a frame larger than a control frame")
-        if self._mac is None and len(frames) > wire.MAX_CONTROL_FRAMES:
-            return self.reject(ident, f"{len(frames)} frames in one message")
+            return (self.reject if signer is None else self._not_authentic)(
+                ident, "a frame larger than a control frame"
+            )
         session: wire.Session | None = None
-        if self._mac is not None:
+        if signer is not None:
+            client = self.clients.get(ident)
             try:
-                signed = wire.verify(self._mac, frames, to_reader=False)
+                signed, session = signer.take(frames, client.session if client is not None else None)
             except wire.FrameError as exc:
-                return self._legacy(ident, frames) or self._not_authentic(ident, str(exc))
-            frames = signed.frames
-            try:
-                session = self._session(ident, signed)
-            except wire.FrameError as exc:
+                self._out += [(ident, refusal) for refusal in signer.refuse_legacy(frames)]
                 return self._not_authentic(ident, str(exc))
-            self._asking = (ident, signed)
-            if session is None:
-                try:
-                    self._unknown(ident, frames)
-                finally:
-                    self._asking = None
+            if session is None:  # of no session the server holds for it: "who are you?" (not to BYE)
+                if signed.frames[:1] != [wire.BYE]:
+                    self._out.append((ident, signer.answer([wire.UNKNOWN], signed)))
                 return None
-            if len(signed.frames) >= wire.MAX_CONTROL_FRAMES:  # the signature no longer counts
-                try:
-                    return self.reject(ident, f"{len(signed.frames) + 1} frames in one message")
-                finally:
-                    self._asking = None
+            frames, self._asking = signed.frames, (ident, signed)
         try:
+            if len(frames) > wire.MAX_CONTROL_FRAMES - (signer is not None):  # the signature included
+                return self.reject(ident, f"{len(frames) + (signer is not None)} frames in one message")
             return self._on_frames(ident, frames, now, horizon, session)
         except (wire.FrameError, struct.error) as exc:
             return self.reject(ident, str(exc))
@@ -247,57 +233,6 @@ class Readers:
         """A frame group that is not authentic, or not fresh: counted, answered with nothing."""
         self.rejected_frames += 1
         return Rejected(ident, reason, None, self.rejected_frames)
-
-    def _session(self, ident: bytes, signed: wire.Signed) -> wire.Session | None:
-        """The session an authentic frame group from ``ident`` belongs to: the reader's (its
-        counter must be new), or a new one for a HELLO outside any on a connection without a
-        reader (the server's nonce is drawn here, and goes back in the WELCOME's signature);
-        None for a frame the server answers "who are you?": from a connection without a reader
-        (one it dropped, or one of a server that died), or of the reader's nonce before it had
-        its WELCOME. ``FrameError`` (refused, counted) for a replay, and for a frame of another
-        session on a reader's connection: a copy of another connection's frame, or of an older
-        session's (a reader opens a new session only once the server lost its own)."""
-        client = self.clients.get(ident)
-        current = client.session if client is not None else None
-        # A HELLO has no server nonce until its WELCOME came (one repeated before that has none).
-        opening = bool(signed.frames) and bytes(signed.frames[0]) == wire.HELLO and signed.server_nonce == wire.NO_NONCE
-        if current is None:
-            return wire.Session(signed.reader_nonce, os.urandom(wire.NONCE_BYTES), signed.counter) if opening else None
-        if signed.reader_nonce != current.reader_nonce:
-            raise wire.FrameError("signed in another session than that reader's")
-        if signed.server_nonce == current.server_nonce or opening:
-            if signed.counter <= current.heard:
-                raise wire.FrameError(f"frame {signed.counter} of this session taken already (a replay)")
-            current.heard = signed.counter
-            return current
-        if signed.server_nonce == wire.NO_NONCE:
-            return None  # its WELCOME was lost: it says HELLO again
-        raise wire.FrameError("signed in another session than that reader's")
-
-    def _unknown(self, ident: bytes, frames: list[Any]) -> None:
-        """An authentic frame group of no session the server holds for ``ident`` (``_session``):
-        "who are you?" (not to a BYE), signed as the answer to that frame group; the reader says
-        HELLO again."""
-        if frames and bytes(frames[0]) != wire.BYE:
-            self._answer(ident, [wire.UNKNOWN])
-
-    def _answer(self, ident: bytes, frames: list[Any]) -> None:
-        """Answer the frame group being taken from ``ident``, outside any session (insecure mode:
-        signed for the reader's nonce, echoing its counter): a refusal of a HELLO."""
-        if self._mac is not None and self._asking is not None and self._asking[0] == ident:
-            self._out.append((ident, wire.sign_answer(self._mac, frames, self._asking[1])))
-        elif self._mac is None:
-            self._out.append((ident, frames))
-
-    def _legacy(self, ident: bytes, frames: list[Any]) -> Rejected | None:
-        """A HELLO of a reader of protocol 5 (signed as that protocol signs, with the handle's
-        key): refused by name, in the terms that reader checks, so it says why it cannot read."""
-        assert self._cfg.key is not None
-        if wire.legacy_verify(self._cfg.key, frames) is None:
-            return None
-        reason = f"protocol version mismatch: this server speaks protocol {wire.PROTOCOL_VERSION}, the reader 5"
-        self._out.append((ident, wire.legacy_sign(self._cfg.key, [wire.REFUSED, reason.encode()])))
-        return None
 
     def reject(self, ident: bytes, reason: str) -> Rejected:
         """Refuse a frame from ``ident``: count it, drop that reader (only it), tell it why. The
@@ -378,22 +313,20 @@ class Readers:
         (a repeated HELLO), or a new one, which an admission makes the reader's."""
         if hello.version != wire.PROTOCOL_VERSION:
             reason = f"protocol version mismatch: this server speaks protocol {wire.PROTOCOL_VERSION}, "
-            self._answer(ident, [wire.REFUSED, f"{reason}the reader {hello.version}".encode()])
+            self.send(ident, [wire.REFUSED, f"{reason}the reader {hello.version}".encode()])
             return None
         if hello.channel is not None and self._cfg.channel is not None and hello.channel != self._cfg.channel:
             # Same endpoint and keys (fixed CurveKeys), but the handle of another writer: its
             # frames would never open here (the channel id is in every seal).
-            self._answer(
-                ident, [wire.REFUSED, b"this handle is of another channel (an earlier writer at this endpoint)"]
-            )
+            self.send(ident, [wire.REFUSED, b"this handle is of another channel (an earlier writer at this endpoint)"])
             return None
         if client is not None and now - client.resent_at < self._cfg.hb_interval:
             return None  # it said HELLO a moment ago; it says it again if the WELCOME is lost
         if self.abandoned:
-            self._answer(ident, [wire.REFUSED, b"this sender's collector left: it serves no reader any more"])
+            self.send(ident, [wire.REFUSED, b"this sender's collector left: it serves no reader any more"])
             return None
         if client is None and len(self.clients) >= self._cfg.max_remote:
-            self._answer(ident, [wire.REFUSED, f"all {self._cfg.max_remote} remote reader places are taken".encode()])
+            self.send(ident, [wire.REFUSED, f"all {self._cfg.max_remote} remote reader places are taken".encode()])
             return None
         if hello.resume is not None and self._returning:
             self._returning -= 1

@@ -222,6 +222,62 @@ def sign_answer(key: bytes, frames: list[Any], asked: Signed) -> list[Any]:
     )
 
 
+class ServerSigner:
+    """The server's side of its readers' signed control connections (insecure=True): which
+    session a frame from a connection belongs to (``take``), and the signatures of what goes to
+    a reader (``sign`` in its session, ``answer`` outside any). ``secret``: the handle's key."""
+
+    def __init__(self, secret: bytes, random: Callable[[int], bytes] = os.urandom) -> None:
+        self._secret = secret
+        self._key = control_key(secret)
+        self._random = random
+
+    def take(self, frames: list[Any], current: Session | None) -> tuple[Signed, Session | None]:
+        """An authentic frame group from a connection whose reader's session is ``current`` (None:
+        the server holds no reader for it), and its session: ``current`` (its counter must be
+        new), or a new one for a HELLO outside any on a connection without a reader (the server's
+        nonce is drawn here, and goes back in the WELCOME's signature); None for a frame to answer
+        "who are you?": from a connection without a reader (one the server dropped, or served
+        before it died), or of the reader's nonce before it had its WELCOME. ``FrameError`` if it
+        is not authentic, a replay, or of another session on a reader's connection (a copy of
+        another connection's frame, or of an older session's: a reader opens a new session only
+        once the server lost its own)."""
+        signed = verify(self._key, frames, to_reader=False)
+        # A HELLO has no server nonce until its WELCOME came (one repeated before that has none).
+        opening = bool(signed.frames) and bytes(signed.frames[0]) == HELLO and signed.server_nonce == NO_NONCE
+        if current is None:
+            return signed, Session(signed.reader_nonce, self._random(NONCE_BYTES), signed.counter) if opening else None
+        if signed.reader_nonce != current.reader_nonce:
+            raise FrameError("signed in another session than that reader's")
+        if signed.server_nonce == current.server_nonce or opening:
+            if signed.counter <= current.heard:
+                raise FrameError(f"frame {signed.counter} of this session taken already (a replay)")
+            current.heard = signed.counter
+            return signed, current
+        if signed.server_nonce == NO_NONCE:
+            return signed, None  # its WELCOME was lost: it says HELLO again
+        raise FrameError("signed in another session than that reader's")
+
+    def sign(self, frames: list[Any], session: Session | None, asked: Signed | None) -> list[Any] | None:
+        """``frames`` to a reader, signed in its ``session``, or without one as the answer to
+        ``asked`` (the frame group being taken from it); None without either (nobody to answer)."""
+        if session is not None:
+            return session.sign(self._key, frames)
+        return None if asked is None else self.answer(frames, asked)
+
+    def answer(self, frames: list[Any], asked: Signed) -> list[Any]:
+        return sign_answer(self._key, frames, asked)
+
+    def refuse_legacy(self, frames: list[Any]) -> list[list[Any]]:
+        """If ``frames`` is the HELLO of a reader of protocol 5 (signed with the handle's key
+        itself), its refusal, signed as that reader checks it (it says why it cannot read); else
+        nothing."""
+        if legacy_verify(self._secret, frames) is None:
+            return []
+        reason = f"protocol version mismatch: this server speaks protocol {PROTOCOL_VERSION}, the reader 5"
+        return [legacy_sign(self._secret, [REFUSED, reason.encode()])]
+
+
 class ReaderSigner:
     """A reader's side of its signed control connection (insecure=True): signs what it sends
     in its session, and takes from the server only what was signed for that session, each frame
@@ -245,8 +301,9 @@ class ReaderSigner:
         self._echoed = -1  # the last of our counters an answer of no session echoed
 
     def new_session(self) -> None:
-        """The server lost our session (it said UNKNOWN): a new nonce for the next HELLO. Not
-        while the session waits for its WELCOME (a repeated HELLO keeps its nonce)."""
+        """The server lost our session (it said UNKNOWN, ``verify`` calls this): a new nonce for
+        the next HELLO. Not while the session waits for its WELCOME (a repeated HELLO keeps its
+        nonce)."""
         if self.server_nonce is not None:
             self.reader_nonce = self._random(NONCE_BYTES)
             self.server_nonce = None
@@ -277,6 +334,8 @@ class ReaderSigner:
             if not self._echoed < signed.counter < self._sent:
                 raise FrameError(f"an answer to frame {signed.counter}, taken already or never sent")
             self._echoed = signed.counter
+            if bytes(body[0]) == UNKNOWN:
+                self.new_session()  # the server holds no session of ours: the next HELLO opens one
             return body
         if self.server_nonce is None:
             if not body or body[0] != WELCOME:

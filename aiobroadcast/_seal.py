@@ -275,22 +275,29 @@ class Sealer(_Keyed):
     def key_id(self) -> int:
         return self._current.key_id
 
-    def rekey(self) -> None:
+    def rekey(self) -> bool:
         """Seal from now on under the announced next key, and announce a new next one. The old
-        key stays until ``retire`` says nothing sealed under it is held any more."""
+        key stays until ``retire`` says nothing sealed under it is held any more.
+
+        Not while ``MAX_KEYS - 2`` old keys are held (a keys message holds them all, the current
+        key and the next: a reader refuses a longer one, and could then open neither what is held
+        nor what follows): the rekey waits (False), the current key counts as used up, and the
+        first message sealed once ``retire`` made room takes the new key. Messages sealed
+        meanwhile are past the policy's count, never past a nonce: AES-GCM allows far more."""
+        if len(self._keys) >= MAX_KEYS - 2:
+            self._current.messages = max(self._current.messages, self.rekey_messages)
+            return False
         self._keys[self._current.key_id] = self._current
         self._current = self._next
         self._next = self._new_key((self._current.key_id + 1) & 0xFFFFFFFF)
         self._keys.pop(self._next.key_id, None)  # a wrapped-around id, long retired
         self.epoch += 1
+        return True
 
     def retire(self, oldest_held: int) -> None:
         """Forget the old keys under which nothing from ``oldest_held`` on was sealed."""
         for key_id in [k for k, v in self._keys.items() if v.last_seq < oldest_held]:
             del self._keys[key_id]
-        # a server that holds a lot under many old keys still fits them in one keys message
-        while len(self._keys) > MAX_KEYS - 2:
-            del self._keys[min(self._keys, key=lambda k: self._keys[k].last_seq)]
 
     def keys_message(self) -> bytes:
         """The keys a reader needs: those in use (old ones still held, the current one) and
@@ -306,8 +313,9 @@ class Sealer(_Keyed):
         if not 0 <= seq <= MAX_MESSAGE_SEQ:
             raise ValueError(f"message seq {seq} out of range")
         key = self._current
-        if key.messages >= self.rekey_messages or (key.messages and key.nbytes + n > self.rekey_bytes):
-            self.rekey()
+        if (
+            key.messages >= self.rekey_messages or (key.messages and key.nbytes + n > self.rekey_bytes)
+        ) and self.rekey():
             key = self._current
         if seq <= key.last_seq:
             # The nonce would repeat: a message is sealed once, and its sealed bytes resent.

@@ -100,7 +100,7 @@ class RawPeer:
             self.sock.curve_publickey = public.encode()
             self.sock.curve_secretkey = secret.encode()
         if password is not None:
-            self.sock.plain_username = wire.PLAIN_USER
+            self.sock.plain_username = wire.CONTROL_USER
             self.sock.plain_password = password
         self.sock.connect(endpoint)
 
@@ -138,7 +138,8 @@ def hello(name: str, *, window: int = 4, resume: int | None = None) -> list[byte
 
 class KeyedPeer(RawPeer):
     """A client that holds the handle's keys: CurveZMQ admits it, or under ``insecure=True`` it
-    signs every frame group with the handle's HMAC key. It reads only when told to."""
+    signs every frame group in its session (keys derived from the handle's HMAC key), and
+    checks what it is answered. It reads only when told to."""
 
     def __init__(self, h: ab.Handle) -> None:
         assert h.tcp is not None
@@ -151,9 +152,10 @@ class KeyedPeer(RawPeer):
             password = wire.control_password(h.hmac_key.encode())
         super().__init__(h.tcp, curve=curve, password=password)
         self.key = h.hmac_key.encode() if h.insecure and h.hmac_key else None
+        self.signer = None if self.key is None else wire.ReaderSigner(self.key)
 
     def send(self, frames: list[bytes]) -> None:
-        self.sock.send_multipart(wire.sign(self.key, frames))
+        self.sock.send_multipart(frames if self.signer is None else self.signer.sign(frames))
 
     def kinds(self) -> list[bytes]:
         """The kinds of the frame groups that have arrived (taking them off the socket)."""
@@ -169,7 +171,8 @@ class KeyedPeer(RawPeer):
         """The next frame group that arrives (verified under insecure=True), or fail."""
         if not await self.heard(within_s):
             raise AssertionError(f"the server said nothing within {within_s} s")
-        return wire.verify(self.key, self.sock.recv_multipart())
+        frames = self.sock.recv_multipart()
+        return frames if self.signer is None else self.signer.verify(frames)
 
 
 @contextmanager

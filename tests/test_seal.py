@@ -211,6 +211,32 @@ def test_old_keys_are_kept_while_something_sealed_under_them_is_held() -> None:
 
 
 @MODES
+def test_a_rekey_waits_while_a_keys_message_would_not_hold_the_keys_in_use(secret: bytes | None) -> None:
+    """A key per message, and 40 messages held (a slow reader): the server never holds more old
+    keys than a keys message carries, so a reader that installs the latest one opens every
+    message held; once the held messages move on (retire), the rekeys resume."""
+    sealer = seal.Sealer(CHANNEL, secret=secret, rekey_messages=1)
+    sealed = [sealer.seal(seq, 0, b"m%d" % seq) for seq in range(40)]
+    assert len(sealer._keys) <= seal.MAX_KEYS - 2
+    epoch = sealer.epoch
+    assert not sealer.rekey()  # on demand too: it waits, and the next message takes it
+    assert sealer.epoch == epoch
+    opener = seal.Opener(CHANNEL, secret=secret)
+    opener.install(sealer.keys_message())
+    assert [bytes(opener.open(seq, 0, body)) for seq, body in enumerate(sealed)] == [b"m%d" % s for s in range(40)]
+    sealer.retire(39)  # all but the last message were acknowledged by every reader
+    current = sealer.key_id
+    body = sealer.seal(40, 0, b"m40")
+    assert sealer.key_id != current and sealer.epoch == epoch + 1  # the waiting rekey, taken now
+    opener.install(sealer.keys_message())
+    assert bytes(opener.open(40, 0, body)) == b"m40" and bytes(opener.open(39, 0, sealed[39])) == b"m39"
+    for seq in range(41, 60):  # a key per message again, up to the bound
+        sealer.seal(seq, 0, b"x")
+        assert len(sealer._keys) <= seal.MAX_KEYS - 2
+    opener.install(sealer.keys_message())
+
+
+@MODES
 def test_keys_messages_are_checked(secret: bytes | None) -> None:
     sealer, opener = pair(secret)
     msg = sealer.keys_message()

@@ -16,9 +16,12 @@ from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
+import _tcp_workers as tw
 import anyio
+import anyio.to_thread
 import pytest
-from _peers import ON_ASYNCIO, ON_TRIO, ON_UVLOOP, tcp_writer, the_server, until
+import zmq
+from _peers import ON_ASYNCIO, ON_TRIO, ON_UVLOOP, remote_names, tcp_writer, the_server, until
 
 import aiobroadcast as ab
 from aiobroadcast._tcp import wire
@@ -475,3 +478,292 @@ def test_the_blocking_writer_takes_the_rekey_policy_and_the_data_port() -> None:
             for i in range(5):
                 w.put(i)
                 assert r.get(timeout=10) == i
+
+
+@pytest.mark.parametrize("insecure", [False, True], ids=["sealed", "insecure"])
+@ON_ASYNCIO
+async def test_a_slow_reader_under_a_rekey_per_message_reads_everything_it_was_sent(insecure: bool) -> None:
+    """rekey_messages=1: a key per message. A reader that takes nothing for 60 messages holds
+    them all unacknowledged, so the server holds them, each under a key of its own: more keys
+    than a keys message carries (16). The server waits with its rekeys while that many old keys
+    are held, so every keys message fits and the reader, once it reads, opens every message
+    (before: a keys message of 61 keys was refused, the bodies under keys it lacked did not open,
+    and the reader asked for the keys again forever)."""
+    async with (
+        tcp_writer(rekey_messages=1, insecure=insecure) as writer,
+        ab.open_reader(writer.handle, transport="tcp", name="slow") as reader,
+    ):
+        with anyio.fail_after(30):
+            await writer.put(0)
+            assert await reader.get() == 0
+            for i in range(1, 61):
+                await writer.put(i)
+
+            # the server took all of them from the ring, and holds them for the reader
+            def taken() -> list[int]:
+                return [r.received for r in writer.statistics().readers if r.transport == "tcp-server"]
+
+            await until(lambda: taken() == [61])
+            got = [await reader.get() for _ in range(60)]
+            await writer.put(61)
+            got.append(await reader.get())
+        assert got == list(range(1, 62))
+        assert reader.statistics().lagged == 0
+        assert reader._src.rejected.get("unknown_key", 0) == 0  # type: ignore[attr-defined]
+
+
+@ON_ASYNCIO
+async def test_a_sigstopped_reader_under_a_rekey_per_message_reads_on_once_resumed() -> None:
+    """rekey_messages=1, and a remote reader process stopped (SIGSTOP) while 60 messages go out:
+    it holds them unacknowledged, and the KEYS of 60 rekeys pile up for it (or are lost: its
+    control queue is full). Once resumed it reads every message, or is told exactly what it
+    missed (ReaderLagged, had the server dropped it meanwhile), and reads on to the end (before:
+    the keys it asked for again came in a WELCOME of more than 16 keys, which it refused, and it
+    asked again forever)."""
+    n = 62
+    async with tcp_writer(rekey_messages=1, heartbeat_s=2.0) as writer:
+        opts = tw.ReaderOpts(name="stopped", live=True)
+        with tw.spawn(tw.reader_proc, tw.ASYNCIO, None, writer.handle.to_json(), opts) as reader:
+            await reader.recv("attached")
+            await writer.put(tw.message(0))
+            await reader.until(lambda ev: len(ev) >= 1)
+            reader.signal(signal.SIGSTOP)
+            try:
+                with anyio.fail_after(30):
+                    for i in range(1, n - 1):
+                        await writer.put(tw.message(i))
+            finally:
+                reader.signal(signal.SIGCONT)
+            await writer.put(tw.message(n - 1))
+            await reader.until(
+                lambda ev: sum(1 if e[0] == "msg" else e[1] if e[0] == "lagged" else 0 for e in ev) >= n, 60
+            )
+            with anyio.fail_after(20):
+                await writer.aclose()
+            events = (await reader.recv("events"))["events"]
+    tw.account(events, n)
+    assert events[-1] == ("end",), tw.summary(events)
+
+
+# --- insecure mode: control frames recorded on one connection, played into another --------------
+
+
+class _Conn:
+    """One control connection through a ``ControlRelay``: what crossed it each way (frame
+    groups, in order), and groups to slip in, each way, before the next one that crosses."""
+
+    def __init__(self) -> None:
+        self.crossed: dict[bool, list[list[bytes]]] = {True: [], False: []}  # to the reader?
+        self.inject: dict[bool, list[list[bytes]]] = {True: [], False: []}
+        self.injected = threading.Event()
+
+
+class ControlRelay(ByteRelay):
+    """Forwards control connections from middle:port to the server and reads their ZMTP stream
+    both ways (the greeting, then frames; commands such as PLAIN's pass unchanged): it records
+    every message of each connection, and slips in the messages it is given before the next one
+    that crosses. ``next_inject``: what to slip into the next connection's first messages to the
+    reader. The on-path attacker of insecure mode, who can read, record and inject, but holds no key."""
+
+    def __init__(self, port: int, middle: str) -> None:
+        self.conns: list[_Conn] = []
+        self.next_inject: list[list[bytes]] = []
+        super().__init__(port, middle)
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                client, _ = self.lsock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.port))
+            self._socks += [client, upstream]
+            conn = _Conn()
+            conn.inject[True], self.next_inject = self.next_inject, []
+            self.conns.append(conn)
+            for a, b, to_reader in ((client, upstream, False), (upstream, client, True)):
+                threading.Thread(target=self._relay, args=(a, b, conn, to_reader), daemon=True).start()
+
+    def _relay(self, src: socket.socket, dst: socket.socket, conn: _Conn, to_reader: bool) -> None:
+        buf = bytearray()
+        greeting = 64
+        group: list[bytes] = []
+        try:
+            while chunk := src.recv(1 << 16):
+                buf += chunk
+                if greeting:
+                    n = min(greeting, len(buf))
+                    dst.sendall(buf[:n])
+                    del buf[:n]
+                    greeting -= n
+                    if greeting:
+                        continue
+                while len(buf) >= 2:
+                    flags = buf[0]
+                    head = 9 if flags & 0x02 else 2
+                    if len(buf) < head:
+                        break
+                    size = int.from_bytes(buf[1:9], "big") if flags & 0x02 else buf[1]
+                    if len(buf) < head + size:
+                        break
+                    body, raw = bytes(buf[head : head + size]), bytes(buf[: head + size])
+                    del buf[: head + size]
+                    if flags & 0x04:  # a command
+                        dst.sendall(raw)
+                        continue
+                    group.append(body)
+                    if flags & 0x01:  # MORE
+                        continue
+                    while conn.inject[to_reader]:
+                        dst.sendall(_zmtp(conn.inject[to_reader].pop(0)))
+                        conn.injected.set()
+                    conn.crossed[to_reader].append(group)
+                    dst.sendall(_zmtp(group))
+                    group = []
+        except OSError:
+            pass
+        finally:
+            shut(src, dst)
+
+    def sent(self, index: int, kind: bytes, to_reader: bool = True) -> list[bytes]:
+        """The first message of ``kind`` that crossed connection ``index``."""
+        return next(g for g in self.conns[index].crossed[to_reader] if g and g[0] == kind)
+
+
+@contextmanager
+def control_in_the_middle(writer: ab.Writer[Any]) -> Iterator[tuple[ab.Handle, ControlRelay]]:
+    """A handle whose readers go through a ``ControlRelay`` (control) and a byte relay (data)."""
+    control, data = listening_ports(writer)
+    middle = middle_for(control, data)
+    with ExitStack() as stack:
+        relay = ControlRelay(control, middle)
+        stack.callback(relay.close)
+        stack.callback(ByteRelay(data, middle).close)
+        assert writer.handle.tcp is not None
+        yield writer.handle.model_copy(update={"tcp": writer.handle.tcp.replace("127.0.0.1", middle)}), relay
+
+
+@ON_ASYNCIO
+async def test_another_readers_welcome_played_to_a_joining_reader_does_not_move_its_start() -> None:
+    """insecure=True. Reader A joins at 0 and reads 0-4; reader B joins, and A's WELCOME (start 0)
+    is slipped into B's control connection before B's own (start 5). Signed with the handle's
+    key, it used to be taken: B waited at 0 for messages the server would never send it. Now it
+    is signed for A's session: B refuses it, takes its own, and reads 5."""
+    async with tcp_writer(insecure=True) as writer:
+        with control_in_the_middle(writer) as (h, relay):
+            async with ab.open_reader(h, transport="tcp", name="a") as a:
+                with anyio.fail_after(30):
+                    for i in range(5):
+                        await writer.put(i)
+                        assert await a.get() == i
+                relay.next_inject = [relay.sent(0, wire.WELCOME)]
+                async with ab.open_reader(h, transport="tcp", name="b") as b:
+                    assert relay.conns[1].injected.is_set()
+                    with anyio.fail_after(30):
+                        await writer.put(5)
+                        assert await b.get() == 5
+                        assert await a.get() == 5
+                    assert b._src._proto.next == 6  # type: ignore[attr-defined]
+
+
+@ON_ASYNCIO
+async def test_a_recorded_refused_played_to_a_reader_does_not_end_it() -> None:
+    """insecure=True. A reader with the handle of another channel is refused (REFUSED, signed with
+    the key they share); that REFUSED, slipped into another reader's control connection while it
+    reads, used to end it (the server "refused" it). Now it is signed as the answer to the other
+    reader's HELLO: refused, and the reader reads on."""
+    async with tcp_writer(insecure=True) as writer:
+        with control_in_the_middle(writer) as (h, relay):
+            wrong = h.model_copy(update={"name": "aiobroadcast-" + "f" * 32})
+            with pytest.raises(ab.BroadcastError, match="another channel"):
+                await ab.open_reader(wrong, transport="tcp", name="elsewhere", connect_timeout=10)
+            refused = relay.sent(0, wire.REFUSED)
+            async with ab.open_reader(h, transport="tcp", name="victim") as victim:
+                with anyio.fail_after(30):
+                    await writer.put(0)
+                    assert await victim.get() == 0
+                    relay.conns[1].inject[True].append(refused)
+                    await until(relay.conns[1].injected.is_set, 20)  # with the next heartbeat
+                    for i in range(1, 4):
+                        await writer.put(i)
+                        assert await victim.get() == i
+
+
+@ON_ASYNCIO
+async def test_a_recorded_bye_played_to_the_server_drops_nobody() -> None:
+    """insecure=True. Reader A leaves (BYE); its BYE, slipped into reader B's control connection
+    toward the server, used to make the server drop B. Now it is of A's session, not B's: the
+    server refuses it (counted) and B stays, reading."""
+    async with tcp_writer(insecure=True) as writer:
+        with control_in_the_middle(writer) as (h, relay):
+            async with ab.open_reader(h, transport="tcp", name="a") as a:
+                with anyio.fail_after(30):
+                    await writer.put(0)
+                    assert await a.get() == 0
+            await until(lambda: any(g[0] == wire.BYE for g in relay.conns[0].crossed[False]))
+            bye = relay.sent(0, wire.BYE, to_reader=False)
+            await until(lambda: remote_names(writer) == [])
+            async with ab.open_reader(h, transport="tcp", name="b") as b:
+                with anyio.fail_after(30):
+                    await writer.put(1)
+                    assert await b.get() == 1
+                    assert writer.statistics().rejected_frames == 0
+                    relay.conns[1].inject[False].append(bye)
+                    await until(relay.conns[1].injected.is_set, 20)  # with B's next ACK
+                    await until(lambda: writer.statistics().rejected_frames == 1, 20)
+                    assert remote_names(writer) == ["b"]
+                    for i in range(2, 5):
+                        await writer.put(i)
+                        assert await b.get() == i
+
+
+@ON_ASYNCIO
+async def test_old_keys_played_to_a_reader_are_refused() -> None:
+    """insecure=True, a new key every two messages. The first KEYS the reader was sent, played
+    to it again once those keys are long retired, used to replace its keys: it could open
+    nothing, and asked for the keys again. Now it is a replay in the reader's session (its
+    counter is not above the last one taken): refused, and the reader reads on, every frame
+    opening (no unknown key)."""
+    async with tcp_writer(insecure=True, rekey_messages=2) as writer:
+        with control_in_the_middle(writer) as (h, relay):
+            async with ab.open_reader(h, transport="tcp", name="keyed") as reader:
+                with anyio.fail_after(30):
+                    for i in range(9):
+                        await writer.put(i)
+                        assert await reader.get() == i
+                    await until(lambda: sum(g[0] == wire.KEYS for g in relay.conns[0].crossed[True]) >= 3)
+                    relay.conns[0].inject[True].append(relay.sent(0, wire.KEYS))
+                    await until(relay.conns[0].injected.is_set, 20)  # before the next heartbeat
+                    await anyio.sleep(0.5)  # (taken, or refused, by then)
+                    # 9 is sealed under the key of 8: no KEYS comes before it
+                    for i in range(9, 13):
+                        await writer.put(i)
+                        assert await reader.get() == i
+                assert reader._src.rejected.get("unknown_key", 0) == 0  # type: ignore[attr-defined]
+
+
+@ON_ASYNCIO
+async def test_a_reader_of_protocol_5_is_refused_by_name() -> None:
+    """insecure=True. A reader of protocol 5 (its PLAIN user name and password, its HELLO signed
+    with the handle's key itself) is admitted at the handshake only to be told, in terms it
+    checks, that the server speaks another protocol."""
+    async with tcp_writer(insecure=True) as writer:
+        h = writer.handle
+        assert h.tcp is not None and h.hmac_key is not None
+        secret = h.hmac_key.encode()
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        try:
+            sock.linger = 0
+            sock.plain_username = wire.PLAIN_USER
+            sock.plain_password = wire.legacy_password(secret)
+            sock.connect(h.tcp)
+            body = {"version": 5, "name": "old", "pid": 1, "window": 4, "resume": None, "channel": h.token}
+            sock.send_multipart(wire.legacy_sign(secret, [wire.HELLO, wire.encode_json(body)]))
+            assert await anyio.to_thread.run_sync(sock.poll, 10_000), "no answer"
+            answer = sock.recv_multipart()
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+        assert answer[0] == wire.REFUSED and wire.legacy_sign(secret, answer[:-1]) == answer
+        assert answer[1].startswith(b"protocol version mismatch: this server speaks protocol 6, the reader 5")

@@ -297,7 +297,8 @@ class _AnyPassword(ThreadAuthenticator):
 
 class FakeServer:
     """A hand-driven ROUTER on loopback that plays a writer's TCP server (a forgery), with the
-    data socket beside it. ``use(handle, secret)`` gives it a sealer: that of the real server
+    data socket beside it. ``use(handle, secret)`` gives it a sealer and the key that signs
+    control frames (``signed``, in the session of the reader's HELLO): those of the real server
     of ``handle`` if ``secret`` is the handle's (insecure mode), a forger's otherwise."""
 
     def __init__(self, *, curve_secret: bytes | None = None) -> None:
@@ -321,10 +322,19 @@ class FakeServer:
         self.data.router_mandatory = True
         self.data_port = self.data.bind_to_random_port("tcp://127.0.0.1")
         self.sealer: seal.Sealer | None = None
+        self.mac: bytes | None = None
+        self.session: wire.Session | None = None
 
     def use(self, h: ab.Handle, secret: bytes) -> ab.Handle:
-        self.sealer = seal.Sealer(h.token.encode(), secret=secret)
+        self.sealer = seal.Sealer(h.token.encode(), secret=wire.data_secret(secret))
+        self.mac = wire.control_key(secret)
         return h
+
+    def signed(self, frames: list[bytes]) -> list[bytes]:
+        """``frames`` signed for the session of the last HELLO (its reader's nonce is in clear:
+        a forger without the key reads it too)."""
+        assert self.mac is not None and self.session is not None
+        return self.session.sign(self.mac, frames)
 
     def welcome(self, hb_interval: float, hb_timeout: float, start: int = 0) -> list[bytes]:
         """A WELCOME that points the reader at the data socket, with the sealer's keys."""
@@ -369,6 +379,9 @@ class FakeServer:
             while True:
                 frames = await self.recv(within_s)
                 if frames is not None and frames[0] == wire.HELLO:
+                    if len(frames) > 2:  # signed: the session it opens
+                        reader_nonce, _, counter = wire.TRAILER.unpack_from(frames[-1])
+                        self.session = wire.Session(reader_nonce, os.urandom(wire.NONCE_BYTES), counter)
                     return
 
     def send(self, frames: list[bytes]) -> None:
@@ -473,7 +486,7 @@ async def test_a_pickle_that_would_run_code_never_runs_unless_signed(tmp_path: P
 
             async def forge_welcome() -> None:
                 await fake.recv_hello()
-                fake.send(wire.sign(wrong, fake.welcome(0.1, 0.5)))
+                fake.send(fake.signed(fake.welcome(0.1, 0.5)))
                 fake.send(fake.welcome(0.1, 0.5))
                 for frames in forgeries(h, fake):
                     fake.send(frames)
@@ -490,7 +503,7 @@ async def test_a_pickle_that_would_run_code_never_runs_unless_signed(tmp_path: P
 
             async def authentic_welcome() -> None:
                 await fake.recv_hello()
-                fake.send(wire.sign(key.encode(), fake.welcome(0.1, 0.5)))
+                fake.send(fake.signed(fake.welcome(0.1, 0.5)))
 
             tg.start_soon(authentic_welcome)
             reader = await ab.open_reader(h, transport="tcp", name="victim-2")
@@ -515,7 +528,7 @@ async def test_signed_but_malformed_frames_are_rejected_and_the_stream_goes_on()
     key = secrets.token_hex(32).encode()
 
     def signed(frames: list[bytes]) -> list[bytes]:
-        return wire.sign(key, frames)
+        return fake.signed(frames)
 
     head, entry = wire.BATCH_HEAD.pack, wire.ENTRY.pack
     malformed_control = [
@@ -590,7 +603,12 @@ async def test_bad_frames_from_a_client_do_not_break_the_server(insecure: bool) 
                     for i in range(n // 2):
                         await writer.put(message(i))
                     with raw_peer(h.tcp, curve=keys, password=wire.control_password(key) if key else None) as rogue:
-                        rogue.send(wire.sign(key, hello("rogue")))
+                        signer = wire.ReaderSigner(key) if key else None
+
+                        def sign(frames: list[bytes]) -> list[bytes]:
+                            return frames if signer is None else signer.sign(frames)
+
+                        rogue.send(sign(hello("rogue")))
                         assert await rogue.heard(5.0)  # WELCOME: it holds the keys
                         for frames in (
                             [wire.ACK],
@@ -600,12 +618,12 @@ async def test_bad_frames_from_a_client_do_not_break_the_server(insecure: bool) 
                             [wire.HELLO, b"{bad json"],
                             [wire.HELLO, wire.encode_json({"version": 1, "pid": "not a number"})],
                         ):
-                            rogue.send(wire.sign(key, frames))
-                        rogue.send(wire.sign(key, [wire.ACK, b"\0" * (wire.MAX_CONTROL_FRAME + 1)]))
+                            rogue.send(sign(frames))
+                        rogue.send(sign([wire.ACK, b"\0" * (wire.MAX_CONTROL_FRAME + 1)]))
                         if insecure:
                             with raw_peer(h.tcp) as stranger:
                                 stranger.send(hello("unsigned"))
-                                stranger.send(wire.sign(secrets.token_bytes(32), hello("badly-signed")))
+                                stranger.send(wire.ReaderSigner(secrets.token_bytes(32)).sign(hello("badly-signed")))
                                 stranger.send([wire.ACK, b"\0" * (wire.MAX_CONTROL_FRAME + 1)])
                                 assert not await stranger.heard(0.5)
                         for i in range(n // 2, n):
@@ -1123,7 +1141,9 @@ def test_batches_put_large_bodies_in_frames_of_their_own_and_decode_back() -> No
         assert first == 5
         assert [(bytes(b), f) for b, f in got] == [(bytes(b), f) for b, f in items]
         key = secrets.token_bytes(32)
-        assert wire.verify(key, wire.sign(key, frames)) == frames
+        nonces = {"reader_nonce": os.urandom(wire.NONCE_BYTES), "server_nonce": os.urandom(wire.NONCE_BYTES)}
+        signed = wire.sign(key, frames, to_reader=True, counter=1, **nonces)
+        assert wire.verify(key, signed, to_reader=True) == wire.Signed(frames, counter=1, **nonces)
     head = wire.BATCH_HEAD.pack(0, 2) + wire.ENTRY.pack(3, 0) + wire.ENTRY.pack(3, 0)
     for parts in ([b"abcd", b"ef"], [b"abc", b"def", b""], [b"abc"], []):  # a body across frames, too many, too few
         with pytest.raises(wire.FrameError):

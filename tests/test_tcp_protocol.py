@@ -43,7 +43,9 @@ from aiobroadcast._tcp.protocol import (
     Welcomed,
 )
 
-KEY = secrets.token_bytes(32)
+KEY = secrets.token_bytes(32)  #: the handle's key (insecure mode): every side derives its keys from it
+CONTROL_KEY = wire.control_key(KEY)  #: what signs control frames
+DATA_KEY = wire.data_secret(KEY)  #: what the data plane's keys derive from
 CHANNEL = secrets.token_hex(16)  #: the channel id (a handle's token) of these servers and clients
 HB = 1.0  #: heartbeat interval of these servers
 TIMEOUT = 5.0  #: and their silence timeout
@@ -62,7 +64,19 @@ class Net:
         self.sent: dict[bytes, list[tuple[bool, list[Any]]]] = defaultdict(list)
         self.full: set[bytes] = set()
         #: opens data frames as a reader does, with the keys of the WELCOME and KEYS it saw
-        self.opener = seal.Opener(CHANNEL.encode(), secret=key)
+        self.opener = seal.Opener(CHANNEL.encode(), secret=None if key is None else wire.data_secret(key))
+        #: each reader's side of its signed control connection (the frames ``ToSign`` from it)
+        self.peers: dict[bytes, wire.ReaderSigner] = {}
+
+    def peer(self, ident: bytes) -> wire.ReaderSigner:
+        assert self.key is not None
+        if ident not in self.peers:
+            self.peers[ident] = wire.ReaderSigner(self.key)
+        return self.peers[ident]
+
+    def sign(self, ident: bytes, frames: Any) -> list[Any]:
+        """Frames from reader ``ident``: signed in its session if ``ToSign``, else as they are."""
+        return self.peer(ident).sign(frames.frames) if isinstance(frames, ToSign) else frames
 
     def __call__(self, ident: bytes, frames: list[Any]) -> bool:
         return self._put(ident, frames, data=False)
@@ -85,7 +99,7 @@ class Net:
     def receive(
         self, srv: ServerProtocol, ident: bytes, frames: list[Any], *, now: float, published: int
     ) -> ServerEvent | None:
-        event = srv.receive(ident, frames, now=now, published=published)
+        event = srv.receive(ident, self.sign(ident, frames), now=now, published=published)
         self.flush(srv)
         return event
 
@@ -126,7 +140,7 @@ class Net:
         out: list[tuple[Any, ...]] = []
         for data, sent in self.take(ident):
             assert data == (sent[0] in DATA_KINDS), sent[0]  # each kind on its own connection
-            frames = sent if data else wire.verify(self.key, sent)
+            frames = sent if data or self.key is None else self.peer(ident).verify(sent)
             kind = frames[0]
             if kind == wire.BATCH:
                 first, items = wire.decode_batch(frames[1], frames[2:])
@@ -148,6 +162,8 @@ class Net:
             elif kind == wire.REFUSED:
                 out.append(("refused", frames[1].decode()))
             else:
+                if kind == wire.UNKNOWN:
+                    self.peer(ident).new_session()  # as a reader does: its next HELLO opens one
                 out.append((kind,))
         return out
 
@@ -179,12 +195,27 @@ def server(
         buffer_bytes=buffer_bytes,
         sole_reader=sole_reader,
     )
-    sealer = seal.Sealer(CHANNEL.encode(), secret=key)
+    sealer = seal.Sealer(CHANNEL.encode(), secret=None if key is None else wire.data_secret(key))
     return ServerProtocol(config, start=start, now=0.0, returning=returning, sealer=sealer)
 
 
-def signed(*frames: bytes, key: bytes | None = KEY) -> list[Any]:
-    return wire.sign(key, list(frames))
+class ToSign:
+    """Control frames to be signed by whoever sends them (``Net``: as reader ``ident``, in its
+    session; ``TestClient.receive``: as the server, in the reader's session)."""
+
+    def __init__(self, frames: list[Any]) -> None:
+        self.frames = frames
+
+
+def signed(*frames: bytes, key: bytes = KEY) -> Any:
+    if key != KEY:  # a forger's: signed in a session of its own, with another key
+        return wire.ReaderSigner(key).sign(list(frames))
+    return ToSign(list(frames))
+
+
+def from_client(frames: list[Any]) -> list[Any]:
+    """What a client sent, its signature checked (not its session: that is the server's)."""
+    return wire.verify(CONTROL_KEY, frames, to_reader=False).frames
 
 
 def hello(
@@ -193,7 +224,7 @@ def hello(
     version: int = wire.PROTOCOL_VERSION,
     channel: str | None = CHANNEL,
     name: str = "r",
-) -> list[Any]:
+) -> Any:
     body = {
         "version": version,
         "name": name,
@@ -206,11 +237,11 @@ def hello(
     return signed(wire.HELLO, wire.encode_json(body))
 
 
-def ack(n: int) -> list[Any]:
+def ack(n: int) -> Any:
     return signed(wire.ACK, wire.U64.pack(n))
 
 
-def nack(n: int) -> list[Any]:
+def nack(n: int) -> Any:
     return signed(wire.NACK, wire.U64.pack(n))
 
 
@@ -599,20 +630,20 @@ HOSTILE = {
     "BYE with an argument": [wire.BYE, b"x"],
     "HELLO without a body": [wire.HELLO],
     "HELLO not JSON": [wire.HELLO, b"{version: 3"],
-    "HELLO window 0": [wire.HELLO, b'{"version":5,"window":0}'],
-    "HELLO window a float": [wire.HELLO, b'{"version":5,"window":4.0}'],
-    "HELLO window NaN": [wire.HELLO, b'{"version":5,"window":NaN}'],
-    "HELLO resume negative": [wire.HELLO, b'{"version":5,"window":4,"resume":-1}'],
-    "HELLO resume beyond the stream": [wire.HELLO, b'{"version":5,"window":4,"resume":1000}'],
-    "HELLO name too long": [wire.HELLO, b'{"version":5,"window":4,"name":"' + b"n" * 300 + b'"}'],
-    "HELLO pid a string": [wire.HELLO, b'{"version":5,"window":4,"pid":"1"}'],
+    "HELLO window 0": [wire.HELLO, b'{"version":6,"window":0}'],
+    "HELLO window a float": [wire.HELLO, b'{"version":6,"window":4.0}'],
+    "HELLO window NaN": [wire.HELLO, b'{"version":6,"window":NaN}'],
+    "HELLO resume negative": [wire.HELLO, b'{"version":6,"window":4,"resume":-1}'],
+    "HELLO resume beyond the stream": [wire.HELLO, b'{"version":6,"window":4,"resume":1000}'],
+    "HELLO name too long": [wire.HELLO, b'{"version":6,"window":4,"name":"' + b"n" * 300 + b'"}'],
+    "HELLO pid a string": [wire.HELLO, b'{"version":6,"window":4,"pid":"1"}'],
     "HELLO an array": [wire.HELLO, b"[1,2]"],
-    "HELLO channel a number": [wire.HELLO, b'{"version":5,"window":4,"channel":7}'],
-    "HELLO channel too long": [wire.HELLO, b'{"version":5,"window":4,"channel":"' + b"c" * 300 + b'"}'],
+    "HELLO channel a number": [wire.HELLO, b'{"version":6,"window":4,"channel":7}'],
+    "HELLO channel too long": [wire.HELLO, b'{"version":6,"window":4,"channel":"' + b"c" * 300 + b'"}'],
     "a data frame sent back": [wire.BATCH, wire.BATCH_HEAD.pack(0, 0)],
     "KEYS from a reader": [wire.KEYS, b"\1\0"],
 }
-assert wire.PROTOCOL_VERSION == 5  # the HELLOs above are of this version: refused for what they hold
+assert wire.PROTOCOL_VERSION == 6  # the HELLOs above are of this version: refused for what they hold
 
 
 @pytest.mark.parametrize("what", list(HOSTILE))
@@ -651,7 +682,7 @@ def test_a_hostile_frame_the_protocol_fails_on_is_raised_to_the_pump_and_costs_t
 
     monkeypatch.setattr(wire, "decode_hello", poisoned)
     with pytest.raises(ReaderFault) as caught:
-        srv.receive(b"bad", hello(name="poison"), now=1.5, published=1)
+        srv.receive(b"bad", net.sign(b"bad", hello(name="poison")), now=1.5, published=1)
     fault = caught.value
     assert fault.ident == b"bad" and fault.reason == "internal error RuntimeError"
     assert isinstance(fault.__cause__, RuntimeError)
@@ -693,36 +724,48 @@ def test_frames_that_are_not_authentic_are_counted_and_drop_nobody() -> None:
     srv, net = server(), Net()
     admit(srv, net)
     wrong = secrets.token_bytes(32)
+    good = net.sign(b"r", ack(0))
+    assert net.receive(srv, b"r", good, now=0.1, published=0) is None
     for frames in (
         [wire.ACK, wire.U64.pack(3)],  # unsigned
         signed(wire.ACK, wire.U64.pack(3), key=wrong),
-        [*signed(wire.ACK, wire.U64.pack(3))[:-1], b"\0" * wire.MAC_BYTES],
-        [*signed(wire.ACK, wire.U64.pack(3))[:-1], b"short"],
-        [wire.U64.pack(3), *signed(wire.ACK, wire.U64.pack(4))[1:]],  # the kind swapped out
+        [*net.sign(b"r", ack(3))[:-1], b"\0" * wire.SIGNATURE_BYTES],
+        [*net.sign(b"r", ack(3))[:-1], b"short"],
+        [wire.U64.pack(3), *net.sign(b"r", ack(4))[1:]],  # the kind swapped out
+        good,  # a replay
     ):
         event = net.receive(srv, b"r", frames, now=0.1, published=0)
         assert isinstance(event, Rejected) and event.dropped is None
-    assert srv.rejected_frames == 5
+    assert srv.rejected_frames == 6
     assert net.seen(b"r") == []  # no answer to a forgery
     assert len(srv.report()["readers"]) == 1
 
 
-def test_too_many_or_too_large_frames_are_refused_before_anything_is_parsed() -> None:
-    srv, net = server(), Net()
+@pytest.mark.parametrize("key", [None, KEY], ids=["curve", "insecure"])
+def test_too_many_or_too_large_frames_are_refused_before_anything_is_parsed(key: bytes | None) -> None:
+    """Under CurveZMQ the peer is authentic (the handshake said so): it is told why. Under
+    insecure=True nothing is authentic before its signature is checked: an admitted reader's
+    connection that carries such a frame group (injected by an on-path host) is not dropped,
+    and nobody is told anything."""
+    srv, net = server(key=key), Net(key)
+    if key is not None:
+        admit(srv, net, b"x")
     for frames in (
-        [wire.ACK, b"1", b"2", b"3"],
+        [wire.ACK, b"1", b"2", b"3", b"4"],
         [wire.HELLO, b"{" * (wire.MAX_CONTROL_FRAME + 1)],
     ):
         event = net.receive(srv, b"x", frames, now=0.0, published=0)
         assert isinstance(event, Rejected) and event.dropped is None
-        assert net.seen(b"x")[0][0] == "refused"
+        assert [what for what, *_ in net.seen(b"x")] == (["refused"] if key is None else [])
+    assert len(srv.report()["readers"]) == (0 if key is None else 1)
 
 
 def test_a_version_mismatch_is_refused_without_counting_it_as_hostile() -> None:
     srv, net = server(), Net()
     for version in (2, 3):  # 3: data frames on the control connection, not sealed
         assert net.receive(srv, b"r", hello(version=version), now=0.0, published=0) is None
-        assert net.seen(b"r") == [("refused", "protocol version mismatch")]
+        reason = f"protocol version mismatch: this server speaks protocol {wire.PROTOCOL_VERSION}, the reader {version}"
+        assert net.seen(b"r") == [("refused", reason)]
     assert srv.rejected_frames == 0
 
 
@@ -741,9 +784,9 @@ def test_the_welcome_names_the_data_port_and_holds_the_keys_that_open_the_data_f
     srv, net = server(), Net()
     assert isinstance(net.receive(srv, b"r", hello(), now=0.0, published=0), Admitted)
     ((_, welcome_frames),) = net.take(b"r")
-    body = wire.decode_json(wire.verify(KEY, welcome_frames)[1])
+    body = wire.decode_json(net.peer(b"r").verify(welcome_frames)[1])
     assert body["data_port"] == 5555
-    opener = seal.Opener(CHANNEL.encode(), secret=KEY)
+    opener = seal.Opener(CHANNEL.encode(), secret=DATA_KEY)
     opener.install(bytes.fromhex(body["keys"]))
     publish(srv, 0, 1)
     net.transmit(srv)
@@ -775,7 +818,7 @@ def test_after_a_rekey_every_reader_gets_the_keys_once_and_later_messages_open_w
 
 def test_the_sealers_rekey_policy_sends_the_keys_too() -> None:
     config = ServerConfig("lag", KEY, 8, 16, hb_interval=HB, hb_timeout=TIMEOUT, max_remote=4, channel=CHANNEL)
-    sealer = seal.Sealer(CHANNEL.encode(), secret=KEY, rekey_messages=2)
+    sealer = seal.Sealer(CHANNEL.encode(), secret=DATA_KEY, rekey_messages=2)
     srv, net = ServerProtocol(config, start=0, now=0.0, sealer=sealer), Net()
     admit(srv, net, window=8)
     for k in range(5):
@@ -803,8 +846,33 @@ def test_a_nack_flood_resends_at_most_one_window_per_heartbeat() -> None:
 # --- the client ------------------------------------------------------------------------------
 
 
-def client(window: int = 4, key: bytes | None = KEY, gone_timeout: float | None = None) -> ClientProtocol:
-    return ClientProtocol(
+class TestClient(ClientProtocol):
+    """A client whose ``receive`` signs ``ToSign`` frames as the server would for it: in its
+    session (drawing the server's nonce for each new one), or, UNKNOWN and REFUSED before its
+    WELCOME, as the answer to its last frame."""
+
+    __test__ = False
+    _session: wire.Session | None = None
+
+    def receive(self, frames: Any, now: float) -> Any:
+        if isinstance(frames, ToSign):
+            frames = self.as_server(frames.frames)
+        return super().receive(frames, now)
+
+    def as_server(self, frames: list[Any]) -> list[Any]:
+        signer = self._signer
+        assert signer is not None
+        if signer.server_nonce is None and frames[0] in (wire.UNKNOWN, wire.REFUSED):
+            asked = wire.Signed([], signer.reader_nonce, wire.NO_NONCE, signer._sent - 1)
+            return wire.sign_answer(CONTROL_KEY, frames, asked)
+        session = self._session
+        if session is None or session.reader_nonce != signer.reader_nonce:
+            session = self._session = wire.Session(signer.reader_nonce, secrets.token_bytes(wire.NONCE_BYTES), 0)
+        return session.sign(CONTROL_KEY, frames)
+
+
+def client(window: int = 4, key: bytes | None = KEY, gone_timeout: float | None = None) -> TestClient:
+    return TestClient(
         key=key, channel=CHANNEL, name="c", pid=1, host="h", window=window, now=0.0, gone_timeout=gone_timeout
     )
 
@@ -813,7 +881,7 @@ class Stream:
     """A server's sealer for the client tests: every message sealed once (a resend is the same
     sealed bytes, as the server sends it)."""
 
-    def __init__(self, secret: bytes | None = KEY, channel: str = CHANNEL, presealed: int = 0) -> None:
+    def __init__(self, secret: bytes | None = DATA_KEY, channel: str = CHANNEL, presealed: int = 0) -> None:
         self.sealer = seal.Sealer(channel.encode(), secret=secret)
         self._sealed: dict[int, Any] = {}
         for seq in range(presealed):  # in order: tests may then ask for them in any order
@@ -834,7 +902,7 @@ class Stream:
 STREAM = Stream(presealed=64)
 
 
-def welcome(start: int = 0, window: int = 4, stream: Stream = STREAM, port: int = 5555, **extra: Any) -> list[Any]:
+def welcome(start: int = 0, window: int = 4, stream: Stream = STREAM, port: int = 5555, **extra: Any) -> Any:
     body: dict[str, Any] = {
         "start": start,
         "policy": "lag",
@@ -855,7 +923,7 @@ def batch(first: int, n: int) -> list[Any]:
 def kinds(c: ClientProtocol) -> list[tuple[bytes, Any]]:
     out: list[tuple[bytes, Any]] = []
     for frames in c.data_to_send():
-        body = wire.verify(KEY, frames)
+        body = from_client(frames)
         out.append((body[0], wire.U64.unpack(body[1])[0] if body[0] in (wire.ACK, wire.NACK) else None))
     return out
 
@@ -863,7 +931,7 @@ def kinds(c: ClientProtocol) -> list[tuple[bytes, Any]]:
 def test_the_client_says_hello_then_takes_messages_in_order_and_acknowledges_by_half_windows() -> None:
     c = client(window=8)
     (frames,) = c.data_to_send()
-    body = wire.verify(KEY, frames)
+    body = from_client(frames)
     assert body[0] == wire.HELLO and wire.decode_hello(body[1]).channel == CHANNEL
     assert c.receive_data(batch(0, 2), 0.0, consumed=0) is None  # before its WELCOME: not its messages yet
     assert c.data_port is None
@@ -1052,7 +1120,7 @@ def test_a_client_the_server_forgot_says_hello_again_with_where_it_is() -> None:
     c.receive_data(batch(0, 3), 0.0, consumed=0)
     c.receive(signed(wire.UNKNOWN), 0.1)
     (frames,) = c.data_to_send()
-    body = wire.verify(KEY, frames)
+    body = from_client(frames)
     assert body[0] == wire.HELLO and wire.decode_hello(body[1]).resume == 3
     assert c.receive(welcome(3), 0.2) is None  # the same place: no second Welcomed
 
@@ -1068,7 +1136,7 @@ def test_a_client_takes_the_keys_of_a_rekey_and_asks_again_for_a_key_it_lacks() 
     stream.sealer.rekey()  # a key it was never told of
     assert c.receive_data(stream.batch(2, 1), 0.3, consumed=0) is None
     (frames,) = c.data_to_send()  # it asks for the keys again: a HELLO that resumes where it is
-    body = wire.verify(KEY, frames)
+    body = from_client(frames)
     assert body[0] == wire.HELLO and wire.decode_hello(body[1]).resume == 2
     assert c.receive_data(stream.batch(2, 1), 0.4, consumed=0) is None
     assert c.data_to_send() == []  # at most once a heartbeat
@@ -1084,7 +1152,7 @@ def test_a_client_repeats_its_hello_until_welcomed_and_a_refusal_before_is_final
     assert c.data_to_send() == []
     c.tick(2.01, consumed=0)
     (frames,) = c.data_to_send()
-    assert wire.verify(KEY, frames)[0] == wire.HELLO
+    assert from_client(frames)[0] == wire.HELLO
     assert c.receive(signed(wire.REFUSED, b"full"), 2.1) == Refused("full", welcomed=False)
     assert c.tick(1000.0, consumed=0) is None  # not welcomed: never "silent"
 
@@ -1146,7 +1214,7 @@ def test_the_servers_welcome_names_its_data_password() -> None:
         srv, net = server(data_token=token), Net()
         assert isinstance(net.receive(srv, b"r", hello(), now=0.0, published=0), Admitted)
         ((_, welcome_frames),) = net.take(b"r")
-        assert wire.decode_json(wire.verify(KEY, welcome_frames)[1]).get("data_token") == token
+        assert wire.decode_json(net.peer(b"r").verify(welcome_frames)[1]).get("data_token") == token
 
 
 @pytest.mark.parametrize(
@@ -1181,7 +1249,12 @@ def test_a_forged_server_without_the_key_is_never_believed() -> None:
     c = client()
     c.data_to_send()
     wrong = secrets.token_bytes(32)
-    for frames in (wire.sign(wrong, welcome(0)[:-1]), welcome(0)[:-1], [*welcome(0)[:-1], b"\0" * 32]):
+    assert c._signer is not None
+    body = welcome(0).frames
+    # the forger saw the reader's nonce on the wire, but lacks the key
+    nonces = {"reader_nonce": c._signer.reader_nonce, "server_nonce": secrets.token_bytes(wire.NONCE_BYTES)}
+    forged = wire.sign(wire.control_key(wrong), body, to_reader=True, counter=1, **nonces)
+    for frames in (forged, body, [*body, b"\0" * wire.SIGNATURE_BYTES], [*body, forged[-1][: wire.TRAILER.size]]):
         assert c.receive(frames, 0.1) is None
     assert not c.welcomed and "connecting" in repr(c)
     # Welcomed by the real server, the reader opens nothing a forger sealed, with its own key
@@ -1204,6 +1277,214 @@ def test_a_forged_server_without_the_key_is_never_believed() -> None:
     assert isinstance(event, Messages) and bytes(event.items[0][0]) == b"0"
 
 
+# --- where a gap starts --------------------------------------------------------------------------
+
+
+def _deliver(c: ClientProtocol, sent: list[tuple[bool, list[Any]]], now: float, consumed: int) -> list[ClientEvent]:
+    """Feed ``c`` frame groups as the server sent them (control or data); the events it gives."""
+    events = [c.receive_data(f, now, consumed) if data else c.receive(f, now) for data, f in sent]
+    return [e for e in events if e is not None]
+
+
+def test_a_lagged_sealed_for_another_reader_does_not_move_this_one() -> None:
+    """The seal binds a LAGGED to its channel, key and counter, not to its reader, so A's LAGGED
+    opens at B. Its gap starts where A was: B, still before that, must not take it (it would skip
+    messages the server still holds for it). It refuses it as out of its window and asks for
+    what it lacks; the server then sends B everything it holds, and B's own exact gap."""
+    srv, net = server(window=16), Net()
+    a, b = client(window=16), client(window=16)
+    for ident, c in ((b"a", a), (b"b", b)):
+        for frames in c.data_to_send():
+            net.receive(srv, ident, frames, now=0.0, published=0)
+        assert _deliver(c, net.take(ident), 0.0, 0) == [Welcomed(0)]
+    publish(srv, 0, 1, 2)
+    net.full.add(b"b")  # B's queue is full: the batch goes to A only
+    net.transmit(srv)
+    assert [type(e) for e in _deliver(a, net.take(b"a"), 0.1, 0)] == [Messages]
+    srv.lost(10)
+    publish(srv, 10)
+    net.transmit(srv)
+    (lagged, _batch) = net.take(b"a")
+    assert lagged[1][0] == wire.LAGGED
+    # An on-path host copies A's LAGGED into B's data connection.
+    assert b.receive_data(lagged[1], 0.2, consumed=0) is None
+    assert b.next == 0 and b.rejected == {"out_of_window": 1}
+    assert kinds(b) == [(wire.NACK, 0)]
+    net.full.discard(b"b")
+    net.transmit(srv)
+    net.transmit(srv)
+    net.transmit(srv)
+    events = _deliver(b, net.take(b"b"), 0.3, 0)
+    assert [(type(e), getattr(e, "first", None)) for e in events] == [(Messages, 0), (Lagged, None), (Messages, 10)]
+    assert events[1] == Lagged(missed=7, resume_at=10)
+    assert [bytes(body) for body, _ in events[0].items] == [b"mmm"] * 3  # type: ignore[union-attr]
+
+
+def test_a_readers_own_lagged_that_overtakes_a_lost_batch_is_asked_again_not_taken() -> None:
+    """No attacker: the batch 0..2 is lost in transit (a data reconnect), and the reader's own
+    LAGGED for 3..9 comes first. Its gap starts after the reader's place: the reader asks for
+    what follows what it has, and gets 0..2 (the server still holds them), then the gap."""
+    srv, net = server(window=16), Net()
+    c = client(window=16)
+    for frames in c.data_to_send():
+        net.receive(srv, b"c", frames, now=0.0, published=0)
+    assert _deliver(c, net.take(b"c"), 0.0, 0) == [Welcomed(0)]
+    publish(srv, 0, 1, 2)
+    net.transmit(srv)
+    net.take(b"c")  # lost
+    srv.lost(10)
+    publish(srv, 10)
+    net.transmit(srv)
+    net.transmit(srv)
+    assert _deliver(c, net.take(b"c"), 0.1, 0) == []  # LAGGED refused, then batch 10 after a gap
+    assert c.next == 0 and c.rejected == {"out_of_window": 2}
+    for frames in c.data_to_send():
+        assert from_client(frames)[0] == wire.NACK
+        net.receive(srv, b"c", frames, now=1.5, published=11)
+    for _ in range(3):
+        net.transmit(srv)
+    events = _deliver(c, net.take(b"c"), 1.6, 0)
+    assert [type(e) for e in events] == [Messages, Lagged, Messages]
+    assert events[0].first == 0 and len(events[0].items) == 3  # type: ignore[union-attr]
+    assert events[1] == Lagged(missed=7, resume_at=10)
+
+
+# --- insecure mode: signed control frames are bound to their session and direction --------------
+
+
+def _reader(name: str) -> ClientProtocol:
+    return ClientProtocol(key=KEY, channel=CHANNEL, name=name, pid=1, host="h", window=8, now=0.0)
+
+
+def _join(srv: ServerProtocol, net: Net, ident: bytes, c: ClientProtocol, published: int) -> list[Any]:
+    """``c`` says HELLO to ``srv``; the frame groups it was answered (not delivered yet)."""
+    for frames in c.data_to_send():
+        net.receive(srv, ident, frames, now=0.0, published=published)
+    return [frames for _, frames in net.take(ident)]
+
+
+def test_another_readers_welcome_is_refused_and_the_reader_starts_where_its_own_says() -> None:
+    """A joins at 0; messages 0-4 are published; B joins. A's WELCOME, copied into B's control
+    connection before B's own, would start B at 0, where the server has nothing for it (it
+    starts B at 5): B refuses it (signed for A's nonce) and takes its own."""
+    srv, net = server(window=8), Net()
+    a, b = _reader("a"), _reader("b")
+    (a_welcome,) = _join(srv, net, b"a", a, 0)
+    assert a.receive(a_welcome, 0.0) == Welcomed(0)
+    (b_welcome,) = _join(srv, net, b"b", b, 5)
+    assert b.receive(a_welcome, 0.1) is None and not b.welcomed
+    assert b.receive(b_welcome, 0.1) == Welcomed(5)
+    assert b.receive(a_welcome, 0.2) is None and b.next == 5
+
+
+def test_a_recorded_refused_or_old_keys_are_refused_by_a_reader_in_its_session() -> None:
+    """A REFUSED the server sent another peer, and a KEYS of earlier in the reader's own session,
+    are authentic (signed with the handle's key) but not for this reader now: it refuses both,
+    and reads on with the keys it has."""
+    srv, net = server(window=8), Net()
+    a = _reader("a")
+    (welcome_a,) = _join(srv, net, b"a", a, 0)
+    a.receive(welcome_a, 0.0)
+    stranger = ClientProtocol(key=KEY, channel="another", name="s", pid=2, host="h", window=8, now=0.0)
+    (refused,) = _join(srv, net, b"s", stranger, 0)
+    assert stranger.receive(refused, 0.0) == Refused(
+        "this handle is of another channel (an earlier writer at this endpoint)", welcomed=False
+    )
+    assert a.receive(refused, 0.1) is None  # signed for the stranger's nonce
+    srv.rekey()
+    net.send_keys(srv)
+    ((_, first_keys),) = net.take(b"a")
+    assert a.receive(first_keys, 0.2) is None
+    srv.rekey()
+    net.send_keys(srv)
+    ((_, second_keys),) = net.take(b"a")
+    a.receive(second_keys, 0.3)
+    held = a._opener.key_ids
+    assert a.receive(first_keys, 0.4) is None  # a replay: its counter is not above the last taken
+    assert a._opener.key_ids == held
+    publish(srv, 0, 1)
+    net.transmit(srv)
+    events = _deliver(a, net.take(b"a"), 0.5, 0)
+    assert [type(e) for e in events] == [Messages] and a.rejected_frames == 0
+
+
+def test_a_recorded_bye_or_hello_drops_nobody_and_a_reflected_frame_is_refused() -> None:
+    """A's BYE, copied into B's control connection, is refused (B's session is not A's) and B
+    stays; A's own BYE replayed once A left does nothing; a HELLO replayed in its session is a
+    replay; a frame sent back to the side that signed it is refused (the direction is signed)."""
+    srv, net = server(window=8), Net()
+    a, b = _reader("a"), _reader("b")
+    a.receive(_join(srv, net, b"a", a, 0)[0], 0.0)
+    b.receive(_join(srv, net, b"b", b, 0)[0], 0.0)
+    bye = a.bye()
+    assert isinstance(net.receive(srv, b"a", bye, now=0.1, published=0), Departed)
+    event = net.receive(srv, b"b", bye, now=0.2, published=0)
+    assert isinstance(event, Rejected) and event.dropped is None
+    assert net.receive(srv, b"a", bye, now=0.3, published=0) is None  # A left: nothing to drop
+    assert [r["name"] for r in srv.report()["readers"]] == ["b"] and net.take(b"b") == []
+    a.tick(1.0, consumed=0)
+    b.tick(1.0, consumed=0)
+    (ack_frames,) = b.data_to_send()
+    assert net.receive(srv, b"b", ack_frames, now=1.0, published=0) is None
+    event = net.receive(srv, b"b", ack_frames, now=1.1, published=0)  # the same ACK again
+    assert isinstance(event, Rejected) and "replay" in event.reason and event.dropped is None
+    assert b.receive(ack_frames, 1.2) is None  # the reader's own frame, sent back to it
+    assert srv.rejected_frames == 2 and [r["name"] for r in srv.report()["readers"]] == ["b"]
+
+
+def test_a_recorded_hello_neither_moves_nor_replaces_a_readers_session() -> None:
+    """A reader's first HELLO (no resume: "start me at the stream's end"), played again in its
+    session, is a replay; played again once the reader is in a later session (it was dropped,
+    and came back), it is of another session on that reader's connection: refused either way,
+    and the reader keeps its place (under "block", a place moved to the end would let the server
+    forget what the reader has not read)."""
+    srv, net = server("block", window=8), Net()
+    b = _reader("b")
+    (hello1,) = b.data_to_send()
+    assert isinstance(net.receive(srv, b"b", hello1, now=0.0, published=3), Admitted)
+    (welcome1,) = [f for _, f in net.take(b"b")]
+    assert b.receive(welcome1, 0.0) == Welcomed(3)
+    event = net.receive(srv, b"b", hello1, now=2.0, published=9)
+    assert isinstance(event, Rejected) and "replay" in event.reason and event.dropped is None
+    assert net.heartbeat(srv, TIMEOUT + 1.0)  # silent: dropped
+    b.tick(TIMEOUT + 1.0, consumed=3)
+    for frames in b.data_to_send():  # its ACK: "who are you?"
+        net.receive(srv, b"b", frames, now=TIMEOUT + 1.0, published=9)
+    for _, frames in net.take(b"b"):
+        b.receive(frames, TIMEOUT + 1.0)
+    for frames in b.data_to_send():  # a HELLO of a new session, resuming at 3
+        assert isinstance(net.receive(srv, b"b", frames, now=TIMEOUT + 1.0, published=9), Admitted)
+    event = net.receive(srv, b"b", hello1, now=TIMEOUT + 9.0, published=9)
+    assert isinstance(event, Rejected) and "another session" in event.reason and event.dropped is None
+    (reader,) = srv.report()["readers"]
+    assert reader["received"] == 3  # its place, not the stream's end
+
+
+def test_a_reader_of_protocol_5_is_refused_by_name_in_its_own_terms() -> None:
+    """A reader of protocol 5 signs its HELLO with the handle's key itself, and checks what it
+    is answered the same way: it gets a REFUSED it can check, that names the versions."""
+    srv, net = server(), Net()
+    body = {"version": 5, "name": "old", "pid": 1, "window": 4, "resume": None, "channel": CHANNEL}
+    hello_v5 = wire.legacy_sign(KEY, [wire.HELLO, wire.encode_json(body)])
+    assert isinstance(net.receive(srv, b"old", hello_v5, now=0.0, published=0), Rejected)
+    ((_, answer),) = net.take(b"old")
+    mac = answer[-1]
+    assert answer[0] == wire.REFUSED and wire.legacy_sign(KEY, answer[:-1])[-1] == mac
+    assert bytes(answer[1]).startswith(b"protocol version mismatch: this server speaks protocol 6")
+    assert srv.report()["readers"] == []
+    forged = wire.legacy_sign(secrets.token_bytes(32), [wire.HELLO, wire.encode_json(body)])
+    net.receive(srv, b"old", forged, now=0.0, published=0)
+    assert net.take(b"old") == []  # without the key: no answer
+
+
+def test_the_keys_of_insecure_mode_are_derived_apart_from_the_handles_key() -> None:
+    """The handle's key signs nothing itself: the control key, the control password and the
+    data plane's secret are three HKDF outputs under labels of their own."""
+    derived = {wire.control_key(KEY), bytes.fromhex(wire.control_password(KEY).decode()), wire.data_secret(KEY)}
+    assert len(derived) == 3 and KEY not in derived and all(len(k) == 32 for k in derived)
+    assert wire.control_key(KEY) == wire.control_key(KEY) != wire.control_key(secrets.token_bytes(32))
+
+
 # --- both together, over a lossy link ----------------------------------------------------------
 
 OPS = st.lists(
@@ -1215,6 +1496,9 @@ OPS = st.lists(
         st.tuples(st.just("consume"), st.integers(1, 8)),
         st.tuples(st.just("time"), st.floats(0.01, 2.5)),
         st.tuples(st.just("hostile"), st.sampled_from(list(HOSTILE))),
+        # another reader's frames: delivered to it, lost, or also copied into this reader's data
+        # connection by an on-path host (they open there: the seal does not name the reader)
+        st.tuples(st.just("other"), st.sampled_from(["deliver", "lose", "copy"])),
     ),
     max_size=60,
 )
@@ -1222,6 +1506,24 @@ OPS = st.lists(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, policy=st.sampled_from(["lag", "block"]), window=st.integers(1, 6), buffer_max=st.integers(2, 8))
+# the reader's batch is lost, and its own LAGGED for what follows comes: it asks again for 0
+@example([("publish", 1), ("to_client", False), ("ring_loses", 1)], "lag", 2, 2)
+# the other reader's LAGGED (a gap from 4) copied to this one, which has 0 and 1 and still
+# needs 2 and 3 (the server holds them, but this reader's credit is used up)
+@example(
+    [
+        ("publish", 4),
+        ("to_client", True),
+        ("other", "deliver"),
+        ("other", "deliver"),
+        ("ring_loses", 2),
+        ("publish", 1),
+        ("other", "copy"),
+    ],
+    "lag",
+    2,
+    8,
+)
 def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact_gap(
     ops: list[tuple[str, Any]], policy: str, window: int, buffer_max: int
 ) -> None:
@@ -1229,9 +1531,12 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
     from another peer: what the reader takes is always in order, never twice, every number
     accounted for (a message or a counted gap); the server never sends beyond the credit nor
     holds more than its bound; once the stream ends and the link is good, the reader ends with
-    everything accounted for."""
+    everything accounted for. A gap the reader is told of starts where the reader is, and holds
+    only messages the server no longer has (so could not send it), even when another reader's
+    gaps are copied into its data connection."""
     srv, net = server(policy, window=window, buffer_max=buffer_max), Net()
     c = ClientProtocol(key=KEY, channel=CHANNEL, name="c", pid=1, host="h", window=window, now=0.0, gone_timeout=1e9)
+    other = ClientProtocol(key=KEY, channel=CHANNEL, name="o", pid=2, host="h", window=2, now=0.0, gone_timeout=1e9)
     now, seq = 0.0, 0
     queue: list[ClientEvent] = []  # what the reader has not taken yet
     taken: list[int] = []  # message numbers taken
@@ -1244,14 +1549,35 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
                 net.receive(srv, b"c", frames, now=now, published=seq)
 
     def to_client(deliver: bool) -> None:
-        nonlocal consumed
         for data, frames in net.take(b"c"):
             if deliver:
-                event = c.receive_data(frames, now, consumed) if data else c.receive(frames, now)
-                if isinstance(event, Welcomed):
-                    consumed = event.start
-                elif event is not None:
-                    queue.append(event)
+                receive(data, frames)
+
+    def receive(data: bool, frames: list[Any]) -> None:
+        nonlocal consumed
+        before = c.next
+        event = c.receive_data(frames, now, consumed) if data else c.receive(frames, now)
+        if isinstance(event, Welcomed):
+            consumed = event.start
+        elif event is not None:
+            if isinstance(event, Lagged):
+                # where the gap starts is the reader's place, and nothing in it is still held
+                assert event.resume_at - event.missed == before >= 0
+                held = set(srv._held.seqs)
+                assert not any(s in held for s in range(before, event.resume_at)), (before, event, held)
+            queue.append(event)
+
+    def to_other(how: str) -> None:
+        """The other reader takes what it is sent at once (so it keeps up under "block")."""
+        for data, frames in net.take(b"o"):
+            if how == "lose":
+                continue
+            other.receive_data(frames, now, other.next) if data else other.receive(frames, now)
+            if how == "copy" and data:
+                receive(True, frames)
+        other.tick(now, max(other.next, 0), ack=True)
+        for frames in other.data_to_send():
+            net.receive(srv, b"o", frames, now=now, published=seq)
 
     def take(n: int) -> None:
         nonlocal accounted, consumed
@@ -1291,6 +1617,9 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
     to_client(True)
     assert c.welcomed
     accounted = consumed = c.next
+    to_other("deliver")
+    to_other("deliver")
+    assert other.welcomed
     for op, arg in ops:
         if op == "publish":
             for _ in range(arg):
@@ -1316,6 +1645,8 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
         elif op == "hostile":
             net.receive(srv, b"other", signed(*HOSTILE[arg]), now=now, published=seq)
             net.take(b"other")
+        elif op == "other":
+            to_other(arg)
         step()
     # The stream ends; from here the link is good and the reader reads everything.
     srv.stream_ended("closed")
@@ -1327,6 +1658,7 @@ def test_over_a_lossy_link_a_reader_gets_every_message_once_in_order_or_an_exact
         to_server(True)
         step()
         to_client(True)
+        to_other("deliver")
         take(10**6)
         if queue and isinstance(queue[0], Ended):
             break

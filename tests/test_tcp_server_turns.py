@@ -112,6 +112,7 @@ def test_a_frame_the_protocol_fails_on_drops_that_reader_only_and_the_server_log
     assert key is not None  # insecure: signed control frames, PLAIN with the key's password
     ctx = zmq.Context()
     peers: dict[str, zmq.Socket[bytes]] = {}
+    signers = {name: wire.ReaderSigner(key) for name in ("good", "bad")}  # each its session
 
     def answer(name: str) -> list[bytes]:
         """Serve until ``name`` hears from the server: what it heard, signature checked."""
@@ -120,19 +121,19 @@ def test_a_frame_the_protocol_fails_on_drops_that_reader_only_and_the_server_log
             assert time.monotonic() < deadline, f"{name} heard nothing"
             server._recv_clients(time.monotonic())
             server._flush()
-        return wire.verify(key, peers[name].recv_multipart())
+        return signers[name].verify(peers[name].recv_multipart())
 
     try:
         for name in ("good", "bad"):
             sock = peers[name] = ctx.socket(zmq.DEALER)
             sock.linger = 0
             sock.identity = name.encode()
-            sock.plain_username = wire.PLAIN_USER
+            sock.plain_username = wire.CONTROL_USER
             sock.plain_password = wire.control_password(key)
             sock.connect(server.endpoint)
             hello: dict[str, Any] = {"version": wire.PROTOCOL_VERSION, "name": name, "pid": 1, "host": "h"}
             hello |= {"window": 4, "resume": None, "channel": writer.handle.token}
-            sock.send_multipart(wire.sign(key, [wire.HELLO, wire.encode_json(hello)]))
+            sock.send_multipart(signers[name].sign([wire.HELLO, wire.encode_json(hello)]))
             assert answer(name)[0] == wire.WELCOME
         proto = server.protocol
         real = proto.readers._on_frames
@@ -143,7 +144,7 @@ def test_a_frame_the_protocol_fails_on_drops_that_reader_only_and_the_server_log
             return real(ident, *args)
 
         monkeypatch.setattr(proto.readers, "_on_frames", failing)
-        peers["bad"].send_multipart(wire.sign(key, [wire.ACK, wire.U64.pack(0)]))
+        peers["bad"].send_multipart(signers["bad"].sign([wire.ACK, wire.U64.pack(0)]))
         with caplog.at_level(logging.WARNING, logger="aiobroadcast"):
             refused = answer("bad")
         assert refused == [wire.REFUSED, b"malformed frame: internal error RuntimeError"]
@@ -193,15 +194,17 @@ def test_a_message_published_after_a_readers_frame_woke_the_sleeping_server_stil
                 sock.linger = 0
                 sock.routing_id = b"peer"
                 sock.plain_username = wire.PLAIN_USER
+            control.plain_username = wire.CONTROL_USER
             control.plain_password = wire.control_password(key)
             data.plain_password = server.data_token.encode()
             control.connect(server.endpoint)
             data.connect(f"tcp://127.0.0.1:{server.data_port}")
             hello: dict[str, Any] = {"version": wire.PROTOCOL_VERSION, "name": "peer", "pid": 1, "host": "h"}
             hello |= {"window": 64, "resume": None, "channel": writer.handle.token}
-            control.send_multipart(wire.sign(key, [wire.HELLO, wire.encode_json(hello)]))
+            signer = wire.ReaderSigner(key)
+            control.send_multipart(signer.sign([wire.HELLO, wire.encode_json(hello)]))
             assert control.poll(30_000), "no WELCOME"
-            assert wire.verify(key, control.recv_multipart())[0] == wire.WELCOME
+            assert signer.verify(control.recv_multipart())[0] == wire.WELCOME
             # The WELCOME goes out from inside the call, before it returns: wait for its return.
             until("the HELLO taken asleep", lambda: len(went_on) == 1)
             assert went_on == [True]  # the HELLO was taken asleep, and answered from there
@@ -211,7 +214,7 @@ def test_a_message_published_after_a_readers_frame_woke_the_sleeping_server_stil
                 # (before that, the turn that sent message i - 1 may still be taking frames).
                 until("the server asleep on the ring", lambda: src._words[src._wait_word] != 0)
                 before = len(went_on)
-                control.send_multipart(wire.sign(key, [wire.ACK, wire.U64.pack(i)]))
+                control.send_multipart(signer.sign([wire.ACK, wire.U64.pack(i)]))
                 until("the ACK taken asleep", lambda: len(went_on) > before)  # noqa: B023
                 assert went_on[-1] is True  # ... and the sleep went on
                 writer.put(i)

@@ -314,7 +314,8 @@ class _HandshakeWatch:
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 return (
                     f"{where} refused this reader's keys at the handshake (ZAP status {value}): "
-                    "the handle's client key pair (insecure=True: its hmac_key) is not this channel's"
+                    "the handle's client key pair (insecure=True: its hmac_key) is not this channel's "
+                    f"(insecure=True: or the writer's aiobroadcast is older than protocol {wire.PROTOCOL_VERSION})"
                 )
             if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:
                 return (
@@ -383,7 +384,7 @@ class _Connections:
             d.curve_secretkey = handle.client_secret_key.encode()
         else:  # PLAIN, with the password the server derives from the same HMAC key
             assert handle.hmac_key
-            d.plain_username = wire.PLAIN_USER
+            d.plain_username = wire.CONTROL_USER
             d.plain_password = wire.control_password(handle.hmac_key.encode())
         self.watch = _HandshakeWatch(d, f"the writer's server at {handle.tcp}")
         d.connect(handle.tcp)

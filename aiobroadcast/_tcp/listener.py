@@ -104,10 +104,15 @@ class Listener:
                 r.curve_server = True
                 r.curve_secretkey = server_secret
             else:
-                # No CurveZMQ: PLAIN, with a password derived from the HMAC key.
+                # No CurveZMQ: PLAIN, with a password derived from the HMAC key. A reader of
+                # protocol 5 (its own user name and password) is admitted too, to be told by name
+                # that it cannot read here (its HELLO is refused: readers.py).
                 assert hmac_key is not None
-                password = wire.control_password(hmac_key).decode()
-                self._auth.configure_plain(CONTROL_DOMAIN, {wire.PLAIN_USER.decode(): password})
+                passwords = {
+                    wire.CONTROL_USER.decode(): wire.control_password(hmac_key).decode(),
+                    wire.PLAIN_USER.decode(): wire.legacy_password(hmac_key).decode(),
+                }
+                self._auth.configure_plain(CONTROL_DOMAIN, passwords)
                 r.zap_domain = CONTROL_DOMAIN.encode()
                 r.plain_server = True
             with zmq_errors(TransportError, f"cannot bind {settings.endpoint}"):

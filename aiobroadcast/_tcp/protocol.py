@@ -325,7 +325,8 @@ class ServerProtocol:
         self._held.add(seq, (sealed, flags), n)
 
     def rekey(self) -> None:
-        """A new group key now (on demand); ``send_keys`` tells the readers."""
+        """A new group key now (on demand), or with the first message sealed once there is room
+        for one more old key (``Sealer.rekey``); ``send_keys`` tells the readers."""
         self.sealer.rekey()
 
     def send_keys(self) -> None:
@@ -568,12 +569,13 @@ class ClientProtocol:
         now: float,
         gone_timeout: float | None = None,
     ) -> None:
-        self._key = key
+        self._signer = None if key is None else wire.ReaderSigner(key)  # insecure: ``key`` is the handle's
         self._channel = channel
         # Opens the data frames with the keys WELCOME and KEYS deliver (docs/security.md), large
         # bodies into buffers used again once decoded (given back when the stream pauses).
         self._buffers = seal.Buffers(OPENED_KEEP_BYTES)
-        self._opener = seal.Opener(channel.encode(), secret=key, buffer=self._buffers.take)
+        secret = None if key is None else wire.data_secret(key)  # insecure: the data plane's (wire.py)
+        self._opener = seal.Opener(channel.encode(), secret=secret, buffer=self._buffers.take)
         #: the port of the server's data socket (a restarted server may take another)
         self.data_port: int | None = None
         #: the data connection's PLAIN password, as the last WELCOME said (None: no handshake)
@@ -607,10 +609,10 @@ class ClientProtocol:
 
     def bye(self) -> list[Any]:
         """The frame group that says this reader leaves."""
-        return wire.sign(self._key, [wire.BYE])
+        return [wire.BYE] if self._signer is None else self._signer.sign([wire.BYE])
 
     def _send(self, frames: list[Any]) -> None:
-        self._out.append(wire.sign(self._key, frames))
+        self._out.append(frames if self._signer is None else self._signer.sign(frames))
 
     def _hello(self, resume: int | None) -> None:
         hello = {
@@ -639,7 +641,7 @@ class ClientProtocol:
         """A frame group from the server (signature still on). One that is not authentic or not
         well formed is dropped: it is not even proof that the server lives."""
         try:
-            event = self._on_frames(wire.verify(self._key, frames), now)
+            event = self._on_frames(frames if self._signer is None else self._signer.verify(frames), now)
         except _BAD_FRAME:
             return None
         self._last_heard = now
@@ -740,8 +742,11 @@ class ClientProtocol:
             return Messages(first + skip, opened)
         if kind == wire.LAGGED:
             check_arity(frames, 1)
-            from_seq, _missed = wire.U64x2.unpack(self._opener.open_control(kind, frames[1]))
+            from_seq, missed = wire.U64x2.unpack(self._opener.open_control(kind, frames[1]))
             if from_seq > self.next >= 0:
+                # another reader's, or ours before a lost batch: a gap past our place skips what is held
+                if missed > from_seq or from_seq - missed > self.next:
+                    raise seal.OutOfWindow(f"a gap from {from_seq - missed}, message {self.next} is expected")
                 lagged = Lagged(from_seq - self.next, from_seq)
                 self.next = from_seq
                 return lagged

@@ -109,6 +109,8 @@ class Client:
     ended: bool = False
     #: the transport refused the last send (its queue is full, or it is not connected)
     choked: bool = False
+    #: its signed control connection's session (insecure mode; None under CurveZMQ)
+    session: wire.Session | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +119,8 @@ class ServerConfig:
 
     #: "block" or "lag", as the ring's
     policy: str
-    #: the HMAC key (insecure mode); None under CurveZMQ
+    #: the handle's key (insecure mode: control frames are signed with a key derived from it);
+    #: None under CurveZMQ
     key: bytes | None
     #: the most credit a reader gets (it asks for its own, maybe smaller)
     window: int
@@ -162,6 +165,10 @@ class Readers:
         self._returning = returning
         self._grace_until = now + 2 * config.hb_timeout
         self._keys = keys
+        #: insecure mode: signs and checks the readers' control frames in their sessions
+        self._signer = None if config.key is None else wire.ServerSigner(config.key)
+        #: the frame group being taken, and from whom: what an answer outside a session answers
+        self._asking: tuple[bytes, wire.Signed] | None = None
         #: the readers admitted
         self.clients: dict[bytes, Client] = {}
         self._out: list[Outgoing] = []
@@ -172,9 +179,17 @@ class Readers:
         #: ``sole_reader``: its reader left for good; nothing is taken from the ring any more
         self.abandoned = False
 
-    def send(self, ident: bytes, frames: list[Any]) -> None:
-        """Queue a control frame group for ``ident`` (signed here)."""
-        self._out.append((ident, wire.sign(self._cfg.key, frames)))
+    def send(self, ident: bytes, frames: list[Any], session: wire.Session | None = None) -> None:
+        """Queue a control frame group for ``ident``. Insecure mode: signed in ``session``, or that
+        of the reader ``ident``, or as the answer to the frame group being taken from it."""
+        if self._signer is not None:
+            client = self.clients.get(ident)
+            asked = self._asking[1] if self._asking is not None and self._asking[0] == ident else None
+            signed = self._signer.sign(frames, session or (client.session if client else None), asked)
+            if signed is None:
+                return  # nobody authentic asked: nobody would believe it
+            frames = signed
+        self._out.append((ident, frames))
 
     def data_to_send(self) -> list[Outgoing]:
         """The control frame groups to send, signed, oldest first (each is taken once)."""
@@ -184,31 +199,51 @@ class Readers:
     def receive(self, ident: bytes, frames: list[bytes], *, now: float, horizon: int) -> ServerEvent | None:
         """A frame group from ``ident`` (its signature still on). ``horizon``: the number of the
         next message the stream has (the writer published, or the server took). Every field is
-        checked before it is acted on; a bad frame costs only its sender."""
-        if len(frames) > wire.MAX_CONTROL_FRAMES:
-            return self.reject(ident, f"{len(frames)} frames in one message")
+        checked before it is acted on; a bad frame costs only its sender (insecure mode: once its
+        signature and session are checked; before, it drops nobody and is answered nothing)."""
+        signer = self._signer
         if any(len(f) > wire.MAX_CONTROL_FRAME for f in frames):
             # ZeroMQ cuts these off (maxmsgsize) before they reach us; a pump without that limit
             # must not get further.
-            return self.reject(ident, "a frame larger than a control frame")
+            return (self.reject if signer is None else self._not_authentic)(
+                ident, "a frame larger than a control frame"
+            )
+        session: wire.Session | None = None
+        if signer is not None:
+            client = self.clients.get(ident)
+            try:
+                signed, session = signer.take(frames, client.session if client is not None else None)
+            except wire.FrameError as exc:
+                self._out += [(ident, refusal) for refusal in signer.refuse_legacy(frames)]
+                return self._not_authentic(ident, str(exc))
+            if session is None:  # of no session the server holds for it: "who are you?" (not to BYE)
+                if signed.frames[:1] != [wire.BYE]:
+                    self._out.append((ident, signer.answer([wire.UNKNOWN], signed)))
+                return None
+            frames, self._asking = signed.frames, (ident, signed)
         try:
-            frames = wire.verify(self._cfg.key, frames)
-        except wire.FrameError as exc:
-            self.rejected_frames += 1
-            return Rejected(ident, str(exc), None, self.rejected_frames)
-        try:
-            return self._on_frames(ident, frames, now, horizon)
+            if len(frames) > wire.MAX_CONTROL_FRAMES - (signer is not None):  # the signature included
+                return self.reject(ident, f"{len(frames) + (signer is not None)} frames in one message")
+            return self._on_frames(ident, frames, now, horizon, session)
         except (wire.FrameError, struct.error) as exc:
             return self.reject(ident, str(exc))
         except Exception as exc:  # a bug: the pump drops this reader (``reject``), not the others
             raise ReaderFault(ident, f"internal error {type(exc).__name__}") from exc
+        finally:
+            self._asking = None
+
+    def _not_authentic(self, ident: bytes, reason: str) -> Rejected:
+        """A frame group that is not authentic, or not fresh: counted, answered with nothing."""
+        self.rejected_frames += 1
+        return Rejected(ident, reason, None, self.rejected_frames)
 
     def reject(self, ident: bytes, reason: str) -> Rejected:
         """Refuse a frame from ``ident``: count it, drop that reader (only it), tell it why. The
         pump calls it for a ``ReaderFault`` that ``receive`` raised."""
         self.rejected_frames += 1
         client = self.clients.pop(ident, None)
-        self.send(ident, [wire.REFUSED, f"malformed frame: {reason}".encode()[:256]])
+        session = client.session if client is not None else None
+        self.send(ident, [wire.REFUSED, f"malformed frame: {reason}".encode()[:256]], session)
         if client is not None:
             self.reader_left(None)
         return Rejected(ident, reason, client.info if client else None, self.rejected_frames)
@@ -222,14 +257,16 @@ class Readers:
         self.reader_left(None)
         return client.info
 
-    def _on_frames(self, ident: bytes, frames: list[bytes], now: float, horizon: int) -> ServerEvent | None:
+    def _on_frames(
+        self, ident: bytes, frames: list[bytes], now: float, horizon: int, session: wire.Session | None
+    ) -> ServerEvent | None:
         if not frames:
             raise wire.FrameError("empty message")
         kind = frames[0]
         client = self.clients.get(ident)
         if kind == wire.HELLO:
             check_arity(frames, 1)
-            return self._hello(ident, client, wire.decode_hello(frames[1]), now, horizon)
+            return self._hello(ident, client, wire.decode_hello(frames[1]), now, horizon, session)
         if kind == wire.ACK or kind == wire.NACK:
             check_arity(frames, 1)
             if len(frames[1]) != wire.U64.size:
@@ -267,10 +304,19 @@ class Readers:
         return None
 
     def _hello(
-        self, ident: bytes, client: Client | None, hello: wire.Hello, now: float, horizon: int
+        self,
+        ident: bytes,
+        client: Client | None,
+        hello: wire.Hello,
+        now: float,
+        horizon: int,
+        session: wire.Session | None,
     ) -> ServerEvent | None:
+        """``session``: the signed session the HELLO came in (insecure mode): the reader's own
+        (a repeated HELLO), or a new one, which an admission makes the reader's."""
         if hello.version != wire.PROTOCOL_VERSION:
-            self.send(ident, [wire.REFUSED, b"protocol version mismatch"])
+            reason = f"protocol version mismatch: this server speaks protocol {wire.PROTOCOL_VERSION}, "
+            self.send(ident, [wire.REFUSED, f"{reason}the reader {hello.version}".encode()])
             return None
         if hello.channel is not None and self._cfg.channel is not None and hello.channel != self._cfg.channel:
             # Same endpoint and keys (fixed CurveKeys), but the handle of another channel (another
@@ -315,7 +361,7 @@ class Readers:
         self.had_reader = True
         info = ClientInfo(hello.name[:NAME_BYTES], hello.pid, hello.host)
         window = min(hello.window, self._cfg.window)
-        self.clients[ident] = Client(ident, info, window, start, start, now, now)
+        self.clients[ident] = Client(ident, info, window, start, start, now, now, session=session)
         welcome = {
             "start": start,
             "policy": self._cfg.policy,

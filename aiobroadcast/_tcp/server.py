@@ -169,7 +169,7 @@ class TcpServer:
         self._buffers = seal.Buffers(2 * buffer_bytes)
         sealer = seal.Sealer(
             handle.token.encode(),
-            secret=hmac_key if insecure else None,
+            secret=wire.data_secret(hmac_key) if insecure and hmac_key is not None else None,
             rekey_messages=settings.rekey_messages,
             rekey_bytes=settings.rekey_bytes,
             buffer=self._buffers.take,

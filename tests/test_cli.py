@@ -149,6 +149,21 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
             assert "remote reader processes (TCP on loopback; 0: none) (default: 1)" in text
 
 
+def test_version_comes_from_the_package_metadata_alone() -> None:
+    import importlib.metadata
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    assert ab.__version__ == importlib.metadata.version("aiobroadcast") == declared
+    # pyproject.toml is the one place: no copy of the number in the package's source to drift
+    for source in (root / "aiobroadcast").rglob("*.py"):
+        assert not re.search(r"__version__\s*=\s*['\"]\d+\.\d", source.read_text()), source
+    res = run("--version")  # as `python -m aiobroadcast`, in its own process
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"aiobroadcast {declared}"
+
+
 def test_publish_stdin_lines_and_subscribe_count(tmp_path: Path, procs: list[Proc]) -> None:
     handle = tmp_path / "channel.json"
     pub = Proc("publish", str(handle), "--wait-readers", "2", stdin=subprocess.PIPE)

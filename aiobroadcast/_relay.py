@@ -15,7 +15,7 @@ from ._open import DEFAULT_DIRECTORY, Transport, _open_channel, _open_raw_reader
 async def relay(
     upstream: Handle | str,
     *,
-    name: str = "relay",
+    name: str | None = None,
     capacity: int | None = None,
     slot_bytes: int | None = None,
     max_readers: int = 16,
@@ -27,6 +27,8 @@ async def relay(
 ) -> None:
     """Read ``upstream`` (over TCP by default) and republish every message, unchanged and
     undecoded, into a new local channel. ``on_ready`` receives the local channel's handle.
+    ``name``: the relay's reader name upstream, unique there (default ``reader-<pid>-<n>``, as
+    ``open_reader``'s).
 
     Returns when the upstream writer closes (local readers then get ``EndOfStream``). If the
     upstream writer dies, local readers get ``WriterGone``; messages lost upstream (policy

@@ -58,11 +58,11 @@ from ._handle import Handle
 from ._open import (
     ReaderOptions,
     WriterOptions,
-    _make_source,
     _ReaderSpec,
     _shm_source,
     _WriterSpec,
     channel_steps,
+    source_steps,
 )
 from ._owned import Owned as _Owned
 from ._owned import left_before as _left
@@ -472,12 +472,11 @@ def open_reader(
     ``spin_us`` polls in this thread. Use ``with`` (closes at the end) or call ``close()``."""
     h = Handle.parse(handle)
     spec = _ReaderSpec(schema=schema, **options)
-    reader_name, decode = spec.decoder(h)
-    source, welcome = _make_source(
-        h, reader_name, decode, spec.transport, hold=decode is decode_pickle_view, take_ahead=spec.take_ahead
+    decode = spec.decoder(h)
+    steps = source_steps(
+        h, spec.name, decode, spec.transport, hold=decode is decode_pickle_view, take_ahead=spec.take_ahead
     )
-    if welcome is not None:
-        welcome.wait_welcome_blocking(spec.connect_timeout)
+    source, reader_name = drive_blocking(steps, lambda welcome: welcome.wait_welcome_blocking(spec.connect_timeout))
     return BlockingReader(_private, source, h, reader_name, spec.spin_us)
 
 
@@ -485,7 +484,7 @@ def _open_arena_reader(handle: Handle | str, *, name: str) -> BlockingReader[Any
     """A shared-memory reader whose arena bodies arrive as views with a lifetime and everything
     else as copies (``aiobroadcast.vllm``'s local readers: vLLM's arena hands out such tensors)."""
     h = Handle.parse(handle)
-    _name, decode = _ReaderSpec(name=name).decoder(h)
+    decode = _ReaderSpec(name=name).decoder(h)
     source = _shm_source(h, name, decode, False, arena_views=True)
     return BlockingReader(_private, source, h, name, None)
 

@@ -41,6 +41,7 @@ negative timeout counts as 0 (never as "forever").
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
@@ -67,7 +68,7 @@ from ._open import (
 from ._owned import Owned as _Owned
 from ._owned import left_before as _left
 from ._reader import Source, poll_budget, sleep_blocking, wait_steps
-from ._stats import ReaderStatistics, WriterStatistics
+from ._stats import ReaderInfo, ReaderStatistics, WriterStatistics
 from ._steps import Steps, drive_blocking, run_blocking
 
 __all__ = [
@@ -180,6 +181,20 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             self._check_open()
             return self._w.statistics(self._lock.waiting)
 
+    def wait_readers(
+        self, count: int | None = None, *, names: Iterable[str] | None = None, timeout: float | None = None
+    ) -> tuple[ReaderInfo, ...]:
+        """As ``Writer.wait_readers``, blocking this thread (asleep between looks, every 50 ms);
+        Ctrl-C ends it at once, changing nothing. Raises ``ClosedResourceError`` if ``close()``
+        is called meanwhile."""
+
+        def attached() -> tuple[ReaderInfo, ...]:
+            with self._close_lock:
+                self._check_open()
+                return self._w.attached()
+
+        return run_blocking(self._w.wait_readers_steps(attached, count, names, timeout), _sleep)
+
     def close(self) -> None:
         """Close the channel: readers receive what was published, then ``EndOfStream``."""
         if self._lock.mine():
@@ -246,6 +261,11 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             return woken
 
         return sleep
+
+
+def _sleep(limit_s: float) -> bool:
+    time.sleep(limit_s)
+    return False
 
 
 def _close_writer(w: WriterChannel) -> None:

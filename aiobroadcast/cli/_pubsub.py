@@ -43,9 +43,6 @@ from ._common import (
     stop_on_signals,
 )
 
-#: How often ``--wait-readers`` and ``--wait`` look again (seconds).
-POLL_S = 0.05
-
 
 # --- publish ------------------------------------------------------------------------------------
 def register(sub: Any) -> None:
@@ -76,7 +73,11 @@ def _register_publish(sub: Any) -> None:
     )
     p.add_argument("--count", type=int, default=0, help="stop after this many messages (0: until the input ends)")
     p.add_argument(
-        "--wait-readers", type=int, default=0, metavar="N", help="publish nothing until N readers are attached"
+        "--wait-readers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="publish nothing until N readers (local or remote) are attached",
     )
     p.add_argument("--capacity", type=int, default=64, help="slots in the ring")
     p.add_argument("--slot-bytes", type=int, default=1 << 16, help="bytes per slot (larger messages take several)")
@@ -202,11 +203,7 @@ def _attached(writer: Writer[Any]) -> list[Any]:
 
 async def _wait_readers(writer: Writer[Any], n: int) -> None:
     _status(f"waiting for {n} readers to attach")
-    while True:
-        attached = _attached(writer)
-        if len(attached) >= n:
-            break
-        await anyio.sleep(POLL_S)  # polling: the writer has no event for "a reader joined"
+    attached = await writer.wait_readers(n)  # local and remote, not the TCP server's own place
     _status(f"{len(attached)} readers attached: " + ", ".join(f"{r.name} ({r.transport})" for r in attached))
 
 

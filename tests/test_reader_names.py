@@ -256,3 +256,33 @@ def test_a_sigkilled_remote_holders_name_is_free_once_the_server_drops_it(holder
             except ab.InvalidArgument:
                 assert time.monotonic() < deadline, "the dead remote reader's name stayed taken"
                 time.sleep(0.1)
+
+
+def test_vllm_queues_name_their_readers_uniquely() -> None:
+    """The drop-in names a reader by its rank (``rank-<n>``, unique per group as ranks are); a
+    reader without a rank (``create_from_handle(handle, -1)``, vLLM's executor's peers) takes the
+    default name, so several of them attach. Two queues are two channels: the same rank reads both."""
+    from aiobroadcast.vllm import MessageQueue
+
+    queues = [MessageQueue(3, 1, max_chunk_bytes=4096, max_chunks=4, connect_ip="127.0.0.1") for _ in range(2)]
+    readers: list[Any] = []
+    try:
+        for q in queues:
+            readers.append(MessageQueue.create_from_handle(q.export_handle(), 0))  # rank-0 of each queue
+            readers.append(MessageQueue.create_from_handle(q.export_handle(), -1))
+            readers.append(MessageQueue.create_from_handle(q.export_handle(), -1))
+        for q in queues:
+            q.wait_until_ready()
+            got = [(r.name, r.transport) for r in q.statistics().readers if r.transport != "tcp-server"]
+            assert len(got) == 3 and len({name for name, _ in got}) == 3, got
+            assert ("rank-0", "shm") in got
+            q.enqueue("hello")
+        assert [r.dequeue(timeout=30) for r in readers] == ["hello"] * 6
+        # one rank's reader twice on one queue: a mistake, refused with the holder named
+        with pytest.raises(ab.InvalidArgument, match=rf"'rank-0' is already attached .*pid {os.getpid()}\b"):
+            MessageQueue.create_from_handle(queues[0].export_handle(), 0)
+    finally:
+        for r in readers:
+            r.close()
+        for q in queues:
+            q.close()

@@ -187,6 +187,29 @@ def test_publish_stdin_lines_and_subscribe_count(tmp_path: Path, procs: list[Pro
     assert not handle.exists()  # the writer removes its handle file when it closes the channel
 
 
+def test_subscribe_names_are_unique_on_the_channel(tmp_path: Path, procs: list[Proc]) -> None:
+    handle = tmp_path / "channel.json"
+    pub = Proc("publish", str(handle), "--wait-readers", "3", stdin=subprocess.PIPE)
+    procs.append(pub)
+    wait_file(handle)
+    first = Proc("subscribe", str(handle), "--name", "same", "--quiet")
+    procs.append(first)
+    first.wait_for("same: attached")
+    second = Proc("subscribe", str(handle), "--name", "same", "--quiet")
+    procs.append(second)
+    assert second.wait() == 2
+    (line,) = second.err
+    assert line.startswith("aiobroadcast: error: a reader named 'same' is already attached"), line
+    assert f"pid {first.pid}" in line
+    # without --name, each takes a name of its own
+    unnamed = [Proc("subscribe", str(handle), "--quiet") for _ in range(2)]
+    procs.extend(unnamed)
+    names = [u.wait_for(r"^reader-\d+-\d+: attached").split(":")[0] for u in unnamed]
+    assert names[0] != names[1]
+    assert names == [f"reader-{u.pid}-1" for u in unnamed]
+    pub.wait_for("3 readers attached")
+
+
 def test_publish_json_values(tmp_path: Path, procs: list[Proc]) -> None:
     handle = tmp_path / "h.json"
     pub = Proc("publish", str(handle), "--json", "--wait-readers", "1", stdin=subprocess.PIPE)

@@ -304,7 +304,11 @@ def _register_subscribe(sub: Any) -> None:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("handle_file", metavar="HANDLE_FILE", help="the handle file a writer saved (publish, relay)")
-    p.add_argument("--name", default=None, help="this reader's name in stats and logs (default: subscribe-PID)")
+    p.add_argument(
+        "--name",
+        default=None,
+        help="this reader's name in stats and logs, unique on the channel (default: reader-PID-N)",
+    )
     p.add_argument("--count", type=int, default=0, help="exit after this many messages (0: until the channel ends)")
     p.add_argument("--quiet", action="store_true", help="print no messages, only the summary")
     p.add_argument(
@@ -332,7 +336,7 @@ def _run_subscribe(args: argparse.Namespace) -> int:
     return run_async(lambda: _subscribe(args))
 
 
-async def _open_with_retry(args: argparse.Namespace, name: str) -> Reader[Any]:
+async def _open_with_retry(args: argparse.Namespace, name: str | None) -> Reader[Any]:
     """Open the reader; with ``--wait``, retry while the file is missing, stale (a previous
     writer's) or its writer does not answer yet."""
     deadline = time.monotonic() + args.wait
@@ -359,11 +363,12 @@ async def _open_with_retry(args: argparse.Namespace, name: str) -> Reader[Any]:
 
 
 async def _subscribe(args: argparse.Namespace) -> int:
-    name = args.name or f"subscribe-{os.getpid()}"
+    name: str | None = args.name  # None: the library's default, unique (reader-<pid>-<n>)
     received = missed = bad = 0
     code = EXIT_OK
     async with stop_on_signals() as stop:
         reader = await _open_with_retry(args, name)
+        name = reader.name
         async with reader:
             st = reader.statistics()
             how = (

@@ -39,9 +39,10 @@ HOLDER_LOOKS, HOLDER_LOOK_S = 10, 0.01
 
 
 class NameTaken(InvalidArgument):
-    """A reader name that another live reader of the channel holds. ``holder``: who, as people
-    read it (its pid and host, or its remote address), or None if it was not found (a remote
-    reader: ``_open`` looks for it in the TCP server's report)."""
+    """A reader name that another live reader of the channel holds (an ``InvalidArgument``).
+    ``holder``: who, as people read it (its pid, host and place; for a remote reader its pid and
+    host, over TCP), or None if it was not found (a remote reader: ``_open`` looks for it in the
+    TCP server's report)."""
 
     def __init__(self, name: str, holder: str | None) -> None:
         self.name = name

@@ -183,8 +183,8 @@ class Readers:
         self.had_reader = returning > 0
         #: ``sole_reader``: its reader left for good; nothing is taken from the ring any more
         self.abandoned = False
-        #: where a remote reader's name is claimed among the local readers' (the server sets it);
-        #: None: among the remote readers only
+        #: where a remote reader's name is claimed, unique among the channel's readers (the
+        #: server sets it, ``RemoteNames``); None: names are not checked (the protocol alone)
         self.names: NameClaims | None = None
 
     def send(self, ident: bytes, frames: list[Any]) -> None:

@@ -5,6 +5,8 @@ or gets an error that says what it missed. ``aiobroadcast.blocking`` has the sam
 without an event loop, and ``aiobroadcast.vllm`` a drop-in for vLLM's ``MessageQueue``.
 """
 
+from importlib import metadata as _metadata
+
 from ._exceptions import BroadcastError as BroadcastError
 from ._exceptions import ClosedResourceError as ClosedResourceError
 from ._exceptions import CollectorGone as CollectorGone
@@ -114,4 +116,9 @@ __all__ = [
     "relay",
     "sweep_stale",
 ]
-__version__ = "0.1.0"
+
+try:
+    # One place for the version: pyproject.toml, as the installed package's metadata has it.
+    __version__: str = _metadata.version("aiobroadcast")
+except _metadata.PackageNotFoundError:  # a source tree on sys.path that was never installed
+    __version__ = "0+unknown"

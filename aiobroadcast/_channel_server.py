@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import anyio
 import anyio.to_thread
 
-from ._exceptions import WaitTimeout
+from . import _tuning
+from ._constants import TCP_SERVER_READER_NAME
+from ._exceptions import InvalidArgument, WaitTimeout
 from ._handle import Handle
 from ._shm import segment as _segment
 from ._shm.layout import R_GENERATION, W_WAIT_TARGET, has_room, holds_writer, host_name, pack_host, unpack_host
@@ -28,6 +31,7 @@ from ._stats import (
     remote_holder,
     where,
 )
+from ._steps import Steps
 
 if TYPE_CHECKING:
     from ._shm.arena import ArenaWriter
@@ -76,6 +80,51 @@ class Serving:
         except BaseException:
             server.finish(stopper)
             raise
+
+    # --- readers attached --------------------------------------------------------------------
+    def attached(self) -> tuple[ReaderInfo, ...]:
+        """The readers attached and alive: local ones whose lock is held (a dead one is listed
+        by ``statistics()`` until the writer drops it) and remote ones, without the TCP server's
+        own place in the ring (it reads for the remote readers, which are listed)."""
+        fd = self.pub.seg.fd
+        return tuple(
+            r
+            for r in self.statistics(0).readers
+            if r.transport == "tcp"
+            or (r.name != TCP_SERVER_READER_NAME and _segment.is_locked(fd, _segment.reader_lock_byte(r.place)))
+        )
+
+    @staticmethod
+    def wait_readers_steps(
+        attached: Callable[[], tuple[ReaderInfo, ...]],
+        count: int | None,
+        names: Iterable[str] | None,
+        timeout: float | None,
+    ) -> Steps[tuple[ReaderInfo, ...]]:
+        """``wait_readers``, written once for both front ends (``_steps``): looks at ``attached()``
+        every ``_tuning.READERS_POLL_S`` until at least ``count`` readers are attached and every
+        one of ``names`` is; returns them. ``WaitTimeout`` after ``timeout`` seconds names who is
+        missing."""
+        if isinstance(names, str):
+            raise InvalidArgument("names must be a collection of reader names, not one string")
+        wanted = None if names is None else list(dict.fromkeys(names))
+        if count is None and wanted is None:
+            raise InvalidArgument("wait_readers needs a count of readers, names of readers, or both")
+        if count is not None and (type(count) is not int or count < 0):
+            raise InvalidArgument(f"count must be a non-negative integer, not {count!r}")
+        if timeout is not None and not timeout >= 0:
+            raise InvalidArgument(f"timeout must be None or non-negative, not {timeout!r}")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            now = attached()
+            have = {r.name for r in now}
+            missing = [n for n in wanted if n not in have] if wanted is not None else []
+            if not missing and (count is None or len(now) >= count):
+                return now
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise WaitTimeout(_missing(now, count, missing, timeout))
+            yield _tuning.READERS_POLL_S if left is None else min(_tuning.READERS_POLL_S, left)
 
     # --- state ---------------------------------------------------------------------------------
     def statistics(self, tasks_waiting: int) -> WriterStatistics:
@@ -230,3 +279,13 @@ class Serving:
 
 def _count(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
+
+def _missing(now: tuple[ReaderInfo, ...], count: int | None, missing: list[str], timeout: float | None) -> str:
+    """Why ``wait_readers`` timed out: the names not attached, or how many of how many are."""
+    what = []
+    if missing:
+        what.append("not attached: " + ", ".join(repr(n) for n in missing))
+    if count is not None and len(now) < count:
+        what.append(f"{len(now)} of {count} readers attached")
+    attached = ", ".join(f"{r.name} ({r.transport})" for r in now) or "none"
+    return f"readers still missing after {timeout:g} s: {'; '.join(what)} (attached: {attached})"

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
 import re
 import secrets
-from collections.abc import Awaitable, Callable, Generator
+import time
+from collections.abc import Awaitable, Callable, Generator, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Generic, Literal, Protocol, TypedDict, TypeVar, overload
@@ -37,6 +39,8 @@ from ._reader import _private as _reader_token
 from ._shm import layout as _layout
 from ._shm import segment as _segment
 from ._shm.arena import arena_path
+from ._shm.layout import name_key
+from ._shm.place import NameTaken
 from ._shm.subscriber import ShmSource
 from ._steps import drive
 from ._tcp.settings import ServerSettings
@@ -533,7 +537,11 @@ def open_reader(
     """Attach to a channel and return a reader. It starts with the next message published.
 
     - ``handle``: a ``Handle`` or its JSON.
-    - ``name``: identifies the reader in statistics and logs (default ``reader-<pid>``).
+    - ``name``: identifies the reader in statistics and logs; unique per channel: no two live
+      readers, local or remote, hold one name (``InvalidArgument`` names the holder; a dead
+      reader's name is free at once). Default ``reader-<pid>-<n>``, ``n`` counting this process's
+      unnamed readers from 1 (if a process with the same pid elsewhere holds that name, as in
+      containers, the next ``n``).
     - ``schema``: the pydantic model of a schema channel (default: imported from the handle).
     - ``transport``: ``"shm"`` (same host), ``"tcp"`` (the writer's TCP endpoint), or
       ``"auto"``: shared memory when the writer's ring is reachable from here, else TCP.
@@ -566,8 +574,9 @@ def open_reader(
       the ring, counted in the reader's lag, until its own ``get``. A positive integer.
 
     Raises ``InvalidHandle`` (does not parse, segment gone, other layout, writer gone, pickle
-    refused), ``TooManyReaders``, ``TransportError`` (remote writer unreachable or silent for
-    ``connect_timeout`` seconds; a handshake refused for wrong keys fails at once instead).
+    refused), ``InvalidArgument`` (the name is taken), ``TooManyReaders``, ``TransportError``
+    (remote writer unreachable or silent for ``connect_timeout`` seconds; a handshake refused for
+    wrong keys fails at once instead).
     """
     h = Handle.parse(handle)
 
@@ -583,10 +592,10 @@ def open_reader(
     )
 
     async def make() -> Reader[Any]:
-        reader_name, decode = spec.decoder(h)
-        source = await _open_source(
+        decode = spec.decoder(h)
+        source, reader_name = await _open_source(
             h,
-            reader_name,
+            name,
             decode,
             transport,
             connect_timeout,
@@ -633,31 +642,78 @@ class _ReaderSpec:
         if t is not None and (type(t) is not int or t < 1):
             raise InvalidArgument(f"take_ahead must be None or a positive integer, not {t!r}")
 
-    def decoder(self, h: Handle) -> tuple[str, Callable[[Any, bool], Any]]:
-        """The reader's name and decoder for the channel of ``h``."""
+    def decoder(self, h: Handle) -> Callable[[Any, bool], Any]:
+        """The reader's decoder for the channel of ``h``."""
         if h.codec == "pickle" and not self.trust_pickle:
             raise InvalidHandle("this channel sends pickle, and trust_pickle=False refuses it")
         decode = _decoder(h, self.schema)
         if self.zero_copy and decode is decode_pickle:
             decode = decode_pickle_view
-        return self.name or f"reader-{os.getpid()}", decode
+        return decode
+
+
+#: the numbers of this process's unnamed readers (``reader-<pid>-<n>``)
+_unnamed = itertools.count(1)
+#: names an unnamed reader tries before it gives up (each taken by a process with its pid elsewhere)
+UNNAMED_TRIES = 64
+
+
+def _reader_names(name: str | None) -> Iterator[str]:
+    """The names to open a reader under, in turn while the one before is taken: ``name`` alone;
+    without one, ``reader-<pid>-<n>`` for this process's next numbers. A default name is taken
+    only by a process with our pid in another pid namespace (a container sharing the ring, or
+    a remote reader): the next number is tried then."""
+    if name is not None:
+        yield name
+        return
+    pid = os.getpid()
+    for _ in range(UNNAMED_TRIES):
+        yield f"reader-{pid}-{next(_unnamed)}"
+
+
+def source_steps(
+    h: Handle,
+    name: str | None,
+    decode: Callable[[Any, bool], Any],
+    transport: Transport,
+    *,
+    hold: bool = False,
+    take_ahead: int | None = None,
+) -> Generator[TcpSource, None, tuple[Source, str]]:
+    """Opening a reader's source (``_make_source``), written once for both front ends (driven by
+    ``_steps.drive`` or ``drive_blocking``): yields a TCP source whose welcome the driver waits
+    for. Returns the source and the name it holds, the next default name if one was taken."""
+    names = _reader_names(name)
+    reader_name = next(names)
+    while True:
+        try:
+            source, welcome = _make_source(h, reader_name, decode, transport, hold=hold, take_ahead=take_ahead)
+            if welcome is not None:
+                yield welcome  # the wait closes it if it fails
+            return source, reader_name
+        except NameTaken:
+            following = next(names, None)
+            if following is None:
+                raise
+            reader_name = following
 
 
 async def _open_source(
     h: Handle,
-    name: str,
+    name: str | None,
     decode: Callable[[Any, bool], Any],
     transport: Transport,
     connect_timeout: float,
     *,
     hold: bool = False,
     take_ahead: int | None = None,
-) -> Source:
-    """The transport's side of a reader (``_make_source``), its TCP welcome awaited."""
-    source, welcome = _make_source(h, name, decode, transport, hold=hold, take_ahead=take_ahead)
-    if welcome is not None:
-        await welcome.wait_welcome(connect_timeout)
-    return source
+) -> tuple[Source, str]:
+    """The transport's side of a reader (``source_steps``), its TCP welcome awaited."""
+
+    async def welcome(source: TcpSource) -> None:
+        await source.wait_welcome(connect_timeout)
+
+    return await drive(source_steps(h, name, decode, transport, hold=hold, take_ahead=take_ahead), welcome)
 
 
 def _make_source(
@@ -706,6 +762,11 @@ def _shm_source(
     seg = _segment.attach_segment(h.path, h.token, h.capacity, h.slot_bytes, h.max_readers)
     try:
         source = ShmSource(seg, h, name, decode, hold=hold, take_ahead=take_ahead)
+    except NameTaken as exc:
+        seg.close()
+        if exc.holder is not None or h.tcp is None:
+            raise
+        raise NameTaken(name, _remote_holder(h, name)) from None
     except BaseException:
         seg.close()
         raise
@@ -716,6 +777,22 @@ def _shm_source(
             source.close()
             raise
     return source
+
+
+def _remote_holder(h: Handle, name: str) -> str | None:
+    """The remote reader that holds ``name``, as the writer's TCP server reports it (its report
+    is written as it admits a reader, after it claimed the name: looked for a few times)."""
+    from ._shm.place import HOLDER_LOOK_S, HOLDER_LOOKS
+    from ._tcp.report import read_report, report_path
+
+    key = name_key(name)
+    for _ in range(HOLDER_LOOKS):
+        report = read_report(report_path(h.path))
+        for r in report.readers if report is not None else ():
+            if name_key(r.name) == key:
+                return f"remote reader pid {r.pid}" + (f" on {r.host}" if r.host else "") + ", over TCP"
+        time.sleep(HOLDER_LOOK_S)
+    return None
 
 
 def _ring_reachable(h: Handle) -> bool:
@@ -762,12 +839,12 @@ def _raw(body: Any, oob: bool) -> tuple[bytes, bool]:
     return bytes(body), oob
 
 
-def _open_raw_reader(h: Handle, *, name: str, transport: Transport) -> _Opening[Reader[tuple[bytes, bool]]]:
+def _open_raw_reader(h: Handle, *, name: str | None, transport: Transport) -> _Opening[Reader[tuple[bytes, bool]]]:
     """A reader that hands out message bodies undecoded, as ``(body, out_of_band)``: relays
     republish them without ever unpickling."""
 
     async def make() -> Reader[tuple[bytes, bool]]:
-        source = await _open_source(h, name, _raw, transport, 10.0)
-        return Reader(_reader_token, source, h, name)
+        source, reader_name = await _open_source(h, name, _raw, transport, 10.0)
+        return Reader(_reader_token, source, h, reader_name)
 
     return _Opening(make)

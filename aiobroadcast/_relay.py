@@ -24,7 +24,7 @@ class RelayEnd(NamedTuple):
 async def relay(
     upstream: Handle | str,
     *,
-    name: str = "relay",
+    name: str | None = None,
     capacity: int | None = None,
     slot_bytes: int | None = None,
     max_readers: int = 16,
@@ -36,6 +36,8 @@ async def relay(
 ) -> RelayEnd:
     """Read ``upstream`` (over TCP by default) and republish every message, unchanged and
     undecoded, into a new local channel. ``on_ready`` receives the local channel's handle.
+    ``name``: the relay's reader name upstream, unique there (default ``reader-<pid>-<n>``, as
+    ``open_reader``'s).
 
     Returns (a ``RelayEnd``: how, and how many messages it relayed) when the upstream writer
     closes (local readers then get ``EndOfStream``) or dies (local readers get ``WriterGone``);

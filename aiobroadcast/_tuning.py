@@ -29,6 +29,13 @@ YIELD_EVERY = 64
 #: channel gone idle, get no spin: the server sleeps and costs no CPU.
 TCP_SERVER_SPIN_NS = 2_000_000
 
+#: ``wait_readers`` (``Writer``, ``BlockingWriter``, ``publish --wait-readers``) looks at the
+#: attached readers again this often: nothing tells a writer that a reader joined (a joining
+#: reader only writes its record, and a remote one is admitted in the TCP server's process), so
+#: it polls, at a pace that costs nothing (a snapshot of the records, a lock test per reader) and
+#: answers within a human's glance.
+READERS_POLL_S = 0.05
+
 # --- taking messages ahead --------------------------------------------------------------------
 #: A shared-memory reader that finds several small whole messages ready takes up to this many out
 #: of the ring at once, decoded, and hands them out one per ``get`` (docs/design.md, "Taking

@@ -8,12 +8,15 @@ from threading import get_ident as _get_ident
 from types import TracebackType
 from typing import Generic, NoReturn, TypeVar, final
 
+import anyio
+
 from . import _fork, _tuning
 from ._channel import WriterChannel
 from ._codec import Buffer
 from ._exceptions import BroadcastError, WouldBlock
 from ._handle import Handle
-from ._stats import WriterStatistics
+from ._stats import ReaderInfo, WriterStatistics
+from ._steps import run
 
 T_contra = TypeVar("T_contra", contravariant=True)
 
@@ -136,6 +139,30 @@ class Writer(Generic[T_contra]):
 
     def statistics(self) -> WriterStatistics:
         return self._ch.statistics(self._ch.waiting_tasks)
+
+    async def wait_readers(
+        self,
+        count: int | None = None,
+        *,
+        names: Iterable[str] | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109
+    ) -> tuple[ReaderInfo, ...]:
+        """Wait until at least ``count`` readers are attached and (``names``) every reader of
+        those names is; return the attached readers. Local and remote (TCP) readers count alike;
+        the TCP server's own place does not, nor a reader whose process died. A reader counts
+        from the moment it is attached: every message put after this returns reaches it.
+
+        There is no event for "a reader joined": this looks again every 50 ms
+        (``_tuning.READERS_POLL_S``), asleep in between. Raises ``WaitTimeout`` (a
+        ``TimeoutError``) after ``timeout`` seconds (None: no limit), naming the readers missing
+        or saying how many of how many are attached; ``InvalidArgument`` without ``count`` or
+        ``names``; ``ClosedResourceError`` once closed. Cancel-safe: it changes nothing."""
+
+        async def sleep(limit_s: float) -> bool:
+            await anyio.sleep(limit_s)
+            return False
+
+        return await run(self._ch.wait_readers_steps(self._ch.attached, count, names, timeout), sleep)
 
     async def aclose(self) -> None:
         """Close the channel: readers receive what was published, then ``EndOfStream``.

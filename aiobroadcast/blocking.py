@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
@@ -59,16 +60,16 @@ from ._handle import Handle
 from ._open import (
     ReaderOptions,
     WriterOptions,
-    _make_source,
     _ReaderSpec,
     _shm_source,
     _WriterSpec,
     channel_steps,
+    source_steps,
 )
 from ._owned import Owned as _Owned
 from ._owned import left_before as _left
 from ._reader import Source, poll_budget, sleep_blocking, wait_steps
-from ._stats import ReaderStatistics, WriterStatistics
+from ._stats import ReaderInfo, ReaderStatistics, WriterStatistics
 from ._steps import Steps, drive_blocking, run_blocking
 
 __all__ = [
@@ -189,6 +190,20 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             self._check_open()
             return self._w.statistics(self._lock.waiting)
 
+    def wait_readers(
+        self, count: int | None = None, *, names: Iterable[str] | None = None, timeout: float | None = None
+    ) -> tuple[ReaderInfo, ...]:
+        """As ``Writer.wait_readers``, blocking this thread (asleep between looks, every 50 ms);
+        Ctrl-C ends it at once, changing nothing. Raises ``ClosedResourceError`` if ``close()``
+        is called meanwhile."""
+
+        def attached() -> tuple[ReaderInfo, ...]:
+            with self._close_lock:
+                self._check_open()
+                return self._w.attached()
+
+        return run_blocking(self._w.wait_readers_steps(attached, count, names, timeout), _sleep)
+
     def close(self) -> None:
         """Close the channel: readers receive what was published, then ``EndOfStream``."""
         if self._lock.mine():
@@ -270,6 +285,11 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             return woken
 
         return sleep
+
+
+def _sleep(limit_s: float) -> bool:
+    time.sleep(limit_s)
+    return False
 
 
 def _close_writer(w: WriterChannel) -> None:
@@ -508,12 +528,11 @@ def open_reader(
     ``spin_us`` polls in this thread. Use ``with`` (closes at the end) or call ``close()``."""
     h = Handle.parse(handle)
     spec = _ReaderSpec(schema=schema, **options)
-    reader_name, decode = spec.decoder(h)
-    source, welcome = _make_source(
-        h, reader_name, decode, spec.transport, hold=decode is decode_pickle_view, take_ahead=spec.take_ahead
+    decode = spec.decoder(h)
+    steps = source_steps(
+        h, spec.name, decode, spec.transport, hold=decode is decode_pickle_view, take_ahead=spec.take_ahead
     )
-    if welcome is not None:
-        welcome.wait_welcome_blocking(spec.connect_timeout)
+    source, reader_name = drive_blocking(steps, lambda welcome: welcome.wait_welcome_blocking(spec.connect_timeout))
     return BlockingReader(_private, source, h, reader_name, spec.spin_us)
 
 
@@ -521,7 +540,7 @@ def _open_arena_reader(handle: Handle | str, *, name: str) -> BlockingReader[Any
     """A shared-memory reader whose arena bodies arrive as views with a lifetime and everything
     else as copies (``aiobroadcast.vllm``'s local readers: vLLM's arena hands out such tensors)."""
     h = Handle.parse(handle)
-    _name, decode = _ReaderSpec(name=name).decoder(h)
+    decode = _ReaderSpec(name=name).decoder(h)
     source = _shm_source(h, name, decode, False, arena_views=True)
     return BlockingReader(_private, source, h, name, None)
 

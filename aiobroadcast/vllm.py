@@ -437,8 +437,10 @@ class MessageQueueReader(MessageQueue):
         self.handle = handle
         self.shutting_down = False
         self._spin_condition = _SpinCondition()
-        name = f"rank-{rank}" if rank >= 0 else "remote"
-        if rank in handle.local_reader_ranks:
+        # Reader names are unique per channel, as ranks are per group. A reader without a rank
+        # (create_from_handle(handle, -1)) takes the default name, unique too (reader-<pid>-<n>).
+        name = f"rank-{rank}" if rank >= 0 else None
+        if name is not None and rank in handle.local_reader_ranks:
             reader = blocking._open_arena_reader(handle.channel, name=name)
         else:
             if handle.n_reader == handle.n_local_reader:

@@ -149,6 +149,21 @@ def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
             assert "remote reader processes (TCP on loopback; 0: none) (default: 1)" in text
 
 
+def test_version_comes_from_the_package_metadata_alone() -> None:
+    import importlib.metadata
+    import tomllib
+
+    root = Path(__file__).resolve().parent.parent
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    assert ab.__version__ == importlib.metadata.version("aiobroadcast") == declared
+    # pyproject.toml is the one place: no copy of the number in the package's source to drift
+    for source in (root / "aiobroadcast").rglob("*.py"):
+        assert not re.search(r"__version__\s*=\s*['\"]\d+\.\d", source.read_text()), source
+    res = run("--version")  # as `python -m aiobroadcast`, in its own process
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == f"aiobroadcast {declared}"
+
+
 def test_publish_stdin_lines_and_subscribe_count(tmp_path: Path, procs: list[Proc]) -> None:
     handle = tmp_path / "channel.json"
     pub = Proc("publish", str(handle), "--wait-readers", "2", stdin=subprocess.PIPE)
@@ -170,6 +185,29 @@ def test_publish_stdin_lines_and_subscribe_count(tmp_path: Path, procs: list[Pro
     assert any("local, over shared memory" in line for line in every.err)
     assert every.err[-1] == "every: received 3 messages"
     assert not handle.exists()  # the writer removes its handle file when it closes the channel
+
+
+def test_subscribe_names_are_unique_on_the_channel(tmp_path: Path, procs: list[Proc]) -> None:
+    handle = tmp_path / "channel.json"
+    pub = Proc("publish", str(handle), "--wait-readers", "3", stdin=subprocess.PIPE)
+    procs.append(pub)
+    wait_file(handle)
+    first = Proc("subscribe", str(handle), "--name", "same", "--quiet")
+    procs.append(first)
+    first.wait_for("same: attached")
+    second = Proc("subscribe", str(handle), "--name", "same", "--quiet")
+    procs.append(second)
+    assert second.wait() == 2
+    (line,) = second.err
+    assert line.startswith("aiobroadcast: error: a reader named 'same' is already attached"), line
+    assert f"pid {first.pid}" in line
+    # without --name, each takes a name of its own
+    unnamed = [Proc("subscribe", str(handle), "--quiet") for _ in range(2)]
+    procs.extend(unnamed)
+    names = [u.wait_for(r"^reader-\d+-\d+: attached").split(":")[0] for u in unnamed]
+    assert names[0] != names[1]
+    assert names == [f"reader-{u.pid}-1" for u in unnamed]
+    pub.wait_for("3 readers attached")
 
 
 def test_publish_json_values(tmp_path: Path, procs: list[Proc]) -> None:

@@ -43,6 +43,13 @@ NAME_BYTES = 64
 R_HOST_OFFSET = R_NAME_OFFSET + NAME_BYTES  # where the reader lives: HOST_BYTES, NUL-padded
 HOST_BYTES = 16
 
+
+def name_key(name: str) -> bytes:
+    """A reader name as a reader record keeps it (UTF-8, at most ``NAME_BYTES``): two names are
+    one name, for uniqueness (docs/design.md, "Reader names"), when these are equal."""
+    return name.encode("utf-8")[:NAME_BYTES]
+
+
 SLOT_HEADER = struct.Struct("<QQIIQ")  # seq, msg, frag_len, flags, total
 SLOT_REST = struct.Struct("<QIIQ")  # the header after seq
 SLOT_HEADER_BYTES = SLOT_HEADER.size  # 32: a slot's payload starts this many bytes into it

@@ -4,8 +4,10 @@ dead reader it replaces, cursor and all) without missing a message, and leaving 
 from __future__ import annotations
 
 import os
+import time
 
-from .._exceptions import InvalidHandle, TooManyReaders
+from .._constants import TCP_SERVER_READER_NAME
+from .._exceptions import InvalidArgument, InvalidHandle, TooManyReaders
 from . import layout as _layout
 from . import segment as _segment
 from .layout import (
@@ -15,6 +17,7 @@ from .layout import (
     R_ACTIVE,
     R_CURSOR,
     R_GENERATION,
+    R_NAME_LEN,
     R_PID,
     R_RECEIVED,
     SLOT_REST,
@@ -25,9 +28,46 @@ from .layout import (
     W_WRITER_PID,
     W_WRITER_PIDNS,
     fence,
+    name_key,
 )
 from .segment import Segment
 from .wake import Inbox, Outbox
+
+#: A claim that fails finds its holder's record at once, unless the holder is between its claim
+#: and its record (or leaving): looked for again this many times, this far apart.
+HOLDER_LOOKS, HOLDER_LOOK_S = 10, 0.01
+
+
+class NameTaken(InvalidArgument):
+    """A reader name that another live reader of the channel holds (an ``InvalidArgument``).
+    ``holder``: who, as people read it (its pid, host and place; for a remote reader its pid and
+    host, over TCP), or None if it was not found (a remote reader: ``_open`` looks for it in the
+    TCP server's report)."""
+
+    def __init__(self, name: str, holder: str | None) -> None:
+        self.name = name
+        self.holder = holder
+        who = holder or "a reader attaching right now"
+        super().__init__(
+            f"a reader named {name!r} is already attached to this channel ({who}): "
+            "reader names are unique per channel; close that reader, or open this one under another name"
+        )
+
+
+def local_holder(seg: Segment, name: str) -> str | None:
+    """Who holds the reader name ``name`` among the readers of the ring, as its record says: an
+    active place whose lock is held and whose record carries the name. None if none does."""
+    key = name_key(name)
+    lay = seg.layout
+    w = seg.words
+    for i, active in enumerate(seg.rec_active.tolist()):
+        # Acquire on active and on the name's length (write_name's release) orders the bytes after.
+        if not active or w[lay.record_word(i, R_NAME_LEN)] != len(key) or name_key(seg.read_name(i)) != key:
+            continue
+        if _segment.is_locked(seg.fd, _segment.reader_lock_byte(i)):
+            host = seg.read_host(i)
+            return f"pid {w[lay.record_word(i, R_PID)]}" + (f" on {host}" if host else "") + f", place {i}"
+    return None
 
 
 class ReaderPlace:
@@ -44,17 +84,23 @@ class ReaderPlace:
         self._outbox = outbox
         self.writer_sock = seg.sock_path("w")
         self.index = -1
+        #: the lock byte of the name this place holds (``_claim_name``), 0 if none
+        self.name_byte = 0
         self.inbox: Inbox | None = None
         self.cur_word = self.recv_word = self.wait_word = 0
         self.episode = 0
 
-    def join(self, take_over: int | None, inbox: bool = True, reserved: bool = False) -> tuple[int, int]:
+    def join(
+        self, take_over: int | None, inbox: bool = True, reserved: bool = False, unique: bool = True
+    ) -> tuple[int, int]:
         """Take a place (``take_over``: the dead reader ``pid``'s, if the writer kept it). Returns
         the entry to read first and the number of the message expected there. ``inbox=False``:
         bind no wake-up socket (a fan-in collector sleeps on one inbox for all its rings, and the
         ring's writer was told its path). ``reserved``: ``take_over`` names a place the writer
         reserved for this reader before publishing anything (a fan-in sender's ring, whose place 0
-        waits for its collector at cursor 0), taken over under either policy."""
+        waits for its collector at cursor 0), taken over under either policy. ``unique``: claim
+        the reader's name, which no other live reader of the channel may hold (``NameTaken``);
+        only the writer's TCP server joins without (its name is reserved for it)."""
         seg = self._seg
         lay = seg.layout
         w = self._words
@@ -73,6 +119,8 @@ class ReaderPlace:
                 _segment.is_locked(seg.fd, _segment.WRITER_LOCK_BYTE) is False or w[W_CLOSED]
             ):
                 raise InvalidHandle(f"the writer of {self._channel_name} has closed or exited")
+            if unique:
+                self._claim_name()
             if inbox:
                 self.inbox = Inbox(seg.sock_path(f"r{i}"), self._writer_pidfd())
             self.cur_word = lay.record_word(i, R_CURSOR)
@@ -112,6 +160,31 @@ class ReaderPlace:
         except BaseException:
             self.leave()
             raise
+
+    def _claim_name(self) -> None:
+        """Take the lock of our name (docs/design.md, "Reader names"): the kernel grants it to one
+        open file description at a time, and drops it with its holder's process, so no two live
+        readers hold one name, and a dead reader's is free at once. Our record gets the name after
+        the claim, so a record that carries a name (with its place's lock held) is its holder's."""
+        name = self._name
+        if name_key(name) == name_key(TCP_SERVER_READER_NAME):
+            raise InvalidArgument(
+                f"the reader name {name!r} is the writer's TCP server's own (it reads the ring for the "
+                "remote readers): open this reader under another name"
+            )
+        byte = _segment.name_lock_byte(name)
+        fd = self._seg.fd
+        holder = None
+        for look in range(HOLDER_LOOKS):
+            if _segment.try_lock(fd, byte):
+                self.name_byte = byte
+                return
+            holder = local_holder(self._seg, name)
+            if holder is not None:
+                break
+            if look < HOLDER_LOOKS - 1:
+                time.sleep(HOLDER_LOOK_S)  # between its claim and its record, or a remote reader's
+        raise NameTaken(name, holder)
 
     def _take_over(self, pid: int, reserved: bool = False) -> int:
         """The place of the dead reader ``pid``, locked, if it is still attached; else -1.
@@ -175,5 +248,8 @@ class ReaderPlace:
             self._outbox.wake(self.writer_sock)  # the writer may be waiting for us
         if self.inbox is not None:
             self.inbox.close()
+        if self.name_byte:
+            _segment.unlock(seg.fd, self.name_byte)
+            self.name_byte = 0
         _segment.unlock(seg.fd, _segment.reader_lock_byte(i))
         self.index = -1

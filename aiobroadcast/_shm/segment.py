@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import mmap
 import os
 import re
@@ -48,6 +49,7 @@ from .layout import (
     Layout,
     check_platform,
     host_name,
+    name_key,
     pack_host,
     pid_namespace,
     unpack_host,
@@ -89,6 +91,20 @@ WRITER_LOCK_BYTE = 0
 
 def reader_lock_byte(index: int) -> int:
     return 1 + index
+
+
+#: Reader names are claimed with locks too (docs/design.md, "Reader names"): a reader holds the
+#: byte ``name_lock_byte(name)`` of this range, far beyond the file's end (a lock needs no byte
+#: to exist), for as long as it is attached under that name.
+NAME_LOCK_BASE = 1 << 62
+_NAME_HASH_MASK = (1 << 61) - 1
+
+
+def name_lock_byte(name: str) -> int:
+    """The lock byte whose holder holds the reader name ``name`` on this channel: 61 bits of a
+    BLAKE2b digest of ``name_key(name)`` above ``NAME_LOCK_BASE``."""
+    digest = hashlib.blake2b(name_key(name), digest_size=8, person=b"abcast-name").digest()
+    return NAME_LOCK_BASE + (int.from_bytes(digest, "little") & _NAME_HASH_MASK)
 
 
 # --- the segment -----------------------------------------------------------------------------
@@ -151,7 +167,7 @@ class Segment:
         return record_host(self.buf, self.layout, index)
 
     def write_name(self, index: int, name: str) -> None:
-        raw = name.encode("utf-8")[:NAME_BYTES]
+        raw = name_key(name)
         off = self.layout.records_offset + RECORD_BYTES * index + R_NAME_OFFSET
         self.buf[off : off + len(raw)] = raw
         self.words[self.layout.record_word(index, R_NAME_LEN)] = len(raw)

@@ -37,6 +37,7 @@ class ShmSource(MessageTaking):
         inbox: bool = True,
         reserved: bool = False,
         take_ahead: int | None = None,
+        unique: bool = True,
     ) -> None:
         """``take_over``: the pid of a dead reader whose place to take, cursor and all, if the
         writer has not dropped it yet (policy "block" only; see ``_take_over``). ``inbox=False``:
@@ -44,7 +45,8 @@ class ShmSource(MessageTaking):
         ``announce_sleep``/``retract_sleep`` on its one inbox instead of ``sleep``); ``reserved``:
         ``take_over`` names the place a fan-in sender reserved for its collector (see
         ``ReaderPlace.join``). ``take_ahead``: at most how many messages ``_take_ahead`` takes
-        at once (``None``: ``_tuning.AHEAD_MESSAGES``, read at each take)."""
+        at once (``None``: ``_tuning.AHEAD_MESSAGES``, read at each take). ``unique=False``: join
+        without claiming the name (the writer's TCP server only; ``ReaderPlace.join``)."""
         self._seg = seg
         self._handle = handle
         self._name = name
@@ -87,7 +89,7 @@ class ShmSource(MessageTaking):
         self._outbox = Outbox()
         self._place = place = ReaderPlace(seg, handle.name, name, self._block, self._outbox)
         try:
-            self._cursor, self._next_msg = place.join(take_over, inbox, reserved)
+            self._cursor, self._next_msg = place.join(take_over, inbox, reserved, unique)
         except BaseException:
             self._outbox.close()  # else its socket leaks (ResourceWarning) on TooManyReaders etc.
             raise

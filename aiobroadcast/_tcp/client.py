@@ -37,11 +37,13 @@ from .._exceptions import (
 )
 from .._handle import Handle
 from .._shm.layout import host_name
+from .._shm.place import NameTaken
 from .._stats import ReaderStatistics
 from .._steps import Steps, run, run_blocking
 from . import wire
 from .errors import protocol_error, zmq_errors
 from .protocol import ACK_BYTES, IDLE_ACK_HEARTBEATS, ClientProtocol, Ended, Lagged, Messages, Refused, Welcomed
+from .readers import NAME_TAKEN
 from .sockets import recv_parts
 
 #: bytes of data frames the I/O thread opens before it looks at acknowledgements again
@@ -438,6 +440,8 @@ class _Intake:
         self.consumed = 0
         self.welcome = threading.Event()
         self.welcome_error: str | None = None
+        #: who holds this reader's name, if the server refused it for that (``NAME_TAKEN``)
+        self.name_holder: str | None = None
         #: Held by whichever thread uses the protocol and the connections' sockets: the I/O
         #: thread on each turn, the reader's event loop in ``_Pump.loop_turn``.
         self.lock = threading.Lock()
@@ -546,6 +550,8 @@ class _Intake:
             self.welcome.set()
         elif isinstance(event, Refused) and not event.welcomed:
             self.welcome_error = f"the writer refused this reader: {event.reason}"
+            if event.reason.startswith(NAME_TAKEN):
+                self.name_holder = event.reason[len(NAME_TAKEN) :]
             self.welcome.set()
             return True
         else:
@@ -818,6 +824,9 @@ class TcpSource:
         except BaseException:
             self.close()
             raise
+        if self._pump.name_holder is not None:
+            self.close()
+            raise NameTaken(self._name, self._pump.name_holder)
         if self._pump.welcome_error is not None or not got:
             reason = self._pump.welcome_error or (
                 f"no answer from the writer at {self._handle.tcp} within {limit_s:g} s "

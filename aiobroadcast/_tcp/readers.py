@@ -16,9 +16,9 @@ import math
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from .._shm.layout import NAME_BYTES
+from .._shm.layout import NAME_BYTES, name_key
 from . import wire
 
 #: a frame group for one reader: its ident, and the frames (signed, or sealed)
@@ -26,6 +26,21 @@ Outgoing = tuple[bytes, list[Any]]
 #: the bytes of sealed bodies a server holds for its readers, at most (``ServerConfig.
 #: buffer_bytes``; beyond one body): large messages are bounded by bytes, not only by count
 BUFFER_BYTES = 64 << 20
+
+
+#: A REFUSED reason that starts so refuses the reader's name; who holds it follows
+#: (docs/design.md, "Reader names"): the reader's ``open_reader`` raises ``InvalidArgument``.
+NAME_TAKEN = "reader name taken: "
+
+
+class NameClaims(Protocol):
+    """Where a remote reader's name is claimed among the channel's readers, remote and local
+    (the server's ``RemoteNames``): ``claim`` returns None once the name is the reader's, else
+    who holds it; ``release`` gives it back."""
+
+    def claim(self, ident: bytes, info: ClientInfo) -> str | None: ...
+
+    def release(self, ident: bytes) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,6 +193,9 @@ class Readers:
         self.had_reader = returning > 0
         #: ``sole_reader``: its reader left for good; nothing is taken from the ring any more
         self.abandoned = False
+        #: where a remote reader's name is claimed, unique among the channel's readers (the
+        #: server sets it, ``RemoteNames``); None: names are not checked (the protocol alone)
+        self.names: NameClaims | None = None
 
     def send(self, ident: bytes, frames: list[Any], session: wire.Session | None = None) -> None:
         """Queue a control frame group for ``ident``. Insecure mode: signed in ``session``, or that
@@ -245,6 +263,7 @@ class Readers:
         session = client.session if client is not None else None
         self.send(ident, [wire.REFUSED, f"malformed frame: {reason}".encode()[:256]], session)
         if client is not None:
+            self._release(ident)
             self.reader_left(None)
         return Rejected(ident, reason, client.info if client else None, self.rejected_frames)
 
@@ -254,6 +273,7 @@ class Readers:
         client = self.clients.pop(ident, None)
         if client is None:
             return None
+        self._release(ident)
         self.reader_left(None)
         return client.info
 
@@ -299,6 +319,7 @@ class Readers:
             client.ended = False
         else:
             del self.clients[ident]
+            self._release(ident)
             self.reader_left(None)
             return Departed(ident, client.info)
         return None
@@ -345,10 +366,15 @@ class Readers:
         if client is None and len(self.clients) >= self._cfg.max_remote:
             self.send(ident, [wire.REFUSED, f"all {self._cfg.max_remote} remote reader places are taken".encode()])
             return None
-        if hello.resume is not None and self._returning:
-            self._returning -= 1
         if hello.resume is not None and hello.resume > horizon:
             raise wire.FrameError(f"resume at {hello.resume}, beyond the stream's next message {horizon}")
+        info = ClientInfo(hello.name[:NAME_BYTES], hello.pid, hello.host)
+        holder = self._claim_name(ident, client, info)
+        if holder is not None:
+            self.send(ident, [wire.REFUSED, f"{NAME_TAKEN}{holder}".encode()[:512]])
+            return None
+        if hello.resume is not None and self._returning:
+            self._returning -= 1
         # A new reader starts with the next message published, as on shared memory: not with
         # what the server still holds, nor with what is in the ring and not yet taken (a slow
         # reader, policy "block"). A returning one resumes where it says; if that is before
@@ -359,7 +385,6 @@ class Readers:
             # own. What a server that died took and did not hand over is reported as lost.
             start = 0
         self.had_reader = True
-        info = ClientInfo(hello.name[:NAME_BYTES], hello.pid, hello.host)
         window = min(hello.window, self._cfg.window)
         self.clients[ident] = Client(ident, info, window, start, start, now, now, session=session)
         welcome = {
@@ -380,6 +405,22 @@ class Readers:
         self.send(ident, [wire.WELCOME, wire.encode_json(welcome)])
         return Admitted(ident, info)
 
+    def _claim_name(self, ident: bytes, client: Client | None, info: ClientInfo) -> str | None:
+        """Make ``info.name`` this reader's (docs/design.md, "Reader names") where ``names`` is
+        set: None once it is, else who holds it. A reader that says HELLO again under its name
+        keeps it; under another one, it is a new reader."""
+        if client is not None:
+            if name_key(client.info.name) == name_key(info.name):
+                return None
+            del self.clients[ident]
+            self._release(ident)
+        return None if self.names is None else self.names.claim(ident, info)
+
+    def _release(self, ident: bytes) -> None:
+        """Reader ``ident`` is forgotten: its name is free."""
+        if self.names is not None:
+            self.names.release(ident)
+
     # --- time -----------------------------------------------------------------------------------
     def time_out(self, now: float, end: int, beat: list[Any]) -> list[TimedOut]:
         """Drop the readers silent for longer than the timeout; send the others ``beat`` (the
@@ -388,6 +429,7 @@ class Readers:
         for ident, client in list(self.clients.items()):
             if now - client.last_heard > self._cfg.hb_timeout:
                 del self.clients[ident]
+                self._release(ident)
                 self.dropped += 1
                 out.append(TimedOut(ident, client.info, now - client.last_heard, client.acked, end))
             else:

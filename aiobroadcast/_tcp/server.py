@@ -35,8 +35,10 @@ from .. import _seal as seal
 from .. import _tuning
 from .._constants import TCP_SERVER_READER_NAME
 from .._exceptions import BroadcastError, EndOfStream, ReaderLagged, WouldBlock, WriterGone
+from .._shm import segment as _segment
 from .._shm.arena import arena_path
-from .._shm.layout import W_NEXT_MSG
+from .._shm.layout import W_NEXT_MSG, name_key
+from .._shm.place import local_holder
 from .._shm.segment import Segment, attach_segment
 from .._shm.subscriber import ShmSource
 from . import wire
@@ -44,6 +46,7 @@ from .listener import Listener
 from .notices import Notices
 from .protocol import (
     BUFFER_BYTES,
+    ClientInfo,
     ReaderFault,
     ServerConfig,
     ServerProtocol,
@@ -94,7 +97,10 @@ class RingFeed:
         handle = settings.handle
         # hold: under policy "block" a body is a view of its slot until the next get_nowait,
         # so the protocol seals it straight out of the ring.
-        self.src = ShmSource(seg, handle, TCP_SERVER_READER_NAME, _view, hold=True, take_over=settings.take_over)
+        # Its name is reserved for it, not claimed: the remote readers' names are (``RemoteNames``).
+        self.src = ShmSource(
+            seg, handle, TCP_SERVER_READER_NAME, _view, hold=True, take_over=settings.take_over, unique=False
+        )
         if handle.arena_bytes:  # arena bodies go out whole: their buffers copied in (one copy)
             self.src.attach_arena(arena_path(handle.path), False)
         #: bytes of bodies the last turn took from the ring
@@ -139,6 +145,39 @@ class RingFeed:
         self.left = True
         self.src._place.leave()  # the mapping stays (the loop still reads the ring's words)
         return True
+
+
+class RemoteNames:
+    """The remote readers' names (``Readers.names``), claimed in the ring as a local reader claims
+    its own: a lock on the name's byte (``ReaderPlace._claim_name``; docs/design.md, "Reader
+    names"), held on this server's descriptor of the segment while the reader is admitted, and
+    dropped with this process. So a remote reader's name is unique among the local readers, and
+    theirs among the remote ones. Among the remote readers themselves the names are compared
+    here: one descriptor's locks never conflict with each other."""
+
+    def __init__(self, seg: Segment) -> None:
+        self._seg = seg
+        #: each admitted reader's name (as a record keeps it), lock byte and HELLO, by routing id
+        self._held: dict[bytes, tuple[bytes, int, ClientInfo]] = {}
+
+    def claim(self, ident: bytes, info: ClientInfo) -> str | None:
+        key = name_key(info.name)
+        if key == name_key(TCP_SERVER_READER_NAME):
+            return "the writer's TCP server, whose name it is"
+        for other_ident, (other_key, _byte, other) in self._held.items():
+            if other_key == key and other_ident != ident:
+                return f"remote reader pid {other.pid}" + (f" on {other.host}" if other.host else "") + ", over TCP"
+        byte = _segment.name_lock_byte(info.name)
+        # A byte another of our readers holds is ours already (two names of one digest).
+        if any(b == byte for _k, b, _i in self._held.values()) or _segment.try_lock(self._seg.fd, byte):
+            self._held[ident] = (key, byte, info)
+            return None
+        return local_holder(self._seg, info.name) or "a local reader attaching or leaving right now"
+
+    def release(self, ident: bytes) -> None:
+        held = self._held.pop(ident, None)
+        if held is not None and all(b != held[1] for _k, b, _i in self._held.values()):
+            _segment.unlock(self._seg.fd, held[1])
 
 
 class TcpServer:
@@ -208,6 +247,7 @@ class TcpServer:
             sealer=sealer,
             large=_frame,
         )
+        self.protocol.readers.names = RemoteNames(seg)
         self._notices = Notices(self.protocol, settings.report_path)
 
     def write_stats(self) -> None:

@@ -7,6 +7,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from .. import __version__
 from .._exceptions import BroadcastError
 from . import _bench, _demo, _keygen, _pubsub, _relay, _stats
 from ._common import EXIT_INTERRUPTED, EXIT_USAGE
@@ -16,6 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="aiobroadcast",
         description="Broadcast Python objects from one async writer to many async readers.",
+    )
+    parser.add_argument(
+        "--version", action="version", version=f"aiobroadcast {__version__}", help="print the version and exit"
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _demo.register(sub)

@@ -45,9 +45,6 @@ from ._common import (
 )
 from ._reach import known_gone, may_still_start
 
-#: How often ``--wait-readers`` and ``--wait`` look again (seconds).
-POLL_S = 0.05
-
 
 # --- publish ------------------------------------------------------------------------------------
 def register(sub: Any) -> None:
@@ -78,7 +75,11 @@ def _register_publish(sub: Any) -> None:
     )
     p.add_argument("--count", type=int, default=0, help="stop after this many messages (0: until the input ends)")
     p.add_argument(
-        "--wait-readers", type=int, default=0, metavar="N", help="publish nothing until N readers are attached"
+        "--wait-readers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="publish nothing until N readers (local or remote) are attached",
     )
     p.add_argument("--capacity", type=int, default=64, help="slots in the ring")
     p.add_argument("--slot-bytes", type=int, default=1 << 16, help="bytes per slot (larger messages take several)")
@@ -246,11 +247,7 @@ def _attached(writer: Writer[Any]) -> list[Any]:
 
 async def _wait_readers(writer: Writer[Any], n: int) -> None:
     _status(f"waiting for {plural(n, 'reader')} to attach")
-    while True:
-        attached = _attached(writer)
-        if len(attached) >= n:
-            break
-        await anyio.sleep(POLL_S)  # polling: the writer has no event for "a reader joined"
+    attached = await writer.wait_readers(n)  # local and remote, not the TCP server's own place
     _status(f"{plural(len(attached), 'reader')} attached: " + ", ".join(f"{r.name} ({r.transport})" for r in attached))
 
 
@@ -356,7 +353,11 @@ def _register_subscribe(sub: Any) -> None:
         formatter_class=HelpFormatter,
     )
     p.add_argument("handle_file", metavar="HANDLE_FILE", help="the handle file a writer saved (publish, relay)")
-    p.add_argument("--name", default=None, help="this reader's name in stats and logs (default: subscribe-PID)")
+    p.add_argument(
+        "--name",
+        default=None,
+        help="this reader's name in stats and logs, unique on the channel (default: reader-PID-N)",
+    )
     p.add_argument("--count", type=int, default=0, help="exit after this many messages (0: until the channel ends)")
     p.add_argument("--quiet", action="store_true", help="print no messages, only the summary")
     p.add_argument(
@@ -390,7 +391,7 @@ def _run_subscribe(args: argparse.Namespace) -> int:
     return run_async(lambda: _subscribe(args))
 
 
-async def _open_with_retry(args: argparse.Namespace, name: str) -> Reader[Any]:
+async def _open_with_retry(args: argparse.Namespace, name: str | None) -> Reader[Any]:
     """Open the reader; with ``--wait``, retry while the file is missing, stale (a previous
     writer's) or its writer does not answer yet."""
     deadline = time.monotonic() + args.wait
@@ -421,11 +422,12 @@ async def _open_with_retry(args: argparse.Namespace, name: str) -> Reader[Any]:
 
 
 async def _subscribe(args: argparse.Namespace) -> int:
-    name = args.name or f"subscribe-{os.getpid()}"
+    name: str | None = args.name  # None: the library's default, unique (reader-<pid>-<n>)
     tally = _Tally()
     code = EXIT_OK
     async with stop_on_signals() as stop:
         reader = await _open_with_retry(args, name)
+        name = reader.name
         handle = reader.handle
         _status(f"{name}: attached to {handle.name}, {_how(reader)}")
         while True:

@@ -30,7 +30,9 @@ def register(sub: Any) -> None:
     )
     p.add_argument("upstream", help="handle file of the upstream channel")
     p.add_argument("--out", required=True, help="where to write the local channel's handle")
-    p.add_argument("--name", default="relay", help="the relay's reader name upstream")
+    p.add_argument(
+        "--name", default=None, help="the relay's reader name upstream, unique there (default: reader-PID-N)"
+    )
     p.add_argument("--capacity", type=int, default=None, help="slots of the local ring (default: upstream's)")
     p.add_argument("--slot-bytes", type=int, default=None, help="bytes per slot (default: upstream's)")
     p.add_argument("--max-readers", type=int, default=16, help="local readers")

@@ -1388,7 +1388,9 @@ def test_a_recorded_refused_or_old_keys_are_refused_by_a_reader_in_its_session()
     stranger = ClientProtocol(key=KEY, channel="another", name="s", pid=2, host="h", window=8, now=0.0)
     (refused,) = _join(srv, net, b"s", stranger, 0)
     assert stranger.receive(refused, 0.0) == Refused(
-        "this handle is of another channel (an earlier writer at this endpoint)", welcomed=False
+        "this handle is of another channel than the one served at this endpoint (another channel name, or an "
+        "earlier writer here without a channel name or fixed keys)",
+        welcomed=False,
     )
     assert a.receive(refused, 0.1) is None  # signed for the stranger's nonce
     srv.rekey()

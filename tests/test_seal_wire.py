@@ -509,7 +509,10 @@ async def test_a_slow_reader_under_a_rekey_per_message_reads_everything_it_was_s
             got.append(await reader.get())
         assert got == list(range(1, 62))
         assert reader.statistics().lagged == 0
-        assert reader._src.rejected.get("unknown_key", 0) == 0  # type: ignore[attr-defined]
+        # A batch can overtake the KEYS message that names its key (they travel on two
+        # connections): the reader then asks for the keys again. Before, every batch after the
+        # refused keys message was unknown_key, and the reader never read on (fail_after).
+        assert reader._src.rejected.get("unknown_key", 0) <= 2  # type: ignore[attr-defined]
 
 
 @ON_ASYNCIO

@@ -21,6 +21,12 @@ CurveZMQ connection each.
   but every body is authenticated with GMAC (AES-GCM with the body as associated data), under a key
   derived from the shared secret and a per-key salt that the server announces (HKDF-SHA256). Pickle
   is never decoded unauthenticated.
+- **Writer-only** (``WriterMac``): every admitted reader holds the group key, so a frame sealed
+  by one of them opens at every other. So each data frame group also carries a MAC of the
+  writer's server for the one reader it goes to, under a key of that reader alone (drawn by the
+  server at its admission, given in its WELCOME): GMAC over the whole group (kind, header,
+  every sealed byte), one pass at GMAC's speed per reader. Not over the GCM tags alone: whoever
+  holds the group key can make another body with the same tag (GHASH is linear in its key).
 - **Rekey**: after ``rekey_messages`` messages or ``rekey_bytes`` bytes under one key, or on
   demand. The next key is always announced before it is used (``keys_message`` holds the keys in
   use and the next one), so a reader that has the latest key message opens the first frame under
@@ -30,10 +36,11 @@ CurveZMQ connection each.
 from __future__ import annotations
 
 import collections
+import hmac
 import os
 import struct
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -268,6 +275,10 @@ class Sealer(_Keyed):
         #: bumped by each rekey: the server sends the keys message again when it changes
         self.epoch = 0
 
+    def writer_mac(self) -> WriterMac:
+        """The MAC of a newly admitted reader, under a fresh key of its own (its WELCOME says it)."""
+        return WriterMac(self._random(KEY_BYTES))
+
     def _new_key(self, key_id: int) -> _Key:
         return _Key.make(key_id, self._random(KEY_BYTES), self._secret, self._channel)
 
@@ -369,6 +380,73 @@ class Sealer(_Keyed):
         if self.encrypting:
             return head + key.aead.encrypt(nonce, payload, aad)
         return head + payload + key.aead.encrypt(nonce, b"", aad + head + payload)
+
+
+#: the last frame of every data frame group: the counter of the writer's MAC, then its tag
+WRITER_MAC = struct.Struct("<Q16s")
+_WRITER_NONCE = struct.Struct("<4sQ")
+_WRITER_TAG = b"abw1"  # in the nonce (the key is the MAC's own) and, with the kind, in what it covers
+_FRAME_COUNT = struct.Struct("<I")
+
+
+class WriterMac:
+    """Proof that a data frame group comes from the writer's server, for one reader: the group
+    key proves only that it comes from a holder of the group key, which every admitted reader is.
+
+    ``key``: 32 bytes, drawn by the server for one reader at its admission (``Sealer.
+    writer_mac``) and given to that reader only, in its WELCOME (over CurveZMQ; in insecure mode
+    in clear, like everything there). The server ``sign``s every group it sends that reader
+    (``kind``, then its arguments: a batch's header and body frames, a sealed LAGGED or END),
+    each under a fresh counter, which travels in the MAC frame: the nonce of GCM under this
+    key never repeats. The reader ``check``s the group before anything in it is opened, let alone
+    decoded. What the MAC covers: the kind, the length of each frame, the first argument (the
+    header, or the sealed payload of a LAGGED or END) and every byte of the others (the sealed
+    bodies): AES-GCM with the small part as plaintext and the bodies as associated data, of
+    which only the tag is kept. One pass at GMAC's speed over the bodies, per reader."""
+
+    __slots__ = ("_aead", "counter", "key")
+
+    def __init__(self, key: bytes) -> None:
+        if len(key) != KEY_BYTES:
+            raise SealError(f"a writer MAC key has {KEY_BYTES} bytes, not {len(key)}")
+        self.key = bytes(key)
+        self._aead = AESGCM(self.key)
+        #: the last counter signed under this key (server side)
+        self.counter = 0
+
+    def _tag(self, counter: int, frames: Sequence[Any]) -> bytes:
+        nonce = _WRITER_NONCE.pack(_WRITER_TAG, counter)
+        lengths = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
+        small = b"".join(
+            (_WRITER_TAG, _FRAME_COUNT.pack(len(frames)), struct.pack(f"<{len(frames)}Q", *lengths), *frames[:2])
+        )
+        rest = frames[2:]
+        if len(rest) <= 1:  # the common case: a header and one frame of bodies, or a LAGGED/END
+            aad = rest[0] if rest and type(rest[0]) is bytes else memoryview(rest[0]) if rest else None
+            return self._aead.encrypt(nonce, small, aad)[-TAG_BYTES:]
+        enc = Cipher(algorithms.AES(self.key), modes.GCM(nonce)).encryptor()
+        for f in rest:
+            enc.authenticate_additional_data(f if type(f) is bytes else memoryview(f))
+        enc.update(small)
+        enc.finalize()
+        return enc.tag
+
+    def sign(self, frames: list[Any]) -> list[Any]:
+        """``frames`` (kind first) with the MAC frame added, under the next counter."""
+        self.counter += 1
+        return [*frames, WRITER_MAC.pack(self.counter, self._tag(self.counter, frames))]
+
+    def check(self, frames: list[Any]) -> list[Any]:
+        """``frames`` without the MAC frame, or ``NotAuthentic``: not signed by the writer's
+        server for this reader (forged by another holder of the group key, changed, or sent to
+        another reader)."""
+        if len(frames) < 3 or len(frames[-1]) != WRITER_MAC.size or len(frames[0]) != 1:
+            raise NotAuthentic("a data frame group without the writer's MAC")
+        counter, tag = WRITER_MAC.unpack(frames[-1])
+        body = frames[:-1]
+        if not hmac.compare_digest(self._tag(counter, body), tag):
+            raise NotAuthentic(f"{bytes(body[0])!r} frame not signed by the writer for this reader")
+        return body
 
 
 class Opener(_Keyed):

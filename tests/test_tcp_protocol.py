@@ -63,6 +63,8 @@ class Net:
         self.full: set[bytes] = set()
         #: opens data frames as a reader does, with the keys of the WELCOME and KEYS it saw
         self.opener = seal.Opener(CHANNEL.encode(), secret=key)
+        #: checks each reader's data frames as it does, with the MAC key of its WELCOME
+        self.macs: dict[bytes, seal.WriterMac] = {}
 
     def __call__(self, ident: bytes, frames: list[Any]) -> bool:
         return self._put(ident, frames, data=False)
@@ -126,7 +128,7 @@ class Net:
         out: list[tuple[Any, ...]] = []
         for data, sent in self.take(ident):
             assert data == (sent[0] in DATA_KINDS), sent[0]  # each kind on its own connection
-            frames = sent if data else wire.verify(self.key, sent)
+            frames = self.macs[ident].check(sent) if data else wire.verify(self.key, sent)
             kind = frames[0]
             if kind == wire.BATCH:
                 first, items = wire.decode_batch(frames[1], frames[2:])
@@ -144,6 +146,7 @@ class Net:
             elif kind == wire.WELCOME:
                 w = wire.decode_json(frames[1])
                 self.opener.install(bytes.fromhex(w["keys"]))
+                self.macs[ident] = seal.WriterMac(bytes.fromhex(w["mac_key"]))
                 out.append(("welcome", w["start"], w["window"]))
             elif kind == wire.REFUSED:
                 out.append(("refused", frames[1].decode()))
@@ -599,20 +602,20 @@ HOSTILE = {
     "BYE with an argument": [wire.BYE, b"x"],
     "HELLO without a body": [wire.HELLO],
     "HELLO not JSON": [wire.HELLO, b"{version: 3"],
-    "HELLO window 0": [wire.HELLO, b'{"version":5,"window":0}'],
-    "HELLO window a float": [wire.HELLO, b'{"version":5,"window":4.0}'],
-    "HELLO window NaN": [wire.HELLO, b'{"version":5,"window":NaN}'],
-    "HELLO resume negative": [wire.HELLO, b'{"version":5,"window":4,"resume":-1}'],
-    "HELLO resume beyond the stream": [wire.HELLO, b'{"version":5,"window":4,"resume":1000}'],
-    "HELLO name too long": [wire.HELLO, b'{"version":5,"window":4,"name":"' + b"n" * 300 + b'"}'],
-    "HELLO pid a string": [wire.HELLO, b'{"version":5,"window":4,"pid":"1"}'],
+    "HELLO window 0": [wire.HELLO, b'{"version":6,"window":0}'],
+    "HELLO window a float": [wire.HELLO, b'{"version":6,"window":4.0}'],
+    "HELLO window NaN": [wire.HELLO, b'{"version":6,"window":NaN}'],
+    "HELLO resume negative": [wire.HELLO, b'{"version":6,"window":4,"resume":-1}'],
+    "HELLO resume beyond the stream": [wire.HELLO, b'{"version":6,"window":4,"resume":1000}'],
+    "HELLO name too long": [wire.HELLO, b'{"version":6,"window":4,"name":"' + b"n" * 300 + b'"}'],
+    "HELLO pid a string": [wire.HELLO, b'{"version":6,"window":4,"pid":"1"}'],
     "HELLO an array": [wire.HELLO, b"[1,2]"],
-    "HELLO channel a number": [wire.HELLO, b'{"version":5,"window":4,"channel":7}'],
-    "HELLO channel too long": [wire.HELLO, b'{"version":5,"window":4,"channel":"' + b"c" * 300 + b'"}'],
+    "HELLO channel a number": [wire.HELLO, b'{"version":6,"window":4,"channel":7}'],
+    "HELLO channel too long": [wire.HELLO, b'{"version":6,"window":4,"channel":"' + b"c" * 300 + b'"}'],
     "a data frame sent back": [wire.BATCH, wire.BATCH_HEAD.pack(0, 0)],
     "KEYS from a reader": [wire.KEYS, b"\1\0"],
 }
-assert wire.PROTOCOL_VERSION == 5  # the HELLOs above are of this version: refused for what they hold
+assert wire.PROTOCOL_VERSION == 6  # the HELLOs above are of this version: refused for what they hold
 
 
 @pytest.mark.parametrize("what", list(HOSTILE))
@@ -720,9 +723,13 @@ def test_too_many_or_too_large_frames_are_refused_before_anything_is_parsed() ->
 
 def test_a_version_mismatch_is_refused_without_counting_it_as_hostile() -> None:
     srv, net = server(), Net()
-    for version in (2, 3):  # 3: data frames on the control connection, not sealed
+    # 3: data frames on the control connection, not sealed; 5: data frames without the writer's MAC
+    for version in (2, 3, 5):
         assert net.receive(srv, b"r", hello(version=version), now=0.0, published=0) is None
-        assert net.seen(b"r") == [("refused", "protocol version mismatch")]
+        ((what, reason),) = net.seen(b"r")
+        assert what == "refused"
+        assert reason.startswith(f"protocol version mismatch: this reader speaks {version}, the writer's server 6")
+        assert "same aiobroadcast version" in reason
     assert srv.rejected_frames == 0
 
 
@@ -748,7 +755,8 @@ def test_the_welcome_names_the_data_port_and_holds_the_keys_that_open_the_data_f
     publish(srv, 0, 1)
     net.transmit(srv)
     ((data, frames),) = net.take(b"r")
-    assert data and frames[0] == wire.BATCH  # not signed: the seals authenticate it
+    assert data and frames[0] == wire.BATCH  # not signed by the control HMAC: the seals, and the
+    frames = seal.WriterMac(bytes.fromhex(body["mac_key"])).check(frames)  # writer's MAC, authenticate it
     first, items = wire.decode_batch(frames[1], frames[2:])
     assert [bytes(opener.open(first + k, f, b)) for k, (b, f) in enumerate(items)] == [b"mmm", b"mmm"]
     with pytest.raises(seal.NotAuthentic):  # a body moved to another place in the stream
@@ -811,10 +819,12 @@ def client(window: int = 4, key: bytes | None = KEY, gone_timeout: float | None 
 
 class Stream:
     """A server's sealer for the client tests: every message sealed once (a resend is the same
-    sealed bytes, as the server sends it)."""
+    sealed bytes, as the server sends it), and the MAC of its one reader (``welcome`` gives its
+    key), which signs every data frame group."""
 
     def __init__(self, secret: bytes | None = KEY, channel: str = CHANNEL, presealed: int = 0) -> None:
         self.sealer = seal.Sealer(channel.encode(), secret=secret)
+        self.mac = self.sealer.writer_mac()
         self._sealed: dict[int, Any] = {}
         for seq in range(presealed):  # in order: tests may then ask for them in any order
             self.body(seq)
@@ -825,10 +835,10 @@ class Stream:
         return self._sealed[seq]
 
     def batch(self, first: int, n: int) -> list[Any]:
-        return wire.encode_batch(first, [(self.body(first + k), 0) for k in range(n)])
+        return self.mac.sign(wire.encode_batch(first, [(self.body(first + k), 0) for k in range(n)]))
 
     def control(self, kind: bytes, payload: bytes) -> list[Any]:
-        return [kind, self.sealer.seal_control(kind, payload)]
+        return self.mac.sign([kind, self.sealer.seal_control(kind, payload)])
 
 
 STREAM = Stream(presealed=64)
@@ -843,6 +853,7 @@ def welcome(start: int = 0, window: int = 4, stream: Stream = STREAM, port: int 
         "window": window,
         "data_port": port,
         "keys": stream.sealer.keys_message().hex(),
+        "mac_key": stream.mac.key.hex(),
         **extra,
     }
     return signed(wire.WELCOME, wire.encode_json(body))

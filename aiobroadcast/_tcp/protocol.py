@@ -19,9 +19,10 @@ and the protocol has to know that at once, before it decides what goes to that r
 
 Two connections per reader (wire.py): the control frames (signed in insecure mode, CurveZMQ
 otherwise) and the data frames (BATCH, LAGGED, END), each sealed by ``_seal.py`` under the
-group key that WELCOME and KEYS deliver. The server protocol seals every message once, as it
-takes it from the ring, and hands out data frames from ``transmit``; the client protocol
-opens them (``receive_data``) and counts what it refuses.
+group key that WELCOME and KEYS deliver, and each group signed for its reader by the server
+(``_seal.WriterMac``, its key in that reader's WELCOME). The server protocol seals every
+message once, as it takes it from the ring, and hands out data frames from ``transmit``; the
+client protocol checks and opens them (``receive_data``) and counts what it refuses.
 """
 
 from __future__ import annotations
@@ -216,14 +217,15 @@ class _Sender:
                 # its seal, so the header cannot move it either.
                 frames = wire.encode_batch(first, held.items[lo : lo + count])
                 batches[(first, count)] = frames
-            if not (yield client.ident, frames):
+            if not (yield client.ident, client.mac.sign(frames)):
                 client.choked = True
                 return 0
             client.choked = False
             client.next_send += count
             return count
         if held.done and not client.ended and client.next_send >= held.end:
-            if (yield client.ident, self._sealed(wire.END, wire.U64.pack(held.end) + held.done.encode())):
+            end = self._sealed(wire.END, wire.U64.pack(held.end) + held.done.encode())
+            if (yield client.ident, client.mac.sign(end)):
                 client.ended = True
             else:
                 client.choked = True
@@ -232,7 +234,7 @@ class _Sender:
     def _report_gap(self, client: Client, after: int) -> Generator[Outgoing, bool, bool]:
         """Tell ``client`` that everything from its place up to ``after`` is lost; move it there."""
         lagged = self._sealed(wire.LAGGED, wire.U64x2.pack(after, after - client.next_send))
-        if not (yield client.ident, lagged):
+        if not (yield client.ident, client.mac.sign(lagged)):
             client.choked = True
             return False
         client.next_send = after
@@ -275,7 +277,9 @@ class ServerProtocol:
         self._large = large
         self._sender = _Sender(self._held, sealer)
         #: the readers admitted, and the control frames to them
-        self.readers = Readers(config, now=now, returning=returning, keys=sealer.keys_message)
+        self.readers = Readers(
+            config, now=now, returning=returning, keys=sealer.keys_message, writer_mac=sealer.writer_mac
+        )
         self._stop_at: float | None = None
         #: when the next heartbeat is due at the latest (``heartbeat_due``): ``_beat_latest``,
         #: or sooner when a reader's silence passes the timeout then
@@ -573,6 +577,8 @@ class ClientProtocol:
         # bodies into buffers used again once decoded (given back when the stream pauses).
         self._buffers = seal.Buffers(OPENED_KEEP_BYTES)
         self._opener = seal.Opener(channel.encode(), secret=key, buffer=self._buffers.take)
+        #: checks that a data frame group is the server's, for this reader (its key in WELCOME)
+        self._writer: seal.WriterMac | None = None
         #: the port of the server's data socket (a restarted server may take another)
         self.data_port: int | None = None
         #: the data connection's PLAIN password, as the last WELCOME said (None: no handshake)
@@ -668,7 +674,11 @@ class ClientProtocol:
         data_port = int(welcome["data_port"])
         if not 0 < data_port < 65536:
             raise wire.FrameError(f"data port {data_port}")
+        mac_key = bytes.fromhex(str(welcome["mac_key"]))
+        same = self._writer is not None and self._writer.key == mac_key
+        writer = self._writer if same else seal.WriterMac(mac_key)  # SealError: a bad WELCOME, dropped
         self._install_keys(keys)
+        self._writer = writer
         token = welcome.get("data_token")
         if token is not None and not (isinstance(token, str) and 0 < len(token) <= wire.MAX_DATA_TOKEN):
             raise wire.FrameError("data token")
@@ -706,8 +716,11 @@ class ClientProtocol:
         if not frames:
             raise wire.FrameError("empty message")
         kind = frames[0]
-        if self.next < 0:
+        if self.next < 0 or self._writer is None:
             return None  # before WELCOME: nothing to open it with
+        # The writer's server, not another holder of the group key (any reader), made it: checked
+        # before anything in it is used.
+        frames = self._writer.check(frames)
         if kind == wire.BATCH:
             first, items = wire.decode_batch(frames[1], frames[2:])
             limit = max(consumed, self._credit_base) + self.window

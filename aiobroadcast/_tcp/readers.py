@@ -16,10 +16,13 @@ import math
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._shm.layout import NAME_BYTES
 from . import wire
+
+if TYPE_CHECKING:
+    from .._seal import WriterMac
 
 #: a frame group for one reader: its ident, and the frames (signed, or sealed)
 Outgoing = tuple[bytes, list[Any]]
@@ -105,6 +108,9 @@ class Client:
     last_heard: float
     #: when it last had the server send again (HELLO, NACK): at most once a heartbeat
     resent_at: float
+    #: signs every data frame group sent to it, under its own key (its WELCOME gives it): the
+    #: group key, which every reader holds, does not prove the writer's server sealed a frame
+    mac: WriterMac
     #: END was sent; a NACK that rewinds it clears this, so END goes again after the resend
     ended: bool = False
     #: the transport refused the last send (its queue is full, or it is not connected)
@@ -152,13 +158,23 @@ class Readers:
     stream's horizon) and the heartbeat's time (``time_out``); the pump empties
     ``data_to_send``."""
 
-    def __init__(self, config: ServerConfig, *, now: float, returning: int, keys: Callable[[], bytes]) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        now: float,
+        returning: int,
+        keys: Callable[[], bytes],
+        writer_mac: Callable[[], WriterMac],
+    ) -> None:
         """``returning``: the server replaces one that died, which served that many readers
-        (``awaiting_return``). ``keys``: the sealer's keys message, for WELCOME."""
+        (``awaiting_return``). ``keys``: the sealer's keys message, for WELCOME. ``writer_mac``:
+        a new reader's MAC, under a fresh key (``Sealer.writer_mac``)."""
         self._cfg = config
         self._returning = returning
         self._grace_until = now + 2 * config.hb_timeout
         self._keys = keys
+        self._writer_mac = writer_mac
         #: the readers admitted
         self.clients: dict[bytes, Client] = {}
         self._out: list[Outgoing] = []
@@ -267,7 +283,7 @@ class Readers:
         self, ident: bytes, client: Client | None, hello: wire.Hello, now: float, horizon: int
     ) -> ServerEvent | None:
         if hello.version != wire.PROTOCOL_VERSION:
-            self.send(ident, [wire.REFUSED, b"protocol version mismatch"])
+            self.send(ident, [wire.REFUSED, wire.version_mismatch(hello.version)])
             return None
         if hello.channel is not None and self._cfg.channel is not None and hello.channel != self._cfg.channel:
             # Same endpoint and keys (fixed CurveKeys), but the handle of another writer: its
@@ -298,7 +314,10 @@ class Readers:
         self.had_reader = True
         info = ClientInfo(hello.name[:NAME_BYTES], hello.pid, hello.host)
         window = min(hello.window, self._cfg.window)
-        self.clients[ident] = Client(ident, info, window, start, start, now, now)
+        # A reader that says HELLO again keeps its MAC (its key and counter: frames on their way
+        # still check, and no nonce repeats); a new one, or one dropped since, gets a fresh key.
+        mac = client.mac if client is not None else self._writer_mac()
+        self.clients[ident] = Client(ident, info, window, start, start, now, now, mac)
         welcome = {
             "start": start,
             "policy": self._cfg.policy,
@@ -309,6 +328,9 @@ class Readers:
             # goes over CurveZMQ only; insecure, it holds salts, not keys).
             "data_port": self._cfg.data_port,
             "keys": self._keys().hex(),
+            # The key of this reader's writer MAC: proof, to it alone, that a data frame is the
+            # server's (the group key proves only that a reader or the server sealed it).
+            "mac_key": mac.key.hex(),
         }
         if self._cfg.data_token is not None:
             welcome["data_token"] = self._cfg.data_token

@@ -27,7 +27,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 #: 4: sealed data frames on a connection of their own (the group key in WELCOME and KEYS).
 #: 5: the data connection's PLAIN password in WELCOME (a reader of 4 would connect without it and
 #: starve); insecure=True: the control handshake is PLAIN.
-PROTOCOL_VERSION = 5
+#: 6: every data frame group ends with the writer's MAC for its reader (its key in WELCOME): a
+#: reader of 5 would take the MAC frame for bodies, and accept what another reader forged.
+PROTOCOL_VERSION = 6
 
 # reader -> server
 HELLO = b"H"  # json {version, name, pid, host (optional), window, resume, channel}
@@ -35,10 +37,11 @@ ACK = b"A"  # u64 next seq wanted (everything before it consumed); also the hear
 NACK = b"N"  # u64 next seq wanted: resend from there
 BYE = b"B"
 # server -> reader, on the control connection
-WELCOME = b"W"  # json {start, policy, hb_interval, hb_timeout, window, data_port, keys (hex)}
+WELCOME = b"W"  # json {start, policy, hb_interval, hb_timeout, window, data_port, keys, mac_key (hex)}
 KEYS = b"K"  # the keys message of _seal.py (after a rekey)
 HEARTBEAT = b"P"  # u64 end (next seq the server will have), u64 closed
-# server -> reader, on the data connection
+# server -> reader, on the data connection; each group ends with the writer's MAC for its reader
+# (_seal.WRITER_MAC: u64 counter, 16-byte tag)
 BATCH = b"M"  # header, then frames that each hold whole sealed bodies (a large one alone, small ones joined)
 LAGGED = b"L"  # sealed: u64 from_seq, u64 missed
 END = b"E"  # sealed: u64 final seq, then the reason
@@ -119,6 +122,14 @@ def verify(key: bytes | None, frames: list[Any]) -> list[Any]:
     if not hmac.compare_digest(_mac(key, body), bytes(frames[-1])):
         raise FrameError("bad signature")
     return body
+
+
+def version_mismatch(version: int) -> bytes:
+    """The server's REFUSED to a HELLO of another protocol version: which, and what to do."""
+    return (
+        f"protocol version mismatch: this reader speaks {version}, the writer's server "
+        f"{PROTOCOL_VERSION} (use the same aiobroadcast version on both sides)"
+    ).encode()[:256]
 
 
 def encode_json(obj: dict[str, Any]) -> bytes:

@@ -387,6 +387,7 @@ WRITER_MAC = struct.Struct("<Q16s")
 _WRITER_NONCE = struct.Struct("<4sQ")
 _WRITER_TAG = b"abw1"  # in the nonce (the key is the MAC's own) and, with the kind, in what it covers
 _FRAME_COUNT = struct.Struct("<I")
+_WRITER_META3 = struct.Struct("<4sIQQQ")  # what a group of three frames starts with: tag, count, lengths
 
 
 class WriterMac:
@@ -416,14 +417,21 @@ class WriterMac:
 
     def _tag(self, counter: int, frames: Sequence[Any]) -> bytes:
         nonce = _WRITER_NONCE.pack(_WRITER_TAG, counter)
+        if len(frames) == 3:
+            # The common case, kept short (it runs once per batch per reader): a header and one
+            # frame of bodies.
+            kind, head, bodies = frames
+            if type(bodies) is not bytes:
+                bodies = memoryview(bodies)
+            small = _WRITER_META3.pack(_WRITER_TAG, 3, len(kind), len(head), len(bodies)) + kind + head
+            return self._aead.encrypt(nonce, small, bodies)[-TAG_BYTES:]
         lengths = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
         small = b"".join(
             (_WRITER_TAG, _FRAME_COUNT.pack(len(frames)), struct.pack(f"<{len(frames)}Q", *lengths), *frames[:2])
         )
         rest = frames[2:]
-        if len(rest) <= 1:  # the common case: a header and one frame of bodies, or a LAGGED/END
-            aad = rest[0] if rest and type(rest[0]) is bytes else memoryview(rest[0]) if rest else None
-            return self._aead.encrypt(nonce, small, aad)[-TAG_BYTES:]
+        if not rest:  # LAGGED, END
+            return self._aead.encrypt(nonce, small, None)[-TAG_BYTES:]
         enc = Cipher(algorithms.AES(self.key), modes.GCM(nonce)).encryptor()
         for f in rest:
             enc.authenticate_additional_data(f if type(f) is bytes else memoryview(f))

@@ -9,12 +9,14 @@ tests/test_seal_wire.py run the same rules over real sockets and processes.
 
 from __future__ import annotations
 
+import pickle
 import secrets
 import subprocess
 import sys
 from collections import defaultdict
 from typing import Any
 
+import _forge
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -1213,6 +1215,115 @@ def test_a_forged_server_without_the_key_is_never_believed() -> None:
     assert c.next == 0 and c.rejected_frames == 6
     event = c.receive_data(batch(0, 1), 0.4, consumed=0)
     assert isinstance(event, Messages) and bytes(event.items[0][0]) == b"0"
+
+
+# --- readers that hold the group key: only the writer's server writes ---------------------------
+
+
+def sealed_reader(name: str) -> ClientProtocol:
+    """A reader of a CurveZMQ channel (no HMAC: CurveZMQ protects its control connection)."""
+    return ClientProtocol(key=None, channel=CHANNEL, name=name, pid=1, host="h", window=8, now=0.0)
+
+
+def join(srv: ServerProtocol, net: Net, ident: bytes, c: ClientProtocol, now: float = 0.0) -> bytes:
+    """``c`` says HELLO to ``srv`` and takes its WELCOME; the MAC key the WELCOME gave it."""
+    for frames in c.data_to_send():
+        net.receive(srv, ident, frames, now=now, published=srv.end)
+    ((data, frames),) = net.take(ident)
+    assert not data and frames[0] == wire.WELCOME
+    c.receive(frames, now)
+    assert c.welcomed
+    return bytes.fromhex(wire.decode_json(frames[1])["mac_key"])
+
+
+def test_an_admitted_reader_cannot_make_another_accept_a_frame_it_sealed() -> None:
+    """Reader b is admitted, so it holds the group key; on the path to reader a it forges toward
+    it: a body sealed under the group key (without a MAC, with b's own writer MAC, with a's MAC
+    copied from the genuine batch), a's genuine batch with a body of the same GCM tag that
+    opens to a pickle of b's choice, b's own genuine batch, and a LAGGED and an END sealed under
+    the group key. Each opens under the group key; a refuses each as not authentic, delivers
+    nothing, stays where it is; then the genuine batch gives it every message."""
+    channel = CHANNEL.encode()
+    srv, net = server(key=None), Net(key=None)
+    a, b = sealed_reader("a"), sealed_reader("b")
+    key_a, key_b = join(srv, net, b"a", a), join(srv, net, b"b", b)
+    assert key_a != key_b  # a key per reader
+    bodies = [pickle.dumps(b"y" * 400), pickle.dumps("second")]
+    for seq, body in enumerate(bodies):
+        srv.add(seq, (body, 0))
+    net.transmit(srv)
+    ((_, genuine),) = net.take(b"a")
+    ((_, genuine_b),) = net.take(b"b")
+    assert isinstance(b.receive_data(genuine_b, 0.1, consumed=0), Messages)  # b reads, as it may
+
+    group = b._opener  # what b holds
+    mine = _forge.seal_body(group, channel, 0, 0, pickle.dumps("forged"))
+    forged = wire.encode_batch(0, [(mine, 0)])
+    first_len = wire.ENTRY.unpack_from(genuine[1], wire.BATCH_HEAD.size)[0]
+    joined = bytes(genuine[2])
+    exploit = _forge.exploit("/nonexistent/pwned")
+    collided = _forge.same_tag(group, 0, 0, joined[:first_len], exploit) + joined[first_len:]
+    lagged = [wire.LAGGED, _forge.seal_control(group, channel, wire.LAGGED, wire.U64x2.pack(5, 5))]
+    end = [wire.END, _forge.seal_control(group, channel, wire.END, wire.U64.pack(0) + b"closed")]
+    # Every one of these opens under the group key: the seal alone would let them in.
+    check = seal.Opener(channel)
+    check.install(srv.sealer.keys_message())
+    assert bytes(check.open(0, 0, mine)) == pickle.dumps("forged")
+    assert bytes(check.open(0, 0, collided[:first_len])).startswith(exploit)
+    assert check.open_control(wire.END, end[1]) == wire.U64.pack(0) + b"closed"
+    b_signs = seal.WriterMac(key_b)
+    b_signs.counter = 10**6
+    forgeries = [
+        forged,
+        b_signs.sign(forged),
+        [*forged, genuine[-1]],
+        [genuine[0], genuine[1], collided, genuine[-1]],
+        genuine_b,
+        [*lagged, genuine[-1]],
+        b_signs.sign(lagged),
+        [*end, genuine[-1]],
+        b_signs.sign(end),
+    ]
+    for frames in forgeries:
+        assert a.receive_data(frames, 0.2, consumed=0) is None
+        assert a.next == 0
+    assert a.rejected == {"not_authentic": len(forgeries)}
+    event = a.receive_data(genuine, 0.3, consumed=0)
+    assert isinstance(event, Messages) and event.first == 0
+    assert [bytes(body) for body, _ in event.items] == bodies
+    assert a.rejected_frames == len(forgeries)
+
+
+def test_each_reader_has_its_own_mac_key_kept_while_it_stays_admitted() -> None:
+    """A reader that joins mid-stream gets its key in its WELCOME and checks its first frame
+    with it; one that says HELLO again (it lacked a group key) keeps its key and its counter
+    goes on (frames on their way still check, no nonce repeats); one dropped and admitted
+    again gets a fresh key, under which the old frames no longer check."""
+    srv, net = server(key=None), Net(key=None)
+    for seq in range(4):
+        srv.add(seq, (b"%d" % seq, 0))
+    c = sealed_reader("late")
+    key = join(srv, net, b"c", c)
+    assert c.next == 4  # it joined after four messages: it starts with the next one
+    srv.add(4, (b"4", 0))
+    net.transmit(srv)
+    ((_, first),) = net.take(b"c")
+    assert isinstance(c.receive_data(first, 0.1, consumed=4), Messages)
+    # HELLO again, a heartbeat later (as for a key it lacks): the same key, the counter goes on
+    c._hello(5)
+    assert join(srv, net, b"c", c, now=2 * HB) == key
+    srv.add(5, (b"5", 0))
+    net.transmit(srv)
+    ((_, second),) = net.take(b"c")
+    assert wire.U64.unpack_from(second[-1])[0] > wire.U64.unpack_from(first[-1])[0]
+    assert isinstance(c.receive_data(second, 2 * HB, consumed=5), Messages)
+    # Dropped for its silence, then back: a new key; a frame under the old one is refused.
+    net.heartbeat(srv, 2 * HB + TIMEOUT + 1)
+    assert srv.report()["readers"] == []
+    c._hello(6)
+    assert join(srv, net, b"c", c, now=2 * HB + TIMEOUT + 2) != key
+    assert c.receive_data(second, 2 * HB + TIMEOUT + 2, consumed=6) is None
+    assert c.rejected == {"not_authentic": 1}
 
 
 # --- both together, over a lossy link ----------------------------------------------------------

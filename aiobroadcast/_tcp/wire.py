@@ -8,7 +8,8 @@ Every frame group starts with a one-byte kind. Two connections per reader:
   of the others, checked with ``compare_digest`` before anything else is parsed;
 - the data connection (BATCH, LAGGED, END, server to reader only): ZeroMQ without CurveZMQ
   (a PLAIN password from WELCOME admits it), each body and each frame sealed by ``_seal.py``
-  under the group key that WELCOME and KEYS deliver.
+  under the group key that WELCOME and KEYS deliver, each frame group ending with the
+  server's MAC for its one reader (``_seal.WriterMac``, its key in that reader's WELCOME).
 """
 
 from __future__ import annotations

@@ -91,6 +91,12 @@ def _decrypts_in_place() -> bool:
 
 #: a writable large body is opened in place (no buffer to allocate and fill) where this is true
 DECRYPTS_IN_PLACE = _decrypts_in_place()
+#: a body at least this large (a frame of its own) is opened in one pass with the check of the
+#: writer's MAC (``Opener.open(mac=)``), in parts of ``FUSED_CHUNK`` bytes that stay in the cache
+#: between the two: two passes over a 4 MiB body out of the cache cost 1.2-1.5 ms more than
+#: the opening alone here, one 0.3 ms
+FUSED_BYTES = 1 << 20
+FUSED_CHUNK = 256 << 10
 
 # version tag, kind, key id, then the channel id, then flags and counter (a fixed-size tail, so
 # the head is computed once per key and kind)
@@ -456,6 +462,40 @@ class WriterMac:
             raise NotAuthentic(f"{bytes(body[0])!r} frame not signed by the writer for this reader")
         return body
 
+    def begin(self, frames: list[Any]) -> WriterCheck:
+        """The check of a group of a kind, a header and one frame (then the MAC frame), made
+        in the pass that opens that frame (``Opener.open(mac=)``), not in a pass of its own:
+        once a body of megabytes is out of the cache, a second pass over it costs as much as
+        the opening. ``NotAuthentic`` if the group has no MAC frame."""
+        if len(frames) != 4 or len(frames[-1]) != WRITER_MAC.size or len(frames[0]) != 1:
+            raise NotAuthentic("a data frame group without the writer's MAC")
+        counter, tag = WRITER_MAC.unpack(frames[-1])
+        kind, head, bodies = frames[:3]
+        small = _WRITER_META3.pack(_WRITER_TAG, 3, len(kind), len(head), memoryview(bodies).nbytes) + kind + head
+        enc = Cipher(algorithms.AES(self.key), modes.GCM(_WRITER_NONCE.pack(_WRITER_TAG, counter))).encryptor()
+        return WriterCheck(enc, small, tag)
+
+
+class WriterCheck:
+    """A writer's MAC being checked over a frame read in parts (``WriterMac.begin``): ``feed``
+    it every byte of the frame, in order, then ``done`` says (``NotAuthentic``) whether it
+    checks. Nothing of the frame is to be used before ``done`` returns."""
+
+    __slots__ = ("_enc", "_small", "_tag")
+
+    def __init__(self, enc: Any, small: bytes, tag: bytes) -> None:
+        self._enc, self._small, self._tag = enc, small, tag
+
+    def feed(self, part: Any) -> None:
+        self._enc.authenticate_additional_data(part)
+
+    def done(self) -> None:
+        enc = self._enc
+        enc.update(self._small)
+        enc.finalize()
+        if not hmac.compare_digest(enc.tag, self._tag):
+            raise NotAuthentic("frame not signed by the writer for this reader")
+
 
 class Opener(_Keyed):
     """A reader's side: opens what ``Sealer`` sealed, with the keys of the latest keys message.
@@ -514,12 +554,20 @@ class Opener(_Keyed):
             raise UnknownKey(f"sealed under key id {key_id:#x}, which this reader does not hold")
         return key
 
-    def open(self, seq: int, flags: int, sealed: Any) -> Any:
+    def open(self, seq: int, flags: int, sealed: Any, mac: WriterCheck | None = None) -> Any:
         """The body of message ``seq`` (bytes, a bytearray, or a view of ``sealed``), or
         ``SealError``. Nothing of it is to be used before this returns. A large writable
         ``sealed`` is decrypted in place where ``cryptography`` allows it (``DECRYPTS_IN_PLACE``):
-        afterwards it holds the body (or, if it did not open, garbage), not the sealed bytes."""
+        afterwards it holds the body (or, if it did not open, garbage), not the sealed bytes.
+        ``mac``: the writer's MAC of the frame that is ``sealed`` (all of it), checked in the
+        pass that opens a large body (``FUSED_BYTES``), before anything else otherwise; this
+        returns only if it checks."""
         mv = sealed if type(sealed) is memoryview and sealed.format == "B" else memoryview(sealed).cast("B")
+        if mac is not None:
+            if self.encrypting and mv.nbytes >= FUSED_BYTES and not (DECRYPTS_IN_PLACE and not mv.readonly):
+                return self._open_checked(seq, flags, mv, mac)
+            mac.feed(mv)
+            mac.done()
         if self.encrypting and OVERHEAD <= mv.nbytes < LARGE + OVERHEAD and 0 <= seq <= MAX_MESSAGE_SEQ:
             # The common case of small messages, kept short: it runs once per message.
             small = self._keys.get(KEY_ID.unpack_from(mv)[0])
@@ -564,6 +612,34 @@ class Opener(_Keyed):
                 out = body
         except InvalidTag:
             raise NotAuthentic(f"message {seq} does not open under key id {key.key_id:#x}") from None
+        if seq > key.last_seq:
+            key.last_seq = seq
+        return out
+
+    def _open_checked(self, seq: int, flags: int, mv: memoryview, mac: WriterCheck) -> Any:
+        """A large body opened, and the writer's MAC of its frame checked, in one pass of
+        ``FUSED_CHUNK`` parts (each read once from memory, then again from the cache)."""
+        key = self._key(mv)
+        if not 0 <= seq <= MAX_MESSAGE_SEQ:
+            raise OutOfWindow(f"message seq {seq} out of range")
+        n = mv.nbytes - OVERHEAD
+        out = self._buffer(n)
+        dec = Cipher(
+            algorithms.AES(key.key), modes.GCM(NONCE.pack(key.key_id, seq), mv[-TAG_BYTES:].tobytes())
+        ).decryptor()
+        dec.authenticate_additional_data(_aad(self._channel, KIND_MESSAGE, flags, key.key_id, seq))
+        mac.feed(mv[:4])
+        view = memoryview(out)
+        for at in range(0, n, FUSED_CHUNK):
+            part = mv[4 + at : 4 + min(at + FUSED_CHUNK, n)]
+            mac.feed(part)
+            dec.update_into(part, view[at : at + FUSED_CHUNK])
+        mac.feed(mv[-TAG_BYTES:])
+        try:
+            dec.finalize()
+        except InvalidTag:
+            raise NotAuthentic(f"message {seq} does not open under key id {key.key_id:#x}") from None
+        mac.done()
         if seq > key.last_seq:
             key.last_seq = seq
         return out

@@ -1135,7 +1135,12 @@ def test_a_welcome_with_keys_of_the_other_mode_or_no_data_port_is_dropped() -> N
         welcome(0, stream=encrypting),
         welcome(0, port=0),
         welcome(0, port=70000),
+        welcome(0, mac_key="ab" * 16),  # a writer's MAC key of 16 bytes, not 32
+        welcome(0, mac_key="not hex"),
         signed(wire.WELCOME, wire.encode_json({"start": 0, "hb_interval": HB, "hb_timeout": TIMEOUT})),
+        signed(
+            wire.WELCOME, wire.encode_json({k: v for k, v in wire.decode_json(welcome(0)[1]).items() if k != "mac_key"})
+        ),
     ]
     for frames in bad:
         assert c.receive(frames, 0.1) is None

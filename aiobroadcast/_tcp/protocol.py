@@ -537,6 +537,21 @@ ClientEvent = Welcomed | Messages | Lagged | Ended | Refused
 _BAD_FRAME = (wire.FrameError, ValueError, KeyError, TypeError, IndexError, struct.error)
 
 
+def _from_writer(writer: seal.WriterMac, frames: list[Any]) -> tuple[list[Any], seal.WriterCheck | None]:
+    """A data frame group without its MAC frame, once the MAC says the writer's server made it
+    for this reader (not another holder of the group key: any reader); checked before anything
+    in it is used. A batch of one large body is checked in the pass that opens it: the check is
+    returned, for ``Opener.open(mac=)``, which returns nothing unless it checks."""
+    if (
+        frames[0] == wire.BATCH
+        and len(frames) == 4
+        and memoryview(frames[2]).nbytes >= seal.FUSED_BYTES
+        and len(frames[1]) == wire.BATCH_HEAD.size + wire.ENTRY.size  # one body: the whole frame
+    ):
+        return frames[:-1], writer.begin(frames)
+    return writer.check(frames), None
+
+
 class _AckTimer:
     """When a remote reader's periodic ACK (its heartbeat) is due: a heartbeat after the last
     one, or ``IDLE_ACK_HEARTBEATS`` after it while it would say nothing new (nothing consumed
@@ -577,8 +592,7 @@ class ClientProtocol:
         # bodies into buffers used again once decoded (given back when the stream pauses).
         self._buffers = seal.Buffers(OPENED_KEEP_BYTES)
         self._opener = seal.Opener(channel.encode(), secret=key, buffer=self._buffers.take)
-        #: checks that a data frame group is the server's, for this reader (its key in WELCOME)
-        self._writer: seal.WriterMac | None = None
+        self._writer: seal.WriterMac | None = None  # the server's MAC for this reader (WELCOME)
         #: the port of the server's data socket (a restarted server may take another)
         self.data_port: int | None = None
         #: the data connection's PLAIN password, as the last WELCOME said (None: no handshake)
@@ -674,9 +688,7 @@ class ClientProtocol:
         data_port = int(welcome["data_port"])
         if not 0 < data_port < 65536:
             raise wire.FrameError(f"data port {data_port}")
-        mac_key = bytes.fromhex(str(welcome["mac_key"]))
-        same = self._writer is not None and self._writer.key == mac_key
-        writer = self._writer if same else seal.WriterMac(mac_key)  # SealError: a bad WELCOME, dropped
+        writer = seal.WriterMac(bytes.fromhex(str(welcome["mac_key"])))  # SealError: a bad WELCOME, dropped
         self._install_keys(keys)
         self._writer = writer
         token = welcome.get("data_token")
@@ -718,19 +730,11 @@ class ClientProtocol:
         kind = frames[0]
         if self.next < 0 or self._writer is None:
             return None  # before WELCOME: nothing to open it with
-        # The writer's server, not another holder of the group key (any reader), made it: checked
-        # before anything in it is used; for one large body, in the pass that opens it.
-        large = kind == wire.BATCH and len(frames) == 4 and memoryview(frames[2]).nbytes >= seal.FUSED_BYTES
-        mac = self._writer.begin(frames) if large else None
-        frames = frames[:-1] if mac is not None else self._writer.check(frames)
+        frames, mac = _from_writer(self._writer, frames)
         if kind == wire.BATCH:
             first, items = wire.decode_batch(frames[1], frames[2:])
             limit = max(consumed, self._credit_base) + self.window
             skip = seal.accept_range(first, len(items), self.next, limit)
-            if mac is not None and len(items) != 1:
-                mac.feed(frames[2])  # a large frame of several bodies: checked whole, first
-                mac.done()
-                mac = None
             opener = self._opener
             opened = [
                 (opener.open(first + k, flags, body, mac), flags) for k, (body, flags) in enumerate(items) if k >= skip

@@ -280,6 +280,7 @@ class Serving:
 def _count(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
+
 def _missing(now: tuple[ReaderInfo, ...], count: int | None, missing: list[str], timeout: float | None) -> str:
     """Why ``wait_readers`` timed out: the names not attached, or how many of how many are."""
     what = []

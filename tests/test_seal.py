@@ -329,3 +329,49 @@ def test_random_key_ids_and_keys() -> None:
     with pytest.raises(seal.SealError):
         opener.open(0, 0, b.seal(0, 0, b"x"))
     assert a.keys_message() != b.keys_message()
+
+
+@pytest.mark.parametrize("secret", [None, b"k" * 32], ids=["sealed", "insecure"])
+def test_the_writers_mac_covers_every_byte_of_a_group_and_is_checked_in_the_pass_that_opens_a_large_body(
+    secret: bytes | None,
+) -> None:
+    """A group of a kind, a header and one large body (``FUSED_BYTES`` and up: opened and checked
+    in one pass), or small ones: it opens with the MAC of its reader, and with no other; a
+    changed header, body or MAC frame, or a frame of another reader, does not check; nothing
+    is returned unless it checks."""
+    from aiobroadcast._tcp import wire
+
+    sealer, opener = seal.Sealer(CHANNEL, secret=secret), seal.Opener(CHANNEL, secret=secret)
+    opener.install(sealer.keys_message())
+    mac, other = sealer.writer_mac(), sealer.writer_mac()
+    assert mac.key != other.key
+    mine = seal.WriterMac(mac.key)  # the reader's, from its WELCOME
+    large = os.urandom(seal.FUSED_BYTES + 12345)
+    sealed = bytes(sealer.seal(0, 0, large))
+    group = mac.sign(wire.encode_batch(0, [(sealed, 0)]))
+    assert len(group) == 4 and group[2] is sealed
+    assert bytes(opener.open(0, 0, group[2], mine.begin(group))) == large
+    assert mine.check(group) == group[:-1]  # the same MAC, checked in a pass of its own
+    flipped = bytearray(sealed)
+    flipped[len(flipped) // 2] ^= 1
+    bad_head = bytearray(group[1])
+    bad_head[-1] ^= 1  # the flags of the body
+    bad_mac = bytearray(group[-1])
+    bad_mac[-1] ^= 1
+    for frames in (
+        [*group[:3], other.sign(group[:3])[-1]],  # another reader's MAC
+        [group[0], group[1], bytes(flipped), group[3]],
+        [group[0], bytes(bad_head), group[2], group[3]],
+        [*group[:3], bytes(bad_mac)],
+        group[:3],  # no MAC at all
+    ):
+        with pytest.raises(seal.NotAuthentic):
+            mine.check(frames)
+        with pytest.raises(seal.NotAuthentic):
+            opener.open(0, 0, frames[2], mine.begin(frames if len(frames) == 4 else [*frames, b"\0" * 24]))
+    small = [bytes(sealer.seal(seq, 0, b"%d" % seq)) for seq in (1, 2)]
+    group = mac.sign(wire.encode_batch(1, [(b, 0) for b in small]))
+    assert mine.check(group) == group[:-1]
+    with pytest.raises(seal.NotAuthentic):
+        seal.WriterMac(other.key).check(group)
+    assert mac.sign([wire.END, b"x"])[-1] != mac.sign([wire.END, b"x"])[-1]  # a counter each: never one nonce twice

@@ -9,13 +9,16 @@ ZMTP stream and plays the on-path attacker (it changes or replays frames).
 
 from __future__ import annotations
 
+import pickle
 import signal
 import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import Any
 
+import _forge
 import _tcp_workers as tw
 import anyio
 import anyio.to_thread
@@ -24,6 +27,7 @@ import zmq
 from _peers import ON_ASYNCIO, ON_TRIO, ON_UVLOOP, remote_names, tcp_writer, the_server, until
 
 import aiobroadcast as ab
+from aiobroadcast import _seal as seal
 from aiobroadcast._tcp import wire
 
 pytestmark = pytest.mark.anyio
@@ -293,6 +297,75 @@ async def test_a_replayed_frame_is_rejected() -> None:
                 assert got == list(range(n + 1))  # nothing twice
                 assert reader._src.rejected.get("replayed") == 1  # type: ignore[attr-defined]
                 assert reader.statistics().rejected_frames == 1
+
+
+def forge_before(at: int, forgery: str, group: seal.Opener, channel: bytes, payload: bytes) -> Tamper:
+    """An admitted reader on the path (``group``: the keys it holds): before the BATCH that
+    starts at ``at``, it sends a frame group of its own making, then the genuine one. ``body``:
+    a batch of message ``at`` holding ``payload`` sealed under the group key; ``same-tag``: the
+    genuine batch with a body of the same GCM tag that opens to ``payload``; ``lagged``: three
+    messages lost; ``end``: the stream closed. Each carries the genuine group's last frame (the
+    writer's MAC for this reader; before protocol 6, none: the frames are shaped as the genuine
+    ones either way)."""
+    done = False
+
+    def tamper(frames: list[bytes]) -> list[list[bytes]]:
+        nonlocal done
+        if done or frames[0] != wire.BATCH or wire.BATCH_HEAD.unpack_from(frames[1]) != (at, 1):
+            return [frames]
+        done = True
+        mac = frames[3:]
+        key_id = seal.KEY_ID.unpack_from(frames[2])[0]
+        if forgery == "body":
+            body = _forge.seal_body(group, channel, at, 0, payload, key_id)
+            forged = [*wire.encode_batch(at, [(body, 0)]), *mac]
+        elif forgery == "same-tag":
+            forged = [frames[0], frames[1], _forge.same_tag(group, at, 0, frames[2], payload), *mac]
+        elif forgery == "lagged":
+            forged = [wire.LAGGED, _forge.seal_control(group, channel, wire.LAGGED, wire.U64x2.pack(at + 3, 3)), *mac]
+        else:
+            forged = [wire.END, _forge.seal_control(group, channel, wire.END, wire.U64.pack(at) + b"closed"), *mac]
+        return [forged, frames]
+
+    return tamper
+
+
+@pytest.mark.parametrize("forgery", ["body", "same-tag", "lagged", "end"])
+@ON_UVLOOP
+async def test_an_admitted_reader_on_the_path_cannot_write_to_another_reader(forgery: str, tmp_path: Path) -> None:
+    """Reader "hostile" is admitted: it holds the group key. It sits on the path of reader
+    "victim"'s data connection and sends it, before message 2, a body it sealed (a pickle whose
+    unpickling would create a directory), the genuine batch with that pickle in a body of the
+    same GCM tag, a LAGGED or an END: each would open under the group key. The victim refuses
+    it (not from the writer's server, for this reader: counted), unpickles nothing, misses
+    nothing, does not stop: it gets every message, in order."""
+    marker = tmp_path / "pwned"
+    payload = _forge.exploit(str(marker))
+    pickle.loads(payload)  # the control: this payload does run code when unpickled
+    assert marker.is_dir()
+    marker.rmdir()
+    n = 6
+    sent = [b"message %d " % i + b"y" * 400 for i in range(n)]
+    async with (
+        tcp_writer(heartbeat_s=0.2, slot_bytes=1024) as writer,
+        ab.open_reader(writer.handle, transport="tcp", name="hostile") as hostile,
+    ):
+        group = hostile._src._proto._opener  # type: ignore[attr-defined]
+        tamper = forge_before(2, forgery, group, writer.handle.token.encode(), payload)
+        with in_the_middle(writer, tamper) as (h, _):
+            async with ab.open_reader(h, transport="tcp", name="victim") as victim:
+                got = []
+                with anyio.fail_after(30):
+                    for body in sent:
+                        await writer.put(body)
+                        got.append(await victim.get())
+                        assert await hostile.get() == body
+                assert not marker.exists()  # nothing it sent was unpickled
+                assert got == sent
+                stats = victim.statistics()
+                assert stats.lagged == 0
+                assert victim._src.rejected.get("not_authentic", 0) >= 1  # type: ignore[attr-defined]
+                assert stats.rejected_frames >= 1
 
 
 @ON_ASYNCIO

@@ -322,19 +322,29 @@ class FakeServer:
         self.data.router_mandatory = True
         self.data_port = self.data.bind_to_random_port("tcp://127.0.0.1")
         self.sealer: seal.Sealer | None = None
-        self.mac: bytes | None = None
+        #: the key that signs control frames (insecure mode), in the session of the last HELLO
+        self.control_key: bytes | None = None
         self.session: wire.Session | None = None
+        #: the writer's MAC of data frame groups for the one reader (its key in WELCOME)
+        self.mac: seal.WriterMac | None = None
 
     def use(self, h: ab.Handle, secret: bytes) -> ab.Handle:
         self.sealer = seal.Sealer(h.token.encode(), secret=wire.data_secret(secret))
-        self.mac = wire.control_key(secret)
+        self.control_key = wire.control_key(secret)
+        self.mac = self.sealer.writer_mac()
         return h
 
     def signed(self, frames: list[bytes]) -> list[bytes]:
-        """``frames`` signed for the session of the last HELLO (its reader's nonce is in clear:
-        a forger without the key reads it too)."""
-        assert self.mac is not None and self.session is not None
-        return self.session.sign(self.mac, frames)
+        """Control ``frames`` signed for the session of the last HELLO (its reader's nonce is in
+        clear: a forger without the key reads it too)."""
+        assert self.control_key is not None and self.session is not None
+        return self.session.sign(self.control_key, frames)
+
+    def with_mac(self, frames: list[Any]) -> list[Any]:
+        """A data frame group with the writer's MAC for its reader (whose key WELCOME gives: in
+        insecure mode in clear, so anyone on the path can make this MAC)."""
+        assert self.mac is not None
+        return self.mac.sign(frames)
 
     def welcome(self, hb_interval: float, hb_timeout: float, start: int = 0) -> list[bytes]:
         """A WELCOME that points the reader at the data socket, with the sealer's keys."""
@@ -346,13 +356,16 @@ class FakeServer:
             "hb_timeout": hb_timeout,
             "data_port": self.data_port,
             "keys": self.sealer.keys_message().hex(),
+            "mac_key": self.mac.key.hex() if self.mac is not None else "",
         }
         return [wire.WELCOME, wire.encode_json(body)]
 
     def batch(self, first: int, bodies: list[bytes]) -> list[Any]:
         """A BATCH of ``bodies`` sealed as the real server seals them."""
         assert self.sealer is not None
-        return wire.encode_batch(first, [(self.sealer.seal(first + k, 0, b), 0) for k, b in enumerate(bodies)])
+        return self.with_mac(
+            wire.encode_batch(first, [(self.sealer.seal(first + k, 0, b), 0) for k, b in enumerate(bodies)])
+        )
 
     def send_data(self, frames: list[Any], within_s: float = 10.0) -> None:
         """Send on the data socket, once the reader (which connects after WELCOME) is there."""
@@ -471,12 +484,14 @@ async def test_a_pickle_that_would_run_code_never_runs_unless_signed(tmp_path: P
         benign = bytearray(fake.sealer.seal(0, 0, pickle.dumps("benign")))
         # a man in the middle swaps the body, keeps the key id and the tag
         swapped = benign[:4] + payload + benign[-seal.TAG_BYTES :]
+        # Each with the writer's MAC for the reader: in insecure mode its key crosses in clear in
+        # WELCOME, so the seal under the handle's key is what refuses these.
         return [
-            wire.encode_batch(0, [(exploit, 0)]),  # sealed under the forger's key
-            wire.encode_batch(0, [(payload, 0)]),  # not sealed at all
-            wire.encode_batch(0, [(swapped, 0)]),
-            wire.encode_batch(0, [(bytes(swapped[:-1]), 0)]),  # a truncated tag
-            wire.encode_batch(0, [(bytes(benign[:4]) + payload + b"\0" * seal.TAG_BYTES, 0)]),
+            fake.with_mac(wire.encode_batch(0, [(exploit, 0)])),  # sealed under the forger's key
+            fake.with_mac(wire.encode_batch(0, [(payload, 0)])),  # not sealed at all
+            fake.with_mac(wire.encode_batch(0, [(swapped, 0)])),
+            fake.with_mac(wire.encode_batch(0, [(bytes(swapped[:-1]), 0)])),  # a truncated tag
+            fake.with_mac(wire.encode_batch(0, [(bytes(benign[:4]) + payload + b"\0" * seal.TAG_BYTES, 0)])),
         ]
 
     async with fake_server() as fake:
@@ -565,10 +580,10 @@ async def test_signed_but_malformed_frames_are_rejected_and_the_stream_goes_on()
             for frames in malformed_control:
                 fake.send(signed(frames))
             for frames in malformed_data:
-                fake.send_data(frames)
+                fake.send_data(fake.with_mac(frames))  # authentic, so the frame's own checks refuse it
             fake.send_data(fake.batch(0, [pickle.dumps("cut short")[:-3]]))
             fake.send_data(fake.batch(1, [pickle.dumps("hello"), pickle.dumps("world")]))
-            fake.send_data([wire.END, fake.sealer.seal_control(wire.END, wire.U64.pack(3) + b"closed")])
+            fake.send_data(fake.with_mac([wire.END, fake.sealer.seal_control(wire.END, wire.U64.pack(3) + b"closed")]))
             with anyio.fail_after(10):
                 with pytest.raises(ab.DeserializationError):
                     await reader.get()
@@ -810,13 +825,15 @@ async def test_server_behind_its_own_ring_under_lag_tells_readers_and_goes_on() 
             expected, reported = e[1] + 1, 0
 
 
+@pytest.mark.parametrize("big", [wire.FRAME_ALONE + 100, seal.FUSED_BYTES + 100], ids=["alone", "fused"])
 @pytest.mark.parametrize("insecure", [False, True], ids=["curve", "insecure"])
 @ON_UVLOOP
-async def test_large_bodies_reach_every_remote_reader_intact_and_in_order(insecure: bool) -> None:
+async def test_large_bodies_reach_every_remote_reader_intact_and_in_order(insecure: bool, big: int) -> None:
     """Bodies of FRAME_ALONE bytes or more travel as frames of their own, one ZeroMQ message
-    shared by every send; mixed with small ones (joined frames), two readers get them all
-    intact, in order, with either security."""
-    n, big = 60, wire.FRAME_ALONE + 100
+    shared by every send (from FUSED_BYTES on, a reader checks the writer's MAC in the pass that
+    opens the body); mixed with small ones (joined frames), two readers get them all intact, in
+    order, with either security."""
+    n = 60 if big < seal.FUSED_BYTES else 12
     sent = [(i, bytes([i % 251]) * (big if i % 3 else 5)) for i in range(n)]
     async with tcp_writer(capacity=8, slot_bytes=big + 4096, insecure=insecure) as writer:
         async with (

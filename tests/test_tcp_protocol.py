@@ -9,12 +9,14 @@ tests/test_seal_wire.py run the same rules over real sockets and processes.
 
 from __future__ import annotations
 
+import pickle
 import secrets
 import subprocess
 import sys
 from collections import defaultdict
 from typing import Any
 
+import _forge
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
@@ -65,6 +67,8 @@ class Net:
         self.full: set[bytes] = set()
         #: opens data frames as a reader does, with the keys of the WELCOME and KEYS it saw
         self.opener = seal.Opener(CHANNEL.encode(), secret=None if key is None else wire.data_secret(key))
+        #: checks each reader's data frames as it does, with the MAC key of its WELCOME
+        self.macs: dict[bytes, seal.WriterMac] = {}
         #: each reader's side of its signed control connection (the frames ``ToSign`` from it)
         self.peers: dict[bytes, wire.ReaderSigner] = {}
 
@@ -140,7 +144,10 @@ class Net:
         out: list[tuple[Any, ...]] = []
         for data, sent in self.take(ident):
             assert data == (sent[0] in DATA_KINDS), sent[0]  # each kind on its own connection
-            frames = sent if data or self.key is None else self.peer(ident).verify(sent)
+            if data:
+                frames = self.macs[ident].check(sent)
+            else:
+                frames = sent if self.key is None else self.peer(ident).verify(sent)
             kind = frames[0]
             if kind == wire.BATCH:
                 first, items = wire.decode_batch(frames[1], frames[2:])
@@ -158,6 +165,7 @@ class Net:
             elif kind == wire.WELCOME:
                 w = wire.decode_json(frames[1])
                 self.opener.install(bytes.fromhex(w["keys"]))
+                self.macs[ident] = seal.WriterMac(bytes.fromhex(w["mac_key"]))
                 out.append(("welcome", w["start"], w["window"]))
             elif kind == wire.REFUSED:
                 out.append(("refused", frames[1].decode()))
@@ -762,10 +770,13 @@ def test_too_many_or_too_large_frames_are_refused_before_anything_is_parsed(key:
 
 def test_a_version_mismatch_is_refused_without_counting_it_as_hostile() -> None:
     srv, net = server(), Net()
-    for version in (2, 3):  # 3: data frames on the control connection, not sealed
+    # 3: data frames on the control connection, not sealed; 5: data frames without the writer's MAC
+    for version in (2, 3, 5):
         assert net.receive(srv, b"r", hello(version=version), now=0.0, published=0) is None
-        reason = f"protocol version mismatch: this server speaks protocol {wire.PROTOCOL_VERSION}, the reader {version}"
-        assert net.seen(b"r") == [("refused", reason)]
+        ((what, reason),) = net.seen(b"r")
+        assert what == "refused"
+        assert reason.startswith(f"protocol version mismatch: this reader speaks {version}, the writer's server 6")
+        assert "same aiobroadcast version" in reason
     assert srv.rejected_frames == 0
 
 
@@ -791,7 +802,8 @@ def test_the_welcome_names_the_data_port_and_holds_the_keys_that_open_the_data_f
     publish(srv, 0, 1)
     net.transmit(srv)
     ((data, frames),) = net.take(b"r")
-    assert data and frames[0] == wire.BATCH  # not signed: the seals authenticate it
+    assert data and frames[0] == wire.BATCH  # not signed by the control HMAC: the seals, and the
+    frames = seal.WriterMac(bytes.fromhex(body["mac_key"])).check(frames)  # writer's MAC, authenticate it
     first, items = wire.decode_batch(frames[1], frames[2:])
     assert [bytes(opener.open(first + k, f, b)) for k, (b, f) in enumerate(items)] == [b"mmm", b"mmm"]
     with pytest.raises(seal.NotAuthentic):  # a body moved to another place in the stream
@@ -879,10 +891,12 @@ def client(window: int = 4, key: bytes | None = KEY, gone_timeout: float | None 
 
 class Stream:
     """A server's sealer for the client tests: every message sealed once (a resend is the same
-    sealed bytes, as the server sends it)."""
+    sealed bytes, as the server sends it), and the MAC of its one reader (``welcome`` gives its
+    key), which signs every data frame group."""
 
     def __init__(self, secret: bytes | None = DATA_KEY, channel: str = CHANNEL, presealed: int = 0) -> None:
         self.sealer = seal.Sealer(channel.encode(), secret=secret)
+        self.mac = self.sealer.writer_mac()
         self._sealed: dict[int, Any] = {}
         for seq in range(presealed):  # in order: tests may then ask for them in any order
             self.body(seq)
@@ -893,10 +907,10 @@ class Stream:
         return self._sealed[seq]
 
     def batch(self, first: int, n: int) -> list[Any]:
-        return wire.encode_batch(first, [(self.body(first + k), 0) for k in range(n)])
+        return self.mac.sign(wire.encode_batch(first, [(self.body(first + k), 0) for k in range(n)]))
 
     def control(self, kind: bytes, payload: bytes) -> list[Any]:
-        return [kind, self.sealer.seal_control(kind, payload)]
+        return self.mac.sign([kind, self.sealer.seal_control(kind, payload)])
 
 
 STREAM = Stream(presealed=64)
@@ -911,6 +925,7 @@ def welcome(start: int = 0, window: int = 4, stream: Stream = STREAM, port: int 
         "window": window,
         "data_port": port,
         "keys": stream.sealer.keys_message().hex(),
+        "mac_key": stream.mac.key.hex(),
         **extra,
     }
     return signed(wire.WELCOME, wire.encode_json(body))
@@ -1190,7 +1205,13 @@ def test_a_welcome_with_keys_of_the_other_mode_or_no_data_port_is_dropped() -> N
         welcome(0, stream=encrypting),
         welcome(0, port=0),
         welcome(0, port=70000),
+        welcome(0, mac_key="ab" * 16),  # a writer's MAC key of 16 bytes, not 32
+        welcome(0, mac_key="not hex"),
         signed(wire.WELCOME, wire.encode_json({"start": 0, "hb_interval": HB, "hb_timeout": TIMEOUT})),
+        signed(
+            wire.WELCOME,
+            wire.encode_json({k: v for k, v in wire.decode_json(welcome(0).frames[1]).items() if k != "mac_key"}),
+        ),
     ]
     for frames in bad:
         assert c.receive(frames, 0.1) is None
@@ -1293,10 +1314,14 @@ def test_a_lagged_sealed_for_another_reader_does_not_move_this_one() -> None:
     what it lacks; the server then sends B everything it holds, and B's own exact gap."""
     srv, net = server(window=16), Net()
     a, b = client(window=16), client(window=16)
+    macs: dict[bytes, seal.WriterMac] = {}
     for ident, c in ((b"a", a), (b"b", b)):
         for frames in c.data_to_send():
             net.receive(srv, ident, frames, now=0.0, published=0)
-        assert _deliver(c, net.take(ident), 0.0, 0) == [Welcomed(0)]
+        sent = net.take(ident)
+        # insecure mode: a reader's writer-MAC key crosses in clear in its WELCOME
+        macs[ident] = seal.WriterMac(bytes.fromhex(wire.decode_json(sent[0][1][1])["mac_key"]))
+        assert _deliver(c, sent, 0.0, 0) == [Welcomed(0)]
     publish(srv, 0, 1, 2)
     net.full.add(b"b")  # B's queue is full: the batch goes to A only
     net.transmit(srv)
@@ -1306,9 +1331,14 @@ def test_a_lagged_sealed_for_another_reader_does_not_move_this_one() -> None:
     net.transmit(srv)
     (lagged, _batch) = net.take(b"a")
     assert lagged[1][0] == wire.LAGGED
-    # An on-path host copies A's LAGGED into B's data connection.
+    # An on-path host copies A's LAGGED into B's data connection: A's MAC does not check at B.
     assert b.receive_data(lagged[1], 0.2, consumed=0) is None
-    assert b.next == 0 and b.rejected == {"out_of_window": 1}
+    assert b.next == 0 and b.rejected == {"not_authentic": 1}
+    # Under insecure=True it read B's MAC key in B's WELCOME, and puts B's MAC on A's LAGGED:
+    # the gap starts past B's place, so B takes it for nothing.
+    macs[b"b"].counter = 10**6
+    assert b.receive_data(macs[b"b"].sign(lagged[1][:-1]), 0.2, consumed=0) is None
+    assert b.next == 0 and b.rejected == {"not_authentic": 1, "out_of_window": 1}
     assert kinds(b) == [(wire.NACK, 0)]
     net.full.discard(b"b")
     net.transmit(srv)
@@ -1485,6 +1515,115 @@ def test_the_keys_of_insecure_mode_are_derived_apart_from_the_handles_key() -> N
     derived = {wire.control_key(KEY), bytes.fromhex(wire.control_password(KEY).decode()), wire.data_secret(KEY)}
     assert len(derived) == 3 and KEY not in derived and all(len(k) == 32 for k in derived)
     assert wire.control_key(KEY) == wire.control_key(KEY) != wire.control_key(secrets.token_bytes(32))
+
+
+# --- readers that hold the group key: only the writer's server writes ---------------------------
+
+
+def sealed_reader(name: str) -> ClientProtocol:
+    """A reader of a CurveZMQ channel (no HMAC: CurveZMQ protects its control connection)."""
+    return ClientProtocol(key=None, channel=CHANNEL, name=name, pid=1, host="h", window=8, now=0.0)
+
+
+def join(srv: ServerProtocol, net: Net, ident: bytes, c: ClientProtocol, now: float = 0.0) -> bytes:
+    """``c`` says HELLO to ``srv`` and takes its WELCOME; the MAC key the WELCOME gave it."""
+    for frames in c.data_to_send():
+        net.receive(srv, ident, frames, now=now, published=srv.end)
+    ((data, frames),) = net.take(ident)
+    assert not data and frames[0] == wire.WELCOME
+    c.receive(frames, now)
+    assert c.welcomed
+    return bytes.fromhex(wire.decode_json(frames[1])["mac_key"])
+
+
+def test_an_admitted_reader_cannot_make_another_accept_a_frame_it_sealed() -> None:
+    """Reader b is admitted, so it holds the group key; on the path to reader a it forges toward
+    it: a body sealed under the group key (without a MAC, with b's own writer MAC, with a's MAC
+    copied from the genuine batch), a's genuine batch with a body of the same GCM tag that
+    opens to a pickle of b's choice, b's own genuine batch, and a LAGGED and an END sealed under
+    the group key. Each opens under the group key; a refuses each as not authentic, delivers
+    nothing, stays where it is; then the genuine batch gives it every message."""
+    channel = CHANNEL.encode()
+    srv, net = server(key=None), Net(key=None)
+    a, b = sealed_reader("a"), sealed_reader("b")
+    key_a, key_b = join(srv, net, b"a", a), join(srv, net, b"b", b)
+    assert key_a != key_b  # a key per reader
+    bodies = [pickle.dumps(b"y" * 400), pickle.dumps("second")]
+    for seq, body in enumerate(bodies):
+        srv.add(seq, (body, 0))
+    net.transmit(srv)
+    ((_, genuine),) = net.take(b"a")
+    ((_, genuine_b),) = net.take(b"b")
+    assert isinstance(b.receive_data(genuine_b, 0.1, consumed=0), Messages)  # b reads, as it may
+
+    group = b._opener  # what b holds
+    mine = _forge.seal_body(group, channel, 0, 0, pickle.dumps("forged"))
+    forged = wire.encode_batch(0, [(mine, 0)])
+    first_len = wire.ENTRY.unpack_from(genuine[1], wire.BATCH_HEAD.size)[0]
+    joined = bytes(genuine[2])
+    exploit = _forge.exploit("/nonexistent/pwned")
+    collided = _forge.same_tag(group, 0, 0, joined[:first_len], exploit) + joined[first_len:]
+    lagged = [wire.LAGGED, _forge.seal_control(group, channel, wire.LAGGED, wire.U64x2.pack(5, 5))]
+    end = [wire.END, _forge.seal_control(group, channel, wire.END, wire.U64.pack(0) + b"closed")]
+    # Every one of these opens under the group key: the seal alone would let them in.
+    check = seal.Opener(channel)
+    check.install(srv.sealer.keys_message())
+    assert bytes(check.open(0, 0, mine)) == pickle.dumps("forged")
+    assert bytes(check.open(0, 0, collided[:first_len])).startswith(exploit)
+    assert check.open_control(wire.END, end[1]) == wire.U64.pack(0) + b"closed"
+    b_signs = seal.WriterMac(key_b)
+    b_signs.counter = 10**6
+    forgeries = [
+        forged,
+        b_signs.sign(forged),
+        [*forged, genuine[-1]],
+        [genuine[0], genuine[1], collided, genuine[-1]],
+        genuine_b,
+        [*lagged, genuine[-1]],
+        b_signs.sign(lagged),
+        [*end, genuine[-1]],
+        b_signs.sign(end),
+    ]
+    for frames in forgeries:
+        assert a.receive_data(frames, 0.2, consumed=0) is None
+        assert a.next == 0
+    assert a.rejected == {"not_authentic": len(forgeries)}
+    event = a.receive_data(genuine, 0.3, consumed=0)
+    assert isinstance(event, Messages) and event.first == 0
+    assert [bytes(body) for body, _ in event.items] == bodies
+    assert a.rejected_frames == len(forgeries)
+
+
+def test_each_reader_has_its_own_mac_key_kept_while_it_stays_admitted() -> None:
+    """A reader that joins mid-stream gets its key in its WELCOME and checks its first frame
+    with it; one that says HELLO again (it lacked a group key) keeps its key and its counter
+    goes on (frames on their way still check, no nonce repeats); one dropped and admitted
+    again gets a fresh key, under which the old frames no longer check."""
+    srv, net = server(key=None), Net(key=None)
+    for seq in range(4):
+        srv.add(seq, (b"%d" % seq, 0))
+    c = sealed_reader("late")
+    key = join(srv, net, b"c", c)
+    assert c.next == 4  # it joined after four messages: it starts with the next one
+    srv.add(4, (b"4", 0))
+    net.transmit(srv)
+    ((_, first),) = net.take(b"c")
+    assert isinstance(c.receive_data(first, 0.1, consumed=4), Messages)
+    # HELLO again, a heartbeat later (as for a key it lacks): the same key, the counter goes on
+    c._hello(5)
+    assert join(srv, net, b"c", c, now=2 * HB) == key
+    srv.add(5, (b"5", 0))
+    net.transmit(srv)
+    ((_, second),) = net.take(b"c")
+    assert wire.U64.unpack_from(second[-1])[0] > wire.U64.unpack_from(first[-1])[0]
+    assert isinstance(c.receive_data(second, 2 * HB, consumed=5), Messages)
+    # Dropped for its silence, then back: a new key; a frame under the old one is refused.
+    net.heartbeat(srv, 2 * HB + TIMEOUT + 1)
+    assert srv.report()["readers"] == []
+    c._hello(6)
+    assert join(srv, net, b"c", c, now=2 * HB + TIMEOUT + 2) != key
+    assert c.receive_data(second, 2 * HB + TIMEOUT + 2, consumed=6) is None
+    assert c.rejected == {"not_authentic": 1}
 
 
 # --- both together, over a lossy link ----------------------------------------------------------

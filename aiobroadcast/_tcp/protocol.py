@@ -19,9 +19,10 @@ and the protocol has to know that at once, before it decides what goes to that r
 
 Two connections per reader (wire.py): the control frames (signed in insecure mode, CurveZMQ
 otherwise) and the data frames (BATCH, LAGGED, END), each sealed by ``_seal.py`` under the
-group key that WELCOME and KEYS deliver. The server protocol seals every message once, as it
-takes it from the ring, and hands out data frames from ``transmit``; the client protocol
-opens them (``receive_data``) and counts what it refuses.
+group key that WELCOME and KEYS deliver, and each group signed for its reader by the server
+(``_seal.WriterMac``, its key in that reader's WELCOME). The server protocol seals every
+message once, as it takes it from the ring, and hands out data frames from ``transmit``; the
+client protocol checks and opens them (``receive_data``) and counts what it refuses.
 """
 
 from __future__ import annotations
@@ -216,14 +217,15 @@ class _Sender:
                 # its seal, so the header cannot move it either.
                 frames = wire.encode_batch(first, held.items[lo : lo + count])
                 batches[(first, count)] = frames
-            if not (yield client.ident, frames):
+            if not (yield client.ident, client.mac.sign(frames)):
                 client.choked = True
                 return 0
             client.choked = False
             client.next_send += count
             return count
         if held.done and not client.ended and client.next_send >= held.end:
-            if (yield client.ident, self._sealed(wire.END, wire.U64.pack(held.end) + held.done.encode())):
+            end = self._sealed(wire.END, wire.U64.pack(held.end) + held.done.encode())
+            if (yield client.ident, client.mac.sign(end)):
                 client.ended = True
             else:
                 client.choked = True
@@ -232,7 +234,7 @@ class _Sender:
     def _report_gap(self, client: Client, after: int) -> Generator[Outgoing, bool, bool]:
         """Tell ``client`` that everything from its place up to ``after`` is lost; move it there."""
         lagged = self._sealed(wire.LAGGED, wire.U64x2.pack(after, after - client.next_send))
-        if not (yield client.ident, lagged):
+        if not (yield client.ident, client.mac.sign(lagged)):
             client.choked = True
             return False
         client.next_send = after
@@ -275,7 +277,9 @@ class ServerProtocol:
         self._large = large
         self._sender = _Sender(self._held, sealer)
         #: the readers admitted, and the control frames to them
-        self.readers = Readers(config, now=now, returning=returning, keys=sealer.keys_message)
+        self.readers = Readers(
+            config, now=now, returning=returning, keys=sealer.keys_message, writer_mac=sealer.writer_mac
+        )
         self._stop_at: float | None = None
         #: when the next heartbeat is due at the latest (``heartbeat_due``): ``_beat_latest``,
         #: or sooner when a reader's silence passes the timeout then
@@ -535,6 +539,21 @@ ClientEvent = Welcomed | Messages | Lagged | Ended | Refused
 _BAD_FRAME = (wire.FrameError, ValueError, KeyError, TypeError, IndexError, struct.error)
 
 
+def _from_writer(writer: seal.WriterMac, frames: list[Any]) -> tuple[list[Any], seal.WriterCheck | None]:
+    """A data frame group without its MAC frame, once the MAC says the writer's server made it
+    for this reader (not another holder of the group key: any reader); checked before anything
+    in it is used. A batch of one large body is checked in the pass that opens it: the check is
+    returned, for ``Opener.open(mac=)``, which returns nothing unless it checks."""
+    if (
+        frames[0] == wire.BATCH
+        and len(frames) == 4
+        and memoryview(frames[2]).nbytes >= seal.FUSED_BYTES
+        and len(frames[1]) == wire.BATCH_HEAD.size + wire.ENTRY.size  # one body: the whole frame
+    ):
+        return frames[:-1], writer.begin(frames)
+    return writer.check(frames), None
+
+
 class _AckTimer:
     """When a remote reader's periodic ACK (its heartbeat) is due: a heartbeat after the last
     one, or ``IDLE_ACK_HEARTBEATS`` after it while it would say nothing new (nothing consumed
@@ -576,6 +595,7 @@ class ClientProtocol:
         self._buffers = seal.Buffers(OPENED_KEEP_BYTES)
         secret = None if key is None else wire.data_secret(key)  # insecure: the data plane's (wire.py)
         self._opener = seal.Opener(channel.encode(), secret=secret, buffer=self._buffers.take)
+        self._writer: seal.WriterMac | None = None  # the server's MAC for this reader (WELCOME)
         #: the port of the server's data socket (a restarted server may take another)
         self.data_port: int | None = None
         #: the data connection's PLAIN password, as the last WELCOME said (None: no handshake)
@@ -688,7 +708,9 @@ class ClientProtocol:
             # Welcomed by another run of the writer (a server that does not know our run, or
             # one that did not check it): this reader's stream ended with its run.
             return Ended("restarted")
+        writer = seal.WriterMac(bytes.fromhex(str(welcome["mac_key"])))  # SealError: a bad WELCOME, dropped
         self._install_keys(keys)
+        self._writer = writer
         token = welcome.get("data_token")
         if token is not None and not (isinstance(token, str) and 0 < len(token) <= wire.MAX_DATA_TOKEN):
             raise wire.FrameError("data token")
@@ -727,15 +749,16 @@ class ClientProtocol:
         if not frames:
             raise wire.FrameError("empty message")
         kind = frames[0]
-        if self.next < 0:
+        if self.next < 0 or self._writer is None:
             return None  # before WELCOME: nothing to open it with
+        frames, mac = _from_writer(self._writer, frames)
         if kind == wire.BATCH:
             first, items = wire.decode_batch(frames[1], frames[2:])
             limit = max(consumed, self._credit_base) + self.window
             skip = seal.accept_range(first, len(items), self.next, limit)
             opener = self._opener
             opened = [
-                (opener.open(first + k, flags, body), flags) for k, (body, flags) in enumerate(items) if k >= skip
+                (opener.open(first + k, flags, body, mac), flags) for k, (body, flags) in enumerate(items) if k >= skip
             ]
             self._last_batch = now
             self.next = first + len(items)

@@ -16,10 +16,13 @@ import math
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._shm.layout import NAME_BYTES, name_key
 from . import wire
+
+if TYPE_CHECKING:
+    from .._seal import WriterMac
 
 #: a frame group for one reader: its ident, and the frames (signed, or sealed)
 Outgoing = tuple[bytes, list[Any]]
@@ -120,6 +123,9 @@ class Client:
     last_heard: float
     #: when it last had the server send again (HELLO, NACK): at most once a heartbeat
     resent_at: float
+    #: signs every data frame group sent to it, under its own key (its WELCOME gives it): the
+    #: group key, which every reader holds, does not prove the writer's server sealed a frame
+    mac: WriterMac
     #: END was sent; a NACK that rewinds it clears this, so END goes again after the resend
     ended: bool = False
     #: the transport refused the last send (its queue is full, or it is not connected)
@@ -173,9 +179,18 @@ class Readers:
     stream's horizon) and the heartbeat's time (``time_out``); the pump empties
     ``data_to_send``."""
 
-    def __init__(self, config: ServerConfig, *, now: float, returning: int, keys: Callable[[], bytes]) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        now: float,
+        returning: int,
+        keys: Callable[[], bytes],
+        writer_mac: Callable[[], WriterMac],
+    ) -> None:
         """``returning``: the server replaces one that died, which served that many readers
-        (``awaiting_return``). ``keys``: the sealer's keys message, for WELCOME."""
+        (``awaiting_return``). ``keys``: the sealer's keys message, for WELCOME. ``writer_mac``:
+        a new reader's MAC, under a fresh key (``Sealer.writer_mac``)."""
         self._cfg = config
         self._returning = returning
         self._grace_until = now + 2 * config.hb_timeout
@@ -184,6 +199,7 @@ class Readers:
         self._signer = None if config.key is None else wire.ServerSigner(config.key)
         #: the frame group being taken, and from whom: what an answer outside a session answers
         self._asking: tuple[bytes, wire.Signed] | None = None
+        self._writer_mac = writer_mac
         #: the readers admitted
         self.clients: dict[bytes, Client] = {}
         self._out: list[Outgoing] = []
@@ -336,8 +352,7 @@ class Readers:
         """``session``: the signed session the HELLO came in (insecure mode): the reader's own
         (a repeated HELLO), or a new one, which an admission makes the reader's."""
         if hello.version != wire.PROTOCOL_VERSION:
-            reason = f"protocol version mismatch: this server speaks protocol {wire.PROTOCOL_VERSION}, "
-            self.send(ident, [wire.REFUSED, f"{reason}the reader {hello.version}".encode()])
+            self.send(ident, [wire.REFUSED, wire.version_mismatch(hello.version)])
             return None
         if hello.channel is not None and self._cfg.channel is not None and hello.channel != self._cfg.channel:
             # Same endpoint and keys (fixed CurveKeys), but the handle of another channel (another
@@ -386,7 +401,10 @@ class Readers:
             start = 0
         self.had_reader = True
         window = min(hello.window, self._cfg.window)
-        self.clients[ident] = Client(ident, info, window, start, start, now, now, session=session)
+        # A reader that says HELLO again keeps its MAC (its key and counter: frames on their way
+        # still check, and no nonce repeats); a new one, or one dropped since, gets a fresh key.
+        mac = client.mac if client is not None else self._writer_mac()
+        self.clients[ident] = Client(ident, info, window, start, start, now, now, mac, session=session)
         welcome = {
             "start": start,
             "policy": self._cfg.policy,
@@ -397,6 +415,9 @@ class Readers:
             # goes over CurveZMQ only; insecure, it holds salts, not keys).
             "data_port": self._cfg.data_port,
             "keys": self._keys().hex(),
+            # The key of this reader's writer MAC: proof, to it alone, that a data frame is the
+            # server's (the group key proves only that a reader or the server sealed it).
+            "mac_key": mac.key.hex(),
         }
         if self._cfg.data_token is not None:
             welcome["data_token"] = self._cfg.data_token

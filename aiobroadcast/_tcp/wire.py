@@ -10,7 +10,8 @@ Every frame group starts with a one-byte kind. Two connections per reader:
   (``sign``, ``verify``; ``ReaderSigner`` and ``Session`` keep each side's state);
 - the data connection (BATCH, LAGGED, END, server to reader only): ZeroMQ without CurveZMQ
   (a PLAIN password from WELCOME admits it), each body and each frame sealed by ``_seal.py``
-  under the group key that WELCOME and KEYS deliver.
+  under the group key that WELCOME and KEYS deliver, each frame group ending with the
+  server's MAC for its one reader (``_seal.WriterMac``, its key in that reader's WELCOME).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 #: 5: the data connection's PLAIN password in WELCOME (a reader of 4 would connect without it and
 #: starve); insecure=True: the control handshake is PLAIN.
 #: 6: the writer's run in WELCOME and in a resuming HELLO (RESTARTED answers another run's);
+#: every data frame group ends with the writer's MAC for its reader (its key in WELCOME): a
+#: reader of 5 would take the MAC frame for bodies, and accept what another reader forged;
 #: insecure=True: control frames are signed in a session (both sides' nonces, a counter per
 #: direction), and the control, password and data keys are derived from the handle's key (HKDF).
 PROTOCOL_VERSION = 6
@@ -44,10 +47,11 @@ ACK = b"A"  # u64 next seq wanted (everything before it consumed); also the hear
 NACK = b"N"  # u64 next seq wanted: resend from there
 BYE = b"B"
 # server -> reader, on the control connection
-WELCOME = b"W"  # json {start, policy, hb_interval, hb_timeout, window, data_port, keys (hex), run}
+WELCOME = b"W"  # json {start, policy, hb_interval, hb_timeout, window, data_port, keys, mac_key (hex), run}
 KEYS = b"K"  # the keys message of _seal.py (after a rekey)
 HEARTBEAT = b"P"  # u64 end (next seq the server will have), u64 closed
-# server -> reader, on the data connection
+# server -> reader, on the data connection; each group ends with the writer's MAC for its reader
+# (_seal.WRITER_MAC: u64 counter, 16-byte tag)
 BATCH = b"M"  # header, then frames that each hold whole sealed bodies (a large one alone, small ones joined)
 LAGGED = b"L"  # sealed: u64 from_seq, u64 missed
 END = b"E"  # sealed: u64 final seq, then the reason
@@ -377,6 +381,14 @@ def legacy_sign(secret: bytes, frames: list[Any]) -> list[Any]:
 def legacy_password(secret: bytes) -> bytes:
     """The control connection's PLAIN password of protocol 5 (admits such a reader, to refuse it)."""
     return hmac.new(secret, b"aiobroadcast control connection", hashlib.sha256).hexdigest().encode()
+
+
+def version_mismatch(version: int) -> bytes:
+    """The server's REFUSED to a HELLO of another protocol version: which, and what to do."""
+    return (
+        f"protocol version mismatch: this reader speaks {version}, the writer's server "
+        f"{PROTOCOL_VERSION} (use the same aiobroadcast version on both sides)"
+    ).encode()[:256]
 
 
 def encode_json(obj: dict[str, Any]) -> bytes:

@@ -298,7 +298,7 @@ class ServerProtocol:
     @property
     def abandoned(self) -> bool:
         """``sole_reader``: its reader left for good; nothing is taken from the ring any more."""
-        return self.readers.abandoned
+        return self.readers.attendance.abandoned
 
     # --- the ring's side ------------------------------------------------------------------------
     @property
@@ -402,7 +402,9 @@ class ServerProtocol:
         base = held.base
         if not self._block:
             held.keep_newest(self._cfg.buffer_max, self._cfg.buffer_bytes)
-        elif not self.readers.awaiting_return(now) and not (self._cfg.sole_reader and not self.readers.clients):
+        elif not self.readers.attendance.awaiting_return(now) and not (
+            self._cfg.sole_reader and not self.readers.clients
+        ):
             held.keep_from(min((c.acked for c in self.readers.clients.values()), default=held.end))
         if held.base > base:  # the keys nothing held is sealed under any more are forgotten
             self.sealer.retire(held.seqs[0] if held.seqs else held.end)
@@ -454,7 +456,7 @@ class ServerProtocol:
         # sender's server waits for its collector, which has not come yet, until the deadline.
         drained = (
             self._held.done is not None
-            and (self.readers.had_reader or not self._cfg.sole_reader)
+            and (self.readers.attendance.had_reader or not self._cfg.sole_reader)
             and all(c.ended and c.acked >= self._held.end for c in self.readers.clients.values())
         )
         return drained or now >= self._stop_at
@@ -570,6 +572,58 @@ class _AckTimer:
         return self.at + interval * (IDLE_ACK_HEARTBEATS if quiet else 1)
 
 
+def _install_keys(opener: seal.Opener, message: Any) -> None:
+    """The keys of a keys message (WELCOME's, KEYS'), or ``FrameError``: the frame is dropped."""
+    try:
+        opener.install(bytes(message))
+    except seal.SealError as exc:
+        raise wire.FrameError(str(exc)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """A WELCOME as a reader takes it: every field checked (``FrameError``, or ``SealError`` for
+    a writer's MAC key that is not 32 bytes: the WELCOME is dropped)."""
+
+    start: int
+    hb_interval: float
+    hb_timeout: float
+    #: the credit granted (None: the server did not say)
+    window: int | None
+    #: the keys message that opens the data frames
+    keys: bytes
+    data_port: int
+    #: the writer's run (None: a server that does not say)
+    run: str | None
+    #: this reader's writer MAC: proof that a data frame is the server's
+    mac: seal.WriterMac
+    #: the data connection's PLAIN password (None: no handshake)
+    data_token: str | None
+
+    @classmethod
+    def parse(cls, welcome: dict[str, Any]) -> Welcome:
+        data_port = int(welcome["data_port"])
+        if not 0 < data_port < 65536:
+            raise wire.FrameError(f"data port {data_port}")
+        run = welcome.get("run")
+        if run is not None and not (isinstance(run, str) and 0 < len(run) <= wire.MAX_RUN):
+            raise wire.FrameError("run")
+        token = welcome.get("data_token")
+        if token is not None and not (isinstance(token, str) and 0 < len(token) <= wire.MAX_DATA_TOKEN):
+            raise wire.FrameError("data token")
+        return cls(
+            start=int(welcome["start"]),
+            hb_interval=float(welcome["hb_interval"]),
+            hb_timeout=float(welcome["hb_timeout"]),
+            window=int(welcome["window"]) if "window" in welcome else None,
+            keys=bytes.fromhex(str(welcome["keys"])),
+            data_port=data_port,
+            run=run,
+            mac=seal.WriterMac(bytes.fromhex(str(welcome["mac_key"]))),
+            data_token=token,
+        )
+
+
 class ClientProtocol:
     """A remote reader's side. The pump feeds it the server's frame groups (``receive``: the
     control connection, ``receive_data``: the data one), and the time and how far the user has
@@ -635,18 +689,9 @@ class ClientProtocol:
         self._out.append(frames if self._signer is None else self._signer.sign(frames))
 
     def _hello(self, resume: int | None) -> None:
-        hello = {
-            "version": wire.PROTOCOL_VERSION,
-            "name": self._name,
-            "pid": self._pid,
-            "host": self._host,
-            "window": self.window,
-            "resume": resume,
-            "channel": self._channel,
-        }
-        if self.run is not None:
-            hello["run"] = self.run
-        self._send([wire.HELLO, wire.encode_json(hello)])
+        who = {"name": self._name, "pid": self._pid, "host": self._host}
+        hello = wire.hello(who, window=self.window, resume=resume, channel=self._channel, run=self.run)
+        self._send([wire.HELLO, hello])
 
     @property
     def rejected(self) -> dict[str, int]:
@@ -671,7 +716,7 @@ class ClientProtocol:
         kind = frames[0]
         if kind == wire.KEYS:
             check_arity(frames, 1)
-            self._install_keys(frames[1])
+            _install_keys(self._opener, frames[1])
             return None
         if kind == wire.HEARTBEAT:
             end, _done = wire.U64x2.unpack(frames[1])
@@ -691,43 +736,26 @@ class ClientProtocol:
             return Ended("restarted")
         raise wire.FrameError(f"unknown frame kind {bytes(kind[:8])!r}")
 
-    def _on_welcome(self, welcome: dict[str, Any]) -> ClientEvent | None:
-        start = int(welcome["start"])
-        self.hb_interval = float(welcome["hb_interval"])
-        self.hb_timeout = float(welcome["hb_timeout"])
-        if "window" in welcome:  # a smaller credit than ours: acknowledge at its half, not ours
-            self.window = max(1, min(self.window, int(welcome["window"])))
-        keys = bytes.fromhex(str(welcome["keys"]))
-        data_port = int(welcome["data_port"])
-        if not 0 < data_port < 65536:
-            raise wire.FrameError(f"data port {data_port}")
-        run = welcome.get("run")
-        if run is not None and not (isinstance(run, str) and 0 < len(run) <= wire.MAX_RUN):
-            raise wire.FrameError("run")
-        if self.welcomed and run != self.run:
+    def _on_welcome(self, body: dict[str, Any]) -> ClientEvent | None:
+        welcome = Welcome.parse(body)  # checked whole before anything of it is taken
+        self.hb_interval, self.hb_timeout = welcome.hb_interval, welcome.hb_timeout
+        if welcome.window is not None:  # a smaller credit than ours: acknowledge at its half, not ours
+            self.window = max(1, min(self.window, welcome.window))
+        if self.welcomed and welcome.run != self.run:
             # Welcomed by another run of the writer (a server that does not know our run, or
             # one that did not check it): this reader's stream ended with its run.
             return Ended("restarted")
-        writer = seal.WriterMac(bytes.fromhex(str(welcome["mac_key"])))  # SealError: a bad WELCOME, dropped
-        self._install_keys(keys)
-        self._writer = writer
-        token = welcome.get("data_token")
-        if token is not None and not (isinstance(token, str) and 0 < len(token) <= wire.MAX_DATA_TOKEN):
-            raise wire.FrameError("data token")
-        self.data_port, self.data_token = data_port, token  # again: a restarted server's may differ
-        self._credit_base = start
+        _install_keys(self._opener, welcome.keys)
+        self._writer = welcome.mac
+        # again: a restarted server's may differ
+        self.data_port, self.data_token = welcome.data_port, welcome.data_token
+        self._credit_base = welcome.start
         if self.welcomed:
             return None  # a repeated WELCOME (our HELLO went twice): the place stays ours
         self.welcomed = True
-        self.run = run
-        self.next = start
-        return Welcomed(start)
-
-    def _install_keys(self, message: Any) -> None:
-        try:
-            self._opener.install(bytes(message))
-        except seal.SealError as exc:
-            raise wire.FrameError(str(exc)) from None
+        self.run = welcome.run
+        self.next = welcome.start
+        return Welcomed(welcome.start)
 
     def receive_data(self, frames: list[Any], now: float, consumed: int) -> ClientEvent | None:
         """A frame group of the data connection; ``consumed`` as for ``tick``. Nothing of it is

@@ -133,6 +133,25 @@ class Client:
     #: its signed control connection's session (insecure mode; None under CurveZMQ)
     session: wire.Session | None = None
 
+    def ack(self, n: int) -> None:
+        """It consumed everything before ``n``. More than it was sent it cannot have: a larger
+        number (a bug, or a hostile reader trying to release the writer's backpressure under
+        "block") counts only up to what was sent."""
+        if n > self.acked:
+            self.acked = min(n, self.next_send)
+
+    def nack(self, n: int, now: float, hb_interval: float, horizon: int) -> None:
+        """It asks for everything from ``n`` again. Rewound to ``n`` within what it may ask for:
+        not before what it acknowledged (it has that; going back further would let it make the
+        server send its whole buffer again and again), not beyond its credit nor the stream's end
+        (the place would then run ahead of what exists). At most once a heartbeat: what it asked
+        for a moment ago is on its way, and it asks again if not."""
+        if now - self.resent_at < hb_interval:
+            return
+        self.resent_at = now
+        self.next_send = max(self.acked, min(n, self.acked + self.window, horizon))
+        self.ended = False
+
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
@@ -192,8 +211,7 @@ class Readers:
         (``awaiting_return``). ``keys``: the sealer's keys message, for WELCOME. ``writer_mac``:
         a new reader's MAC, under a fresh key (``Sealer.writer_mac``)."""
         self._cfg = config
-        self._returning = returning
-        self._grace_until = now + 2 * config.hb_timeout
+        self.attendance = Attendance(config.sole_reader, returning, now + 2 * config.hb_timeout)
         self._keys = keys
         #: insecure mode: signs and checks the readers' control frames in their sessions
         self._signer = None if config.key is None else wire.ServerSigner(config.key)
@@ -205,10 +223,6 @@ class Readers:
         self._out: list[Outgoing] = []
         self.dropped = 0
         self.rejected_frames = 0
-        #: ``sole_reader``: a reader was admitted (or the server this one replaces served one)
-        self.had_reader = returning > 0
-        #: ``sole_reader``: its reader left for good; nothing is taken from the ring any more
-        self.abandoned = False
         #: where a remote reader's name is claimed, unique among the channel's readers (the
         #: server sets it, ``RemoteNames``); None: names are not checked (the protocol alone)
         self.names: NameClaims | None = None
@@ -318,21 +332,9 @@ class Readers:
             return None
         client.last_heard = now
         if kind == wire.ACK:
-            # It consumed everything before n. More than it was sent it cannot have: a larger
-            # number (a bug, or a hostile reader trying to release the writer's backpressure
-            # under "block") counts only up to what was sent.
-            if n > client.acked:
-                client.acked = min(n, client.next_send)
+            client.ack(n)
         elif kind == wire.NACK:
-            if now - client.resent_at < self._cfg.hb_interval:
-                return None  # what it asked for a moment ago is on its way; it asks again if not
-            client.resent_at = now
-            # Rewind to n, within what it may ask for: not before what it acknowledged (it has
-            # that; going back further would let it make the server send its whole buffer again
-            # and again), not beyond its credit nor the stream's end (the place would then run
-            # ahead of what exists). At most one window per heartbeat is sent again.
-            client.next_send = max(client.acked, min(n, client.acked + client.window, horizon))
-            client.ended = False
+            client.nack(n, now, self._cfg.hb_interval, horizon)
         else:
             del self.clients[ident]
             self._release(ident)
@@ -351,31 +353,13 @@ class Readers:
     ) -> ServerEvent | None:
         """``session``: the signed session the HELLO came in (insecure mode): the reader's own
         (a repeated HELLO), or a new one, which an admission makes the reader's."""
-        if hello.version != wire.PROTOCOL_VERSION:
-            self.send(ident, [wire.REFUSED, wire.version_mismatch(hello.version)])
-            return None
-        if hello.channel is not None and self._cfg.channel is not None and hello.channel != self._cfg.channel:
-            # Same endpoint and keys (fixed CurveKeys), but the handle of another channel (another
-            # channel name, or a writer that drew its channel id at random): its frames would
-            # never open here (the channel id is in every seal).
-            self.send(
-                ident,
-                [
-                    wire.REFUSED,
-                    b"this handle is of another channel than the one served at this endpoint "
-                    b"(another channel name, or an earlier writer here without a channel name or fixed keys)",
-                ],
-            )
-            return None
-        if hello.run is not None and self._cfg.run is not None and hello.run != self._cfg.run:
-            # The same channel (a writer restarted with the same keys and endpoint), but another
-            # run: the stream this reader was reading ended with the run, and this one's messages
-            # are numbered anew. It is told so (WriterGone), and may open the handle again.
-            self.send(ident, [wire.RESTARTED])
+        refusal = not_served(self._cfg, hello)
+        if refusal is not None:
+            self.send(ident, refusal)
             return None
         if client is not None and now - client.resent_at < self._cfg.hb_interval:
             return None  # it said HELLO a moment ago; it says it again if the WELCOME is lost
-        if self.abandoned:
+        if self.attendance.abandoned:
             self.send(ident, [wire.REFUSED, b"this sender's collector left: it serves no reader any more"])
             return None
         if client is None and len(self.clients) >= self._cfg.max_remote:
@@ -388,42 +372,24 @@ class Readers:
         if holder is not None:
             self.send(ident, [wire.REFUSED, f"{NAME_TAKEN}{holder}".encode()[:512]])
             return None
-        if hello.resume is not None and self._returning:
-            self._returning -= 1
+        if hello.resume is not None:
+            self.attendance.returned()
         # A new reader starts with the next message published, as on shared memory: not with
         # what the server still holds, nor with what is in the ring and not yet taken (a slow
         # reader, policy "block"). A returning one resumes where it says; if that is before
         # what the server holds, transmit tells it exactly what it lost.
         start = horizon if hello.resume is None else hello.resume
-        if self._cfg.sole_reader and not self.had_reader and hello.resume is None:
+        if self._cfg.sole_reader and not self.attendance.had_reader and hello.resume is None:
             # A fan-in sender's collector: everything from the stream's first message is its
             # own. What a server that died took and did not hand over is reported as lost.
             start = 0
-        self.had_reader = True
+        self.attendance.had_reader = True
         window = min(hello.window, self._cfg.window)
         # A reader that says HELLO again keeps its MAC (its key and counter: frames on their way
         # still check, and no nonce repeats); a new one, or one dropped since, gets a fresh key.
         mac = client.mac if client is not None else self._writer_mac()
         self.clients[ident] = Client(ident, info, window, start, start, now, now, mac, session=session)
-        welcome = {
-            "start": start,
-            "policy": self._cfg.policy,
-            "hb_interval": self._cfg.hb_interval,
-            "hb_timeout": self._cfg.hb_timeout,
-            "window": window,  # the credit granted: the reader acknowledges every half of it
-            # Where the sealed data frames come from, and the keys to open them (secret: this
-            # goes over CurveZMQ only; insecure, it holds salts, not keys).
-            "data_port": self._cfg.data_port,
-            "keys": self._keys().hex(),
-            # The key of this reader's writer MAC: proof, to it alone, that a data frame is the
-            # server's (the group key proves only that a reader or the server sealed it).
-            "mac_key": mac.key.hex(),
-        }
-        if self._cfg.data_token is not None:
-            welcome["data_token"] = self._cfg.data_token
-        if self._cfg.run is not None:
-            welcome["run"] = self._cfg.run
-        self.send(ident, [wire.WELCOME, wire.encode_json(welcome)])
+        self.send(ident, [wire.WELCOME, wire.encode_json(welcome(self._cfg, start, window, self._keys(), mac))])
         return Admitted(ident, info)
 
     def _claim_name(self, ident: bytes, client: Client | None, info: ClientInfo) -> str | None:
@@ -465,21 +431,90 @@ class Readers:
         heard = min((c.last_heard for c in self.clients.values()), default=math.inf)
         return heard + self._cfg.hb_timeout + 0.001
 
+    def reader_left(self, now: float | None) -> None:
+        """A reader left (``now``: at a heartbeat; None: just now): see ``Attendance.left``."""
+        self.attendance.left(now, bool(self.clients))
+
+
+class Attendance:
+    """Whether a server waits for readers: those of the server it replaces may come back, for at
+    most two silence timeouts (under "block" it keeps what it takes from the ring for them);
+    ``sole_reader`` (a fan-in sender's server): once the reader that came has left and none is
+    expected back, the stream is abandoned."""
+
+    def __init__(self, sole_reader: bool, returning: int, grace_until: float) -> None:
+        self._sole_reader = sole_reader
+        self._returning = returning
+        self._grace_until = grace_until
+        #: ``sole_reader``: a reader was admitted (or the server this one replaces served one)
+        self.had_reader = returning > 0
+        #: ``sole_reader``: its reader left for good; nothing is taken from the ring any more
+        self.abandoned = False
+
+    def returned(self) -> None:
+        """A reader resumed: one of the server this one replaces, if any is still expected."""
+        if self._returning:
+            self._returning -= 1
+
     def awaiting_return(self, now: float) -> bool:
-        """Whether readers of the server this one replaces may still come back (for at most
-        two silence timeouts): under "block" the server keeps what it takes from the ring for them."""
+        """Whether readers of the server this one replaces may still come back."""
         if self._returning and now >= self._grace_until:
             self._returning = 0
         return self._returning > 0
 
-    def reader_left(self, now: float | None) -> None:
-        """``sole_reader``: once the reader that came has left and none is expected back (a
-        restarted server waits for its readers' return), the stream is abandoned."""
-        if not self._cfg.sole_reader or self.abandoned or self.clients or not self.had_reader:
+    def left(self, now: float | None, readers_left: bool) -> None:
+        """``sole_reader``: its reader left; the stream is abandoned unless one is still admitted
+        (``readers_left``) or expected back (a restarted server waits for its readers' return)."""
+        if not self._sole_reader or self.abandoned or readers_left or not self.had_reader:
             return
         if self._returning and (now is None or self.awaiting_return(now)):
             return
         self.abandoned = True
+
+
+def not_served(cfg: ServerConfig, hello: wire.Hello) -> list[bytes] | None:
+    """What a server answers a HELLO it serves no stream for (None: it may be admitted): of
+    another protocol version, another channel, or another run of this channel's writer."""
+    if hello.version != wire.PROTOCOL_VERSION:
+        return [wire.REFUSED, wire.version_mismatch(hello.version)]
+    if hello.channel is not None and cfg.channel is not None and hello.channel != cfg.channel:
+        # Same endpoint and keys (fixed CurveKeys), but the handle of another channel (another
+        # channel name, or a writer that drew its channel id at random): its frames would
+        # never open here (the channel id is in every seal).
+        return [
+            wire.REFUSED,
+            b"this handle is of another channel than the one served at this endpoint "
+            b"(another channel name, or an earlier writer here without a channel name or fixed keys)",
+        ]
+    if hello.run is not None and cfg.run is not None and hello.run != cfg.run:
+        # The same channel (a writer restarted with the same keys and endpoint), but another
+        # run: the stream this reader was reading ended with the run, and this one's messages
+        # are numbered anew. It is told so (WriterGone), and may open the handle again.
+        return [wire.RESTARTED]
+    return None
+
+
+def welcome(cfg: ServerConfig, start: int, window: int, keys: bytes, mac: WriterMac) -> dict[str, Any]:
+    """The WELCOME of a reader admitted at ``start`` with credit ``window``."""
+    body: dict[str, Any] = {
+        "start": start,
+        "policy": cfg.policy,
+        "hb_interval": cfg.hb_interval,
+        "hb_timeout": cfg.hb_timeout,
+        "window": window,  # the credit granted: the reader acknowledges every half of it
+        # Where the sealed data frames come from, and the keys to open them (secret: this goes
+        # over CurveZMQ only; insecure, it holds salts, not keys).
+        "data_port": cfg.data_port,
+        "keys": keys.hex(),
+        # The key of this reader's writer MAC: proof, to it alone, that a data frame is the
+        # server's (the group key proves only that a reader or the server sealed it).
+        "mac_key": mac.key.hex(),
+    }
+    if cfg.data_token is not None:
+        body["data_token"] = cfg.data_token
+    if cfg.run is not None:
+        body["run"] = cfg.run
+    return body
 
 
 def check_arity(frames: Sequence[Any], args: int) -> None:

@@ -418,6 +418,15 @@ class Hello(BaseModel):
     run: Annotated[str, Field(max_length=MAX_RUN)] | None = None
 
 
+def hello(who: dict[str, Any], *, window: int, resume: int | None, channel: str, run: str | None) -> bytes:
+    """A reader's HELLO body (``Hello``): ``who`` it is (name, pid, host), the credit it asks,
+    where it resumes (None: a new reader), its handle's channel and the run that admitted it."""
+    body = {"version": PROTOCOL_VERSION, **who, "window": window, "resume": resume, "channel": channel}
+    if run is not None:
+        body["run"] = run
+    return encode_json(body)
+
+
 def decode_hello(raw: bytes) -> Hello:
     """Parse and validate a HELLO body, or raise ``FrameError`` saying what is wrong."""
     try:

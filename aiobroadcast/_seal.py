@@ -30,7 +30,10 @@ CurveZMQ connection each.
 - **Rekey**: after ``rekey_messages`` messages or ``rekey_bytes`` bytes under one key, or on
   demand. The next key is always announced before it is used (``keys_message`` holds the keys in
   use and the next one), so a reader that has the latest key message opens the first frame under
-  the new key; one that missed it fetches the keys again (``UnknownKey``).
+  the new key; one that missed it fetches the keys again (``UnknownKey``). A reader is given
+  only the old keys of messages from where it starts (``keys_message(start)``).
+- **Revocation** (``exclude``): a rekey past the current key and the announced next one, which
+  a revoked reader holds: nothing sealed after it opens with any key that reader was given.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from aiobroadcast import _seal as seal
 from aiobroadcast._handle import AllowList, Handle
 from aiobroadcast._tcp import wire
 from aiobroadcast._tcp.readers import REVOKED
+from aiobroadcast.blocking import open_writer as open_blocking_writer
 
 pytestmark = pytest.mark.anyio
 
@@ -158,3 +159,35 @@ async def test_a_revoked_reader_reads_nothing_sealed_after_and_cannot_come_back(
             proc.stdout.close()
             relay.close()
             mitm.close()
+
+
+def keygen_fails(*args: str) -> str:
+    done = subprocess.run([*CLI, "keygen", *args], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    return done.stderr
+
+
+def test_keygen_says_what_is_wrong_with_a_reader_or_a_revocation(tmp_path: Path) -> None:
+    allow = tmp_path / "allow.json"
+    AllowList(readers={"a": "x" * 40}).save(allow)
+    assert "no reader 'b' on the allow list (readers: a)" in keygen_fails("--revoke", "b", "--allow-list", str(allow))
+    assert "needs --allow-list FILE" in keygen_fails("--revoke", "a")
+    assert "--handle FILE" in keygen_fails("--reader", "c", "--allow-list", str(allow), "--out", str(tmp_path / "c"))
+    (tmp_path / "bad.json").write_text("{}")
+    stderr = keygen_fails("--revoke", "a", "--allow-list", str(tmp_path / "bad.json"))
+    assert "not a readable aiobroadcast allow list" not in stderr  # an empty list: nobody to revoke
+    assert "no reader 'a'" in stderr
+    (tmp_path / "junk.json").write_text("[1]")
+    assert "not a readable aiobroadcast allow list" in keygen_fails(
+        "--revoke", "a", "--allow-list", str(tmp_path / "junk.json")
+    )
+    assert AllowList.load(allow).readers == {"a": "x" * 40}  # nothing changed by a refusal
+
+
+@pytest.mark.parametrize("kw", [{"insecure": True}, {"tcp": None}, {"allow_list": "/nonexistent/allow.json"}])
+def test_open_writer_refuses_an_allow_list_it_cannot_use(kw: dict[str, Any], tmp_path: Path) -> None:
+    allow = tmp_path / "allow.json"
+    AllowList().save(allow)
+    options: dict[str, Any] = {"tcp": "tcp://127.0.0.1:0", "allow_list": str(allow), "directory": str(tmp_path), **kw}
+    with pytest.raises(ab.InvalidArgument, match="allow"):
+        open_blocking_writer(**options)

@@ -191,3 +191,36 @@ def test_open_writer_refuses_an_allow_list_it_cannot_use(kw: dict[str, Any], tmp
     options: dict[str, Any] = {"tcp": "tcp://127.0.0.1:0", "allow_list": str(allow), "directory": str(tmp_path), **kw}
     with pytest.raises(ab.InvalidArgument, match="allow"):
         open_blocking_writer(**options)
+
+
+@ON_ASYNCIO
+async def test_a_reader_revoked_while_reading_is_told_so_and_its_handle_opens_no_reader_again(tmp_path: Path) -> None:
+    """An ordinary remote reader, revoked on SIGHUP (the list changed by ``AllowList``): its
+    ``get`` raises ``TransportError`` saying it was revoked, and its handle no longer opens a
+    reader (the handshake is refused)."""
+    allow = tmp_path / "allow.json"
+    AllowList().save(allow)
+    async with tcp_writer(allow_list=str(allow)) as writer:
+        writer.handle.save(tmp_path / "writer.json")
+        keygen("--reader", "r", "--allow-list", str(allow), "--handle", str(tmp_path / "writer.json"),
+               "--out", str(tmp_path / "r.json"))  # fmt: skip
+        server = the_server()
+        server.send_signal(signal.SIGHUP)
+        mine = Handle.load(tmp_path / "r.json")
+        with anyio.fail_after(20):
+            while True:
+                try:
+                    reader = await ab.open_reader(mine, transport="tcp", name="r")
+                    break
+                except ab.TransportError:
+                    await anyio.sleep(0.1)
+        async with reader:
+            await writer.put("before")
+            with anyio.fail_after(20):
+                assert await reader.get() == "before"
+            AllowList.load(allow).without("r").save(allow)
+            server.send_signal(signal.SIGHUP)
+            with anyio.fail_after(20), pytest.raises(ab.TransportError, match="refused this reader: revoked"):
+                await reader.get()
+        with pytest.raises(ab.TransportError, match="allow list"):
+            await ab.open_reader(mine, transport="tcp")

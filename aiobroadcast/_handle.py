@@ -198,6 +198,65 @@ class CurveKeys(BaseModel):
             raise InvalidHandle(f"not an aiobroadcast key file: {os.fspath(path)!r}: {reason}") from exc
 
 
+#: a reader's name in an allow list: what ``keygen --reader`` and ``--revoke`` take
+_READER_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,127}")
+
+
+class AllowList(BaseModel):
+    """The remote readers a writer admits, each by its own CurveZMQ public key (Z85), by name:
+    ``open_writer(allow_list=FILE)`` (``publish --allow-list FILE``) serves only these, not the
+    handle's shared client key, and reads the file again when it changes (docs/security.md,
+    "Revoking a reader"). Made and changed by ``aiobroadcast keygen --reader NAME`` and
+    ``--revoke NAME``; the file is this model's JSON, written atomically with mode 0600 (the
+    writer never reads a half-written one)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    readers: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("readers")
+    @classmethod
+    def _keys(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, key in value.items():
+            if not _READER_NAME_RE.fullmatch(name):
+                raise ValueError(f"reader name {name!r} is not 1 to 128 letters, digits, '.', '_', '@' or '-'")
+            if len(key) != 40:
+                raise ValueError(f"reader {name!r}: a CurveZMQ public key is 40 characters of Z85, not {len(key)}")
+        return value
+
+    def public_keys(self) -> frozenset[bytes]:
+        """The keys admitted, as the ZAP handler compares them (Z85 bytes)."""
+        return frozenset(key.encode() for key in self.readers.values())
+
+    def with_reader(self, name: str, public_key: str) -> AllowList:
+        if name in self.readers:
+            raise InvalidArgument(f"reader {name!r} is on the allow list already; revoke it first")
+        return AllowList(readers={**self.readers, name: public_key})
+
+    def without(self, name: str) -> AllowList:
+        """The list without reader ``name`` (matched by name, or by its public key)."""
+        gone = [n for n, key in self.readers.items() if name in (n, key)]
+        if not gone:
+            known = ", ".join(sorted(self.readers)) or "none"
+            raise InvalidArgument(f"no reader {name!r} on the allow list (readers: {known})")
+        return AllowList(readers={n: k for n, k in self.readers.items() if n not in gone})
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the list as JSON (mode 0600), atomically: a writer reading it meanwhile reads
+        the old list or the new one."""
+        _write_private(Path(path), self.model_dump_json(indent=2))
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> AllowList:
+        """Read a list saved with ``save``. Raises ``InvalidArgument`` if the file cannot be read
+        or is not an allow list."""
+        try:
+            return cls.model_validate_json(Path(path).read_text())
+        except (OSError, ValidationError) as exc:
+            reason = _first_problem(exc) if isinstance(exc, ValidationError) else (exc.strerror or str(exc))
+            raise InvalidArgument(f"not a readable aiobroadcast allow list: {os.fspath(path)!r}: {reason}") from exc
+
+
 def handle_kind(data: object) -> str | None:
     """The ``kind`` a handle (a model, a dict or JSON text) says it is, if any: a fan-in
     collector's handle says ``"collector"``; a broadcast channel's says nothing."""

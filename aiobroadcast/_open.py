@@ -33,7 +33,7 @@ from ._codec import (
 from ._constants import REKEY_BYTES, REKEY_BYTES_MAX, REKEY_MESSAGES, REKEY_MESSAGES_MAX
 from ._exceptions import BroadcastError, InvalidArgument, InvalidHandle
 from ._files import unlink_quietly
-from ._handle import CurveKeys, Handle, Policy, check_directory, check_endpoint, require
+from ._handle import AllowList, CurveKeys, Handle, Policy, check_directory, check_endpoint, require
 from ._reader import Reader, Source
 from ._reader import _private as _reader_token
 from ._shm import layout as _layout
@@ -114,6 +114,7 @@ class _WriterSpec:
     rekey_messages: int = REKEY_MESSAGES
     rekey_bytes: int = REKEY_BYTES
     data_port: int = 0
+    allow_list: str | None = None
     channel: str | None = None
     #: a fan-in remote sender's ring: its TCP server serves one reader, the collector
     #: (``ServerConfig.sole_reader``); set by ``open_sender(tcp=...)``, not an ``open_writer`` option
@@ -141,6 +142,11 @@ class _WriterSpec:
                 raise InvalidArgument(f"{name} must be an integer from 1 to {most}, not {value!r}")
         if type(self.data_port) is not int or not 0 <= self.data_port <= 65535:
             raise InvalidArgument(f"data_port must be a port number (0: any free port), not {self.data_port!r}")
+        if self.allow_list is not None:
+            if self.tcp is None or self.insecure:
+                raise InvalidArgument("allow_list needs tcp= and CurveZMQ, not insecure=True")
+            AllowList.load(self.allow_list)  # readable, and a list: said here rather than by the server
+            object.__setattr__(self, "allow_list", os.path.abspath(os.fspath(self.allow_list)))
         if type(self.arena_bytes) is not int or self.arena_bytes < 0:
             raise InvalidArgument(f"arena_bytes must be 0 (no arena) or a size in bytes, not {self.arena_bytes!r}")
         if self.arena_bytes and (self.policy != "block" or self.codec != "pickle" or self.schema is not None):
@@ -249,6 +255,7 @@ def open_writer(
     rekey_messages: int = ...,
     rekey_bytes: int = ...,
     data_port: int = ...,
+    allow_list: str | None = ...,
     arena_bytes: int = ...,
     channel: str | None = ...,
 ) -> _Opening[Writer[Any]]: ...
@@ -272,6 +279,7 @@ def open_writer(
     rekey_messages: int = ...,
     rekey_bytes: int = ...,
     data_port: int = ...,
+    allow_list: str | None = ...,
     arena_bytes: int = ...,
     channel: str | None = ...,
 ) -> _Opening[Writer[M]]: ...
@@ -294,6 +302,7 @@ def open_writer(
     rekey_messages: int = _WriterSpec.rekey_messages,
     rekey_bytes: int = _WriterSpec.rekey_bytes,
     data_port: int = _WriterSpec.data_port,
+    allow_list: str | None = _WriterSpec.allow_list,
     arena_bytes: int = _WriterSpec.arena_bytes,
     channel: str | None = _WriterSpec.channel,
 ) -> _Opening[Writer[Any]]:
@@ -327,6 +336,14 @@ def open_writer(
       message bodies (on the host of ``tcp``); 0 (the default): a free port, chosen by the
       system. Give one when a firewall must let it through. The TCP server process started
       again after a crash binds it again.
+    - ``allow_list``: the path of an allow list of remote readers (``AllowList``, made with
+      ``aiobroadcast keygen --reader NAME``): the server then admits only readers that present
+      a CurveZMQ key on it (each reader its own, in the handle ``keygen --reader`` writes for
+      it), not the handle's shared client key. The server reads the file again at its
+      heartbeats when it changed (and at once on ``SIGHUP``): a reader taken off it
+      (``keygen --revoke NAME``) is dropped, refused from then on, and the group key changes
+      so that nothing sealed after that opens with the keys it held (docs/security.md,
+      "Revoking a reader"). Needs ``tcp`` and CurveZMQ (not ``insecure``).
     - ``arena_bytes``: make a tensor arena of this size beside the ring (policy ``"block"``,
       pickle codec): the large out-of-band buffers of a message (numpy arrays and torch CPU
       tensors of 256 KiB or more, and the large ``bytes`` beside them) are copied once into it,
@@ -364,6 +381,7 @@ def open_writer(
         rekey_messages=rekey_messages,
         rekey_bytes=rekey_bytes,
         data_port=data_port,
+        allow_list=allow_list,
         arena_bytes=arena_bytes,
         channel=channel,
     )
@@ -429,6 +447,7 @@ class WriterOptions(TypedDict, total=False):
     rekey_messages: int
     rekey_bytes: int
     data_port: int
+    allow_list: str | None
     arena_bytes: int
     channel: str | None
 

@@ -30,7 +30,10 @@ CurveZMQ connection each.
 - **Rekey**: after ``rekey_messages`` messages or ``rekey_bytes`` bytes under one key, or on
   demand. The next key is always announced before it is used (``keys_message`` holds the keys in
   use and the next one), so a reader that has the latest key message opens the first frame under
-  the new key; one that missed it fetches the keys again (``UnknownKey``).
+  the new key; one that missed it fetches the keys again (``UnknownKey``). A reader is given
+  only the old keys of messages from where it starts (``keys_message(start)``).
+- **Revocation** (``exclude``): a rekey past the current key and the announced next one, which
+  a revoked reader holds: nothing sealed after it opens with any key that reader was given.
 """
 
 from __future__ import annotations
@@ -311,15 +314,42 @@ class Sealer(_Keyed):
         self.epoch += 1
         return True
 
+    def exclude(self) -> None:
+        """A rekey that shuts out whoever holds the keys given so far (a reader revoked): from
+        now on nothing is sealed under the current key nor under the announced next one, which
+        every reader admitted until now holds; a fresh key seals, and a fresh next one is
+        announced. The next key is dropped (nothing was sealed under it); the current one is kept
+        while messages sealed under it are held (``retire``), unless it sealed nothing. Readers
+        still admitted get the new keys in a keys message (``keys_message``); a frame under the
+        new key that overtakes it makes them fetch the keys (``UnknownKey``): the new key cannot
+        be announced in advance without giving it to the reader shut out.
+
+        Not held back by ``MAX_KEYS`` as ``rekey`` is (nothing may be sealed under a key the
+        revoked reader holds): while the server holds messages under ``MAX_KEYS - 1`` old keys
+        the keys message leaves out the next key (``keys_message``)."""
+        cur = self._current
+        if cur.last_seq >= 0 or cur.last_control >= CONTROL_BASE:
+            self._keys[cur.key_id] = cur
+        first = (self._next.key_id + 1) & 0xFFFFFFFF  # the withheld next key's id is never used
+        self._current = self._new_key(first)
+        self._next = self._new_key((first + 1) & 0xFFFFFFFF)
+        for key_id in (self._current.key_id, self._next.key_id):
+            self._keys.pop(key_id, None)  # a wrapped-around id, long retired
+        self.epoch += 1
+
     def retire(self, oldest_held: int) -> None:
         """Forget the old keys under which nothing from ``oldest_held`` on was sealed."""
         for key_id in [k for k, v in self._keys.items() if v.last_seq < oldest_held]:
             del self._keys[key_id]
 
-    def keys_message(self) -> bytes:
-        """The keys a reader needs: those in use (old ones still held, the current one) and
-        the next one. Confidential in secure mode: send it over CurveZMQ only."""
-        keys = [*self._keys.values(), self._current, self._next]
+    def keys_message(self, start: int = 0) -> bytes:
+        """The keys a reader that needs the messages from ``start`` on needs: the old keys still
+        held that sealed one of them (not those that sealed only messages before it: a reader
+        joining now cannot open what was sealed before it came), the current one and the next
+        one (left out if a keys message would then hold more than ``MAX_KEYS``: ``exclude``).
+        Confidential in secure mode: send it over CurveZMQ only."""
+        old = [k for k in self._keys.values() if k.last_seq >= start]
+        keys = [*old[-(MAX_KEYS - 1) :], self._current, self._next][:MAX_KEYS]
         mode = _MODE_KEY if self._secret is None else _MODE_SALT
         out = bytearray(_KEYS_HEAD.pack(_KEYS_VERSION, mode, self._current.key_id, len(keys)))
         for k in keys:

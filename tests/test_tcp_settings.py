@@ -45,6 +45,7 @@ def settings_line(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         rekey_messages = 1000
         rekey_bytes = 1 << 20
         data_port = 0
+        allow_list = None
 
     settings = ServerSettings.for_writer(Options(), handle, "tcp://127.0.0.1:0", CurveKeys.generate(), None)
     line: dict[str, Any] = json.loads(settings.model_dump_json())

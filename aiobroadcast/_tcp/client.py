@@ -316,7 +316,8 @@ class _HandshakeWatch:
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 return (
                     f"{where} refused this reader's keys at the handshake (ZAP status {value}): "
-                    "the handle's client key pair (insecure=True: its hmac_key) is not this channel's "
+                    "the handle's client key pair (insecure=True: its hmac_key) is not this channel's, "
+                    "or not on the writer's allow list (revoked, or not issued by 'aiobroadcast keygen --reader') "
                     f"(insecure=True: or the writer's aiobroadcast is older than protocol {wire.PROTOCOL_VERSION})"
                 )
             if kind == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL:

@@ -44,13 +44,14 @@ DATA_DOMAIN = "aiobroadcast-data"
 
 
 class _Allow:
-    """ZAP credentials check: only the readers' public key gets in."""
+    """ZAP credentials check: only the readers' public key gets in, or, with an allow list, only
+    the keys on it (``keys``: replaced whole when the list changes; the ZAP thread reads it)."""
 
-    def __init__(self, key: bytes) -> None:
-        self._key = key
+    def __init__(self, keys: frozenset[bytes]) -> None:
+        self.keys = keys
 
     def callback(self, domain: str, key: bytes) -> bool:
-        return key == self._key
+        return key in self.keys
 
 
 class _Zap(zmq.auth.thread.ThreadAuthenticator):
@@ -74,6 +75,11 @@ class Listener:
         insecure, hmac_key, data_port = settings.insecure, settings.key("hmac_key"), settings.data_port
         self._ctx = zmq.Context()
         self._auth: _Zap | None = None
+        self._allow: _Allow | None = None
+        #: the CurveZMQ public key (Z85) of the connection the last frame group ``receive``
+        #: returned came on, where an allow list is in use (None otherwise)
+        self.peer_key: bytes | None = None
+        self._peer_keys = settings.allow_list is not None
         self.data_token = settings.data_token
         self.router = self._ctx.socket(zmq.ROUTER)
         # Sealed data frames (BATCH, LAGGED, END) go on a second socket without CurveZMQ: each
@@ -99,7 +105,9 @@ class Listener:
             if not insecure:
                 server_secret, client_public = settings.key("server_secret"), settings.key("client_public")
                 assert server_secret is not None and client_public is not None
-                self._auth.configure_curve_callback(CONTROL_DOMAIN, credentials_provider=_Allow(client_public))
+                # An allow list (set_allowed) admits the keys on it, not the handle's shared one.
+                self._allow = _Allow(frozenset() if self._peer_keys else frozenset([client_public]))
+                self._auth.configure_curve_callback(CONTROL_DOMAIN, credentials_provider=self._allow)
                 r.zap_domain = CONTROL_DOMAIN.encode()
                 r.curve_server = True
                 r.curve_secretkey = server_secret
@@ -142,6 +150,12 @@ class Listener:
         except BaseException:
             self.close()
             raise
+
+    def set_allowed(self, keys: frozenset[bytes]) -> None:
+        """The allow list changed: from now on a handshake gets in with one of ``keys`` only
+        (connections made already stay: the server refuses their frames, ``peer_key``)."""
+        assert self._allow is not None and self._peer_keys
+        self._allow.keys = keys
 
     def close(self) -> None:
         self.router.close(linger=0)
@@ -190,9 +204,16 @@ class Listener:
         if not cast(int, router.get(_EVENTS)) & _POLLIN:
             return None  # asked first: an exception per turn of the loop costs more
         try:
-            return router.recv_multipart(zmq.NOBLOCK)
+            if not self._peer_keys:
+                return router.recv_multipart(zmq.NOBLOCK)
+            # Which key the connection was admitted with (ZAP's user id: the Z85 key): a key
+            # revoked since is refused on the connection it opened before (control frames only).
+            parts = router.recv_multipart(zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
+        user = parts[-1].get("User-Id")
+        self.peer_key = user.encode() if isinstance(user, str) else None
+        return [p.bytes for p in parts]
 
     def readable(self) -> bool:
         """Whether a peer sent something on either socket (without taking it)."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import bisect
 import struct
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -333,16 +333,27 @@ class ServerProtocol:
         for one more old key (``Sealer.rekey``); ``send_keys`` tells the readers."""
         self.sealer.rekey()
 
+    def revoke(self, idents: Iterable[bytes]) -> list[ClientInfo]:
+        """Readers ``idents`` are shut out for good (their credentials were revoked): each is
+        dropped and told so (REFUSED "revoked"), and the group key changes so that nothing
+        sealed from now on opens under a key any of them holds (``Sealer.exclude``: the current
+        key and the announced next one are both left behind). The others get the new keys with
+        ``send_keys``. Who was dropped."""
+        dropped = [info for info in map(self.readers.revoke, idents) if info is not None]
+        self.sealer.exclude()
+        return dropped
+
     def send_keys(self) -> None:
-        """After a rekey (on demand, or by the sealer's policy): every reader gets the keys.
-        The next key was announced already, so readers open the first frame under it even if
-        this arrives later; one whose queue was full asks again (it meets an unknown key)."""
+        """After a rekey (on demand, or by the sealer's policy): every reader gets the keys it
+        needs from what it acknowledged on (``Sealer.keys_message``). The next key was announced
+        already, so readers open the first frame under it even if this arrives later; one whose
+        queue was full asks again (it meets an unknown key)."""
         if self.sealer.epoch == self._keys_epoch:
             return
         self._keys_epoch = self.sealer.epoch
-        msg = [wire.KEYS, self.sealer.keys_message()]
-        for ident in list(self.readers.clients):
-            self.readers.send(ident, msg)
+        keys_message = self.sealer.keys_message
+        for ident, client in list(self.readers.clients.items()):
+            self.readers.send(ident, [wire.KEYS, keys_message(client.acked)])
 
     def lost(self, next_msg: int) -> None:
         """The ring overwrote messages before the server took them (policy "lag"): the next one

@@ -98,6 +98,11 @@ class TimedOut:
 ServerEvent = Admitted | Departed | Rejected | TimedOut
 
 
+#: what REFUSED says to a reader whose credentials were revoked (docs/security.md, "Revoking a
+#: reader"): it is dropped, and the server refuses it from then on
+REVOKED = b"revoked: this reader's key was removed from the writer's allow list"
+
+
 class ReaderFault(Exception):
     """The server protocol failed on a frame one reader sent (``receive``), or on what it owes
     that reader (``transmit``): a bug, which must cost that reader only. Raised to the pump,
@@ -204,11 +209,12 @@ class Readers:
         *,
         now: float,
         returning: int,
-        keys: Callable[[], bytes],
+        keys: Callable[[int], bytes],
         writer_mac: Callable[[], WriterMac],
     ) -> None:
         """``returning``: the server replaces one that died, which served that many readers
-        (``awaiting_return``). ``keys``: the sealer's keys message, for WELCOME. ``writer_mac``:
+        (``awaiting_return``). ``keys``: the sealer's keys message for a reader that starts at a
+        given message, for WELCOME. ``writer_mac``:
         a new reader's MAC, under a fresh key (``Sealer.writer_mac``)."""
         self._cfg = config
         self.attendance = Attendance(config.sole_reader, returning, now + 2 * config.hb_timeout)
@@ -296,6 +302,17 @@ class Readers:
             self._release(ident)
             self.reader_left(None)
         return Rejected(ident, reason, client.info if client else None, self.rejected_frames)
+
+    def revoke(self, ident: bytes) -> ClientInfo | None:
+        """Drop reader ``ident`` for good (its credentials were revoked) and tell it so (REFUSED
+        "revoked"); who it was, or None if it was not admitted (it is told all the same)."""
+        client = self.clients.pop(ident, None)
+        self.send(ident, [wire.REFUSED, REVOKED], client.session if client is not None else None)
+        if client is None:
+            return None
+        self._release(ident)
+        self.reader_left(None)
+        return client.info
 
     def drop(self, ident: bytes) -> ClientInfo | None:
         """Forget reader ``ident`` without a word: the pump's answer to a ``ReaderFault`` that
@@ -389,7 +406,7 @@ class Readers:
         # still check, and no nonce repeats); a new one, or one dropped since, gets a fresh key.
         mac = client.mac if client is not None else self._writer_mac()
         self.clients[ident] = Client(ident, info, window, start, start, now, now, mac, session=session)
-        self.send(ident, [wire.WELCOME, wire.encode_json(welcome(self._cfg, start, window, self._keys(), mac))])
+        self.send(ident, [wire.WELCOME, wire.encode_json(welcome(self._cfg, start, window, self._keys(start), mac))])
         return Admitted(ident, info)
 
     def _claim_name(self, ident: bytes, client: Client | None, info: ClientInfo) -> str | None:

@@ -34,7 +34,8 @@ from pydantic import ValidationError
 from .. import _seal as seal
 from .. import _tuning
 from .._constants import TCP_SERVER_READER_NAME
-from .._exceptions import BroadcastError, EndOfStream, ReaderLagged, WouldBlock, WriterGone
+from .._exceptions import BroadcastError, EndOfStream, InvalidArgument, ReaderLagged, WouldBlock, WriterGone
+from .._handle import AllowList
 from .._shm import segment as _segment
 from .._shm.arena import arena_path
 from .._shm.layout import W_NEXT_MSG, name_key
@@ -51,6 +52,7 @@ from .protocol import (
     ServerConfig,
     ServerProtocol,
 )
+from .readers import REVOKED
 from .report import remove_report
 from .settings import ServerSettings
 
@@ -214,7 +216,19 @@ class TcpServer:
             buffer=self._buffers.take,
         )
         self.rekey_requested = False  # SIGUSR1: a new key now
+        self.reload_requested = False  # SIGHUP: read the allow list again now
+        # The allow list (docs/security.md, "Revoking a reader"): read now (a list that cannot
+        # be read stops the start: the writer says why), then again when its file changes.
+        self._allow_path = settings.allow_list
+        self._allow_seen: tuple[int, int, int] | None = None  # the file's (inode, mtime, size) read
+        self._allowed: frozenset[bytes] = frozenset()
+        #: the key (Z85) each reader's connection was admitted with, where an allow list is used
+        self._peer_keys: dict[bytes, bytes] = {}
+        if self._allow_path is not None:
+            self._allowed = self._read_allow_list(self._allow_path, must=True) or frozenset()
         self._net = net = Listener(settings)
+        if self._allow_path is not None:
+            net.set_allowed(self._allowed)
         self.endpoint, self.data_port, self.data_token = net.endpoint, net.data_port, net.data_token
         try:
             self._ring = RingFeed(seg, settings)
@@ -287,6 +301,9 @@ class TcpServer:
             if self.rekey_requested:
                 self.rekey_requested = False
                 proto.rekey()
+            if self.reload_requested:
+                self.reload_requested = False
+                self.reload_allow_list()
             pulled = self._ring.pull(proto)
             if pulled:
                 t = time.perf_counter_ns()
@@ -321,6 +338,9 @@ class TcpServer:
                 for event in proto.heartbeat(now):
                     self._notices.on_event(event)
                 self._flush()
+                if self._allow_path is not None:
+                    self.reload_allow_list()  # a stat of its file
+                    self._peer_keys = {i: k for i, k in self._peer_keys.items() if i in proto.readers.clients}
                 self.write_stats()
                 if idle:
                     self._buffers.clear()
@@ -373,6 +393,55 @@ class TcpServer:
                 except BlockingIOError:
                     pass
 
+    def _read_allow_list(self, path: str, *, must: bool = False) -> frozenset[bytes] | None:
+        """The keys on the allow list at ``path`` if its file changed since it was last read
+        (None if not; ``must``: read it at any rate, and raise ``InvalidArgument`` if it cannot
+        be). A list that cannot be read later changes nothing (logged): a reader is revoked by a
+        list that says so, not by a file being replaced."""
+        try:
+            st = os.stat(path)
+            seen = (st.st_ino, st.st_mtime_ns, st.st_size)
+            if seen == self._allow_seen and not must:
+                return None
+            keys = AllowList.load(path).public_keys()
+        except (OSError, InvalidArgument) as exc:
+            if must:
+                raise InvalidArgument(f"cannot read the allow list {path!r}: {exc}") from exc
+            if self._allow_seen is not None:
+                log.error("aiobroadcast: cannot read the allow list %r (%s); keeping the readers it allowed", path, exc)
+                self._allow_seen = None  # said once, until it can be read again
+            return None
+        self._allow_seen = seen
+        return keys
+
+    def reload_allow_list(self) -> None:
+        """Read the allow list again if it changed: a reader whose key is no longer on it is
+        revoked (``revoke``)."""
+        path = self._allow_path
+        if path is None:
+            return
+        keys = self._read_allow_list(path)
+        if keys is None or keys == self._allowed:
+            return
+        removed = self._allowed - keys
+        self._allowed = keys
+        self._net.set_allowed(keys)
+        if removed:
+            self.revoke(removed)
+
+    def revoke(self, removed: frozenset[bytes]) -> None:
+        """Keys ``removed`` were taken off the allow list: their readers are dropped and told
+        (REFUSED "revoked"), and the group key changes past every key they were given, whether
+        connected now or not (``ServerProtocol.revoke``); the others get the new keys at once."""
+        proto = self.protocol
+        clients = proto.readers.clients
+        idents = [ident for ident, key in self._peer_keys.items() if key in removed and ident in clients]
+        for client in proto.revoke(idents):
+            log.warning("aiobroadcast: remote reader %r (pid %d) revoked; dropped it", client.name, client.pid)
+        proto.send_keys()
+        self._flush()
+        self.write_stats()
+
     def _frames_asleep(self) -> bool:
         """Take what readers sent while this server sleeps on the ring, and send what that calls
         for, the sleep still announced (docs/tcp.md, "A reader's frame while asleep"): True if
@@ -382,7 +451,7 @@ class TcpServer:
         now = time.monotonic()
         received = self._recv_clients(now)
         self._flush()  # the answers (WELCOME, REFUSED, ...)
-        if self._transmit() or proto.choked or proto.abandoned or self.rekey_requested:
+        if self._transmit() or proto.choked or proto.abandoned or self.rekey_requested or self.reload_requested:
             return False
         return not proto.heartbeat_due(now, heard=received > 0)
 
@@ -411,6 +480,19 @@ class TcpServer:
                 )
                 self.write_stats()
 
+    def _admitted(self, ident: bytes) -> bool:
+        """Whether the frame group just taken from ``ident`` came on a connection admitted with
+        a key still on the allow list; if not, it is answered REFUSED "revoked" (a connection
+        made before the key was revoked stays open: ZeroMQ cannot close it by its routing id)
+        and the protocol never sees it, so a revoked reader's HELLO admits nothing."""
+        key = self._net.peer_key
+        if key is not None and key in self._allowed:
+            self._peer_keys[ident] = key
+            return True
+        self._peer_keys.pop(ident, None)
+        self._net.send_control(_refused_key(ident))
+        return False
+
     def _recv_clients(self, now: float) -> int:
         """Hand what readers sent to the protocol; the number of frame groups taken."""
         receive = self._net.receive
@@ -418,6 +500,8 @@ class TcpServer:
             frames = receive()
             if frames is None:
                 return n
+            if self._allow_path is not None and not self._admitted(frames[0]):
+                continue
             published = self._ring_words[W_NEXT_MSG]
             try:
                 event = self.protocol.receive(frames[0], frames[1:], now=now, published=published)
@@ -427,6 +511,10 @@ class TcpServer:
             if event is not None:
                 self._notices.on_event(event)
         return 1024
+
+
+def _refused_key(ident: bytes) -> list[tuple[bytes, list[bytes]]]:
+    return [(ident, [wire.REFUSED, REVOKED])]
 
 
 def _spin(src: ShmSource, net: Listener, stdin_fd: int, until_ns: int) -> bool:
@@ -525,7 +613,11 @@ def main() -> int:
     def rekey_now(signum: int, frame: Any) -> None:
         server.rekey_requested = True  # taken at the next turn of the loop
 
+    def reload_now(signum: int, frame: Any) -> None:
+        server.reload_requested = True  # taken at the next turn of the loop
+
     signal.signal(signal.SIGUSR1, rekey_now)  # a new group key on demand
+    signal.signal(signal.SIGHUP, reload_now)  # read the allow list again now
     print(json.dumps({"endpoint": server.endpoint}), flush=True)
     server.write_stats()
     return 0 if server.run() else 1

@@ -43,6 +43,8 @@ class WriterOptions(Protocol):
     def rekey_bytes(self) -> int: ...
     @property
     def data_port(self) -> int: ...
+    @property
+    def allow_list(self) -> str | None: ...
 
 
 class ServerSettings(BaseModel):
@@ -73,6 +75,9 @@ class ServerSettings(BaseModel):
     rekey_bytes: int
     #: the data socket's port (0: a free one)
     data_port: int
+    #: the allow list's file (an absolute path; None: the handle's client key is admitted): the
+    #: server admits only the keys on it, and reads it again when it changes
+    allow_list: str | None = None
     #: the data socket's PLAIN password: kept for the servers started again, so a reader's data
     #: connection, which reconnects by itself, gets in at once
     data_token: str = Field(default_factory=lambda: secrets.token_hex(16), repr=False)
@@ -114,6 +119,7 @@ class ServerSettings(BaseModel):
             rekey_messages=options.rekey_messages,
             rekey_bytes=options.rekey_bytes,
             data_port=options.data_port,
+            allow_list=options.allow_list,
             report_path=report_path(handle.path),
         )
 

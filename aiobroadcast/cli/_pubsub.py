@@ -125,6 +125,14 @@ def _register_publish(sub: Any) -> None:
         "so that this start and the later ones serve with the same keys (a service's first start)",
     )
     p.add_argument(
+        "--allow-list",
+        default=None,
+        metavar="FILE",
+        help="admit only the remote readers on this allow list, each with a key pair of its own ('aiobroadcast "
+        "keygen --reader NAME --allow-list FILE ...'), not the handle's shared key; the file is read again when "
+        "it changes: a reader revoked there ('keygen --revoke NAME') is dropped and shut out for good",
+    )
+    p.add_argument(
         "--channel",
         default=None,
         metavar="NAME",
@@ -150,8 +158,8 @@ def _run_publish(args: argparse.Namespace) -> int:
     if args.advertise is not None and args.tcp is None:
         error("--advertise needs --tcp (the endpoint to bind)")
         return EXIT_USAGE
-    if (args.insecure or args.keys) and args.tcp is None:
-        error("--insecure and --keys need --tcp")
+    if (args.insecure or args.keys or args.allow_list) and args.tcp is None:
+        error("--insecure, --keys and --allow-list need --tcp")
         return EXIT_USAGE
     if args.make_keys and not args.keys:
         error("--make-keys needs --keys FILE (where to keep the keys)")
@@ -189,6 +197,7 @@ async def _publish(args: argparse.Namespace) -> int:
             insecure=args.insecure,
             advertise=args.advertise,
             keys=keys,
+            allow_list=args.allow_list,
             channel=args.channel,
         )
     except ValueError as exc:

@@ -37,6 +37,7 @@ from .. import _seal as seal
 from . import wire
 from .readers import (
     BUFFER_BYTES,
+    REVOKED,
     Admitted,
     Client,
     ClientInfo,
@@ -241,6 +242,38 @@ class _Sender:
         return True
 
 
+class KeyRounds:
+    """The group key's rounds as the readers learn them: a revocation, and every reader told
+    the keys it needs after a rekey (by the sealer's policy, on demand, or a revocation's)."""
+
+    def __init__(self, sealer: seal.Sealer, readers: Readers) -> None:
+        self._sealer = sealer
+        self._readers = readers
+        self._epoch = sealer.epoch  # the sealer's epoch whose keys every reader was sent
+
+    def revoke(self, idents: Iterable[bytes]) -> list[ClientInfo]:
+        """Readers ``idents`` are shut out for good (their credentials were revoked): each is
+        dropped and told so (REFUSED "revoked"), and the group key changes so that nothing
+        sealed from now on opens under a key any of them holds (``Sealer.exclude``: the current
+        key and the announced next one are both left behind). The others get the new keys with
+        ``send``. Who was dropped."""
+        dropped = [self._readers.drop(ident, REVOKED) for ident in idents]
+        self._sealer.exclude()
+        return [info for info in dropped if info is not None]
+
+    def send(self) -> None:
+        """After a rekey: every reader gets the keys it needs from what it acknowledged on
+        (``Sealer.keys_message``). The next key was announced already, so readers open the first
+        frame under it even if this arrives later; one whose queue was full asks again (it meets
+        an unknown key)."""
+        if self._sealer.epoch == self._epoch:
+            return
+        self._epoch = self._sealer.epoch
+        keys_message = self._sealer.keys_message
+        for ident, client in list(self._readers.clients.items()):
+            self._readers.send(ident, [wire.KEYS, keys_message(client.acked)])
+
+
 class ServerProtocol:
     """The server's side: what it holds of the stream and what each remote reader may get.
 
@@ -273,13 +306,14 @@ class ServerProtocol:
         self._block = config.policy == "block"
         self._held = _Held(start)
         self.sealer = sealer
-        self._keys_epoch = sealer.epoch  # the sealer's epoch whose keys every reader was sent
         self._large = large
         self._sender = _Sender(self._held, sealer)
         #: the readers admitted, and the control frames to them
         self.readers = Readers(
             config, now=now, returning=returning, keys=sealer.keys_message, writer_mac=sealer.writer_mac
         )
+        #: the group key's rounds, and telling the readers
+        self.keys = KeyRounds(sealer, self.readers)
         self._stop_at: float | None = None
         #: when the next heartbeat is due at the latest (``heartbeat_due``): ``_beat_latest``,
         #: or sooner when a reader's silence passes the timeout then
@@ -334,26 +368,12 @@ class ServerProtocol:
         self.sealer.rekey()
 
     def revoke(self, idents: Iterable[bytes]) -> list[ClientInfo]:
-        """Readers ``idents`` are shut out for good (their credentials were revoked): each is
-        dropped and told so (REFUSED "revoked"), and the group key changes so that nothing
-        sealed from now on opens under a key any of them holds (``Sealer.exclude``: the current
-        key and the announced next one are both left behind). The others get the new keys with
-        ``send_keys``. Who was dropped."""
-        dropped = [info for info in map(self.readers.revoke, idents) if info is not None]
-        self.sealer.exclude()
-        return dropped
+        """``KeyRounds.revoke``: readers ``idents`` are shut out for good; who was dropped."""
+        return self.keys.revoke(idents)
 
     def send_keys(self) -> None:
-        """After a rekey (on demand, or by the sealer's policy): every reader gets the keys it
-        needs from what it acknowledged on (``Sealer.keys_message``). The next key was announced
-        already, so readers open the first frame under it even if this arrives later; one whose
-        queue was full asks again (it meets an unknown key)."""
-        if self.sealer.epoch == self._keys_epoch:
-            return
-        self._keys_epoch = self.sealer.epoch
-        keys_message = self.sealer.keys_message
-        for ident, client in list(self.readers.clients.items()):
-            self.readers.send(ident, [wire.KEYS, keys_message(client.acked)])
+        """``KeyRounds.send``: after a rekey, every reader gets the keys it needs."""
+        self.keys.send()
 
     def lost(self, next_msg: int) -> None:
         """The ring overwrote messages before the server took them (policy "lag"): the next one

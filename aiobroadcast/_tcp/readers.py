@@ -303,21 +303,14 @@ class Readers:
             self.reader_left(None)
         return Rejected(ident, reason, client.info if client else None, self.rejected_frames)
 
-    def revoke(self, ident: bytes) -> ClientInfo | None:
-        """Drop reader ``ident`` for good (its credentials were revoked) and tell it so (REFUSED
-        "revoked"); who it was, or None if it was not admitted (it is told all the same)."""
+    def drop(self, ident: bytes, why: bytes | None = None) -> ClientInfo | None:
+        """Forget reader ``ident``: without a word (``why`` None: the pump's answer to a
+        ``ReaderFault`` that ``transmit`` raised, what that reader is owed cannot be worked out),
+        or telling it ``why`` (REFUSED; ``REVOKED``: its credentials were revoked, and it is told
+        even if it was not admitted). Who it was, or None."""
         client = self.clients.pop(ident, None)
-        self.send(ident, [wire.REFUSED, REVOKED], client.session if client is not None else None)
-        if client is None:
-            return None
-        self._release(ident)
-        self.reader_left(None)
-        return client.info
-
-    def drop(self, ident: bytes) -> ClientInfo | None:
-        """Forget reader ``ident`` without a word: the pump's answer to a ``ReaderFault`` that
-        ``transmit`` raised (what that reader is owed cannot be worked out). Who it was."""
-        client = self.clients.pop(ident, None)
+        if why is not None:
+            self.send(ident, [wire.REFUSED, why], client.session if client is not None else None)
         if client is None:
             return None
         self._release(ident)

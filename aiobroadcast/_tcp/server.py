@@ -34,8 +34,7 @@ from pydantic import ValidationError
 from .. import _seal as seal
 from .. import _tuning
 from .._constants import TCP_SERVER_READER_NAME
-from .._exceptions import BroadcastError, EndOfStream, InvalidArgument, ReaderLagged, WouldBlock, WriterGone
-from .._handle import AllowList
+from .._exceptions import BroadcastError, EndOfStream, ReaderLagged, WouldBlock, WriterGone
 from .._shm import segment as _segment
 from .._shm.arena import arena_path
 from .._shm.layout import W_NEXT_MSG, name_key
@@ -43,6 +42,7 @@ from .._shm.place import local_holder
 from .._shm.segment import Segment, attach_segment
 from .._shm.subscriber import ShmSource
 from . import wire
+from .allow import AllowGate
 from .listener import Listener
 from .notices import Notices
 from .protocol import (
@@ -52,7 +52,6 @@ from .protocol import (
     ServerConfig,
     ServerProtocol,
 )
-from .readers import REVOKED
 from .report import remove_report
 from .settings import ServerSettings
 
@@ -199,8 +198,6 @@ class TcpServer:
         """Serve ``settings.handle``'s ring, attached as ``seg``; ``stop_fd`` is readable when the
         server is to drain and stop. ``buffer_bytes``: the bytes of sealed bodies held for
         readers, at most (beside ``settings.buffer_max`` messages)."""
-        handle = settings.handle
-        insecure, hmac_key = settings.insecure, settings.key("hmac_key")
         self._report_path = settings.report_path
         self.drain_timeout = 2 * settings.hb_timeout
         self._ring_words = seg.words
@@ -208,27 +205,15 @@ class TcpServer:
         # draws another; readers get it in WELCOME). Insecure: authenticated, not encrypted.
         # What is held, and what ZeroMQ still sends after the readers acknowledged it.
         self._buffers = seal.Buffers(2 * buffer_bytes)
-        sealer = seal.Sealer(
-            handle.token.encode(),
-            secret=wire.data_secret(hmac_key) if insecure and hmac_key is not None else None,
-            rekey_messages=settings.rekey_messages,
-            rekey_bytes=settings.rekey_bytes,
-            buffer=self._buffers.take,
-        )
+        sealer = _sealer(settings, self._buffers)
         self.rekey_requested = False  # SIGUSR1: a new key now
         self.reload_requested = False  # SIGHUP: read the allow list again now
-        # The allow list (docs/security.md, "Revoking a reader"): read now (a list that cannot
-        # be read stops the start: the writer says why), then again when its file changes.
-        self._allow_path = settings.allow_list
-        self._allow_seen: tuple[int, int, int] | None = None  # the file's (inode, mtime, size) read
-        self._allowed: frozenset[bytes] = frozenset()
-        #: the key (Z85) each reader's connection was admitted with, where an allow list is used
-        self._peer_keys: dict[bytes, bytes] = {}
-        if self._allow_path is not None:
-            self._allowed = self._read_allow_list(self._allow_path, must=True) or frozenset()
+        # The allow list (allow.py): read now (a list that cannot be read stops the start: the
+        # writer says why), then again when its file changes.
+        self._allow = None if settings.allow_list is None else AllowGate(settings.allow_list)
         self._net = net = Listener(settings)
-        if self._allow_path is not None:
-            net.set_allowed(self._allowed)
+        if self._allow is not None:
+            net.set_allowed(self._allow.allowed)
         self.endpoint, self.data_port, self.data_token = net.endpoint, net.data_port, net.data_token
         try:
             self._ring = RingFeed(seg, settings)
@@ -238,23 +223,8 @@ class TcpServer:
             raise
         self._ctrl_r = stop_fd
         os.set_blocking(self._ctrl_r, False)
-        config = ServerConfig(
-            policy=handle.policy,
-            key=hmac_key if insecure else None,
-            window=settings.window,
-            buffer_max=settings.buffer_max,
-            hb_interval=settings.hb_interval,
-            hb_timeout=settings.hb_timeout,
-            max_remote=settings.max_remote,
-            channel=handle.token,
-            run=settings.run,
-            data_port=self.data_port,
-            data_token=self.data_token,
-            buffer_bytes=buffer_bytes,
-            sole_reader=settings.sole_reader,
-        )
         self.protocol = ServerProtocol(
-            config,
+            _config(settings, self.data_port, self.data_token, buffer_bytes),
             start=self._src.next_msg,
             now=time.monotonic(),
             returning=settings.returning,
@@ -338,9 +308,9 @@ class TcpServer:
                 for event in proto.heartbeat(now):
                     self._notices.on_event(event)
                 self._flush()
-                if self._allow_path is not None:
+                if self._allow is not None:
                     self.reload_allow_list()  # a stat of its file
-                    self._peer_keys = {i: k for i, k in self._peer_keys.items() if i in proto.readers.clients}
+                    self._allow.forget_others(proto.readers.clients)
                 self.write_stats()
                 if idle:
                     self._buffers.clear()
@@ -393,52 +363,14 @@ class TcpServer:
                 except BlockingIOError:
                     pass
 
-    def _read_allow_list(self, path: str, *, must: bool = False) -> frozenset[bytes] | None:
-        """The keys on the allow list at ``path`` if its file changed since it was last read
-        (None if not; ``must``: read it at any rate, and raise ``InvalidArgument`` if it cannot
-        be). A list that cannot be read later changes nothing (logged): a reader is revoked by a
-        list that says so, not by a file being replaced."""
-        try:
-            st = os.stat(path)
-            seen = (st.st_ino, st.st_mtime_ns, st.st_size)
-            if seen == self._allow_seen and not must:
-                return None
-            keys = AllowList.load(path).public_keys()
-        except (OSError, InvalidArgument) as exc:
-            if must:
-                raise InvalidArgument(f"cannot read the allow list {path!r}: {exc}") from exc
-            if self._allow_seen is not None:
-                log.error("aiobroadcast: cannot read the allow list %r (%s); keeping the readers it allowed", path, exc)
-                self._allow_seen = None  # said once, until it can be read again
-            return None
-        self._allow_seen = seen
-        return keys
-
     def reload_allow_list(self) -> None:
-        """Read the allow list again if it changed: a reader whose key is no longer on it is
-        revoked (``revoke``)."""
-        path = self._allow_path
-        if path is None:
+        """Read the allow list again if its file changed (``AllowGate.apply``): a reader whose
+        key is no longer on it is revoked, and logged."""
+        dropped = None if self._allow is None else self._allow.apply(self.protocol, self._net)
+        if dropped is None:
             return
-        keys = self._read_allow_list(path)
-        if keys is None or keys == self._allowed:
-            return
-        removed = self._allowed - keys
-        self._allowed = keys
-        self._net.set_allowed(keys)
-        if removed:
-            self.revoke(removed)
-
-    def revoke(self, removed: frozenset[bytes]) -> None:
-        """Keys ``removed`` were taken off the allow list: their readers are dropped and told
-        (REFUSED "revoked"), and the group key changes past every key they were given, whether
-        connected now or not (``ServerProtocol.revoke``); the others get the new keys at once."""
-        proto = self.protocol
-        clients = proto.readers.clients
-        idents = [ident for ident, key in self._peer_keys.items() if key in removed and ident in clients]
-        for client in proto.revoke(idents):
+        for client in dropped:
             log.warning("aiobroadcast: remote reader %r (pid %d) revoked; dropped it", client.name, client.pid)
-        proto.send_keys()
         self._flush()
         self.write_stats()
 
@@ -480,19 +412,6 @@ class TcpServer:
                 )
                 self.write_stats()
 
-    def _admitted(self, ident: bytes) -> bool:
-        """Whether the frame group just taken from ``ident`` came on a connection admitted with
-        a key still on the allow list; if not, it is answered REFUSED "revoked" (a connection
-        made before the key was revoked stays open: ZeroMQ cannot close it by its routing id)
-        and the protocol never sees it, so a revoked reader's HELLO admits nothing."""
-        key = self._net.peer_key
-        if key is not None and key in self._allowed:
-            self._peer_keys[ident] = key
-            return True
-        self._peer_keys.pop(ident, None)
-        self._net.send_control(_refused_key(ident))
-        return False
-
     def _recv_clients(self, now: float) -> int:
         """Hand what readers sent to the protocol; the number of frame groups taken."""
         receive = self._net.receive
@@ -500,7 +419,7 @@ class TcpServer:
             frames = receive()
             if frames is None:
                 return n
-            if self._allow_path is not None and not self._admitted(frames[0]):
+            if self._allow is not None and not self._allow.admits(frames[0], self._net):
                 continue
             published = self._ring_words[W_NEXT_MSG]
             try:
@@ -513,8 +432,38 @@ class TcpServer:
         return 1024
 
 
-def _refused_key(ident: bytes) -> list[tuple[bytes, list[bytes]]]:
-    return [(ident, [wire.REFUSED, REVOKED])]
+def _sealer(settings: ServerSettings, buffers: seal.Buffers) -> seal.Sealer:
+    """A body is sealed once, with the group key of this server process (a restarted server
+    draws another; readers get it in WELCOME). Insecure: authenticated, not encrypted, under
+    keys derived from the handle's key (wire.data_secret)."""
+    hmac_key = settings.key("hmac_key")
+    return seal.Sealer(
+        settings.handle.token.encode(),
+        secret=wire.data_secret(hmac_key) if settings.insecure and hmac_key is not None else None,
+        rekey_messages=settings.rekey_messages,
+        rekey_bytes=settings.rekey_bytes,
+        buffer=buffers.take,
+    )
+
+
+def _config(settings: ServerSettings, data_port: int, data_token: str | None, buffer_bytes: int) -> ServerConfig:
+    """What the protocol grants and how long it waits, from the writer's settings and the
+    listener's data socket."""
+    return ServerConfig(
+        policy=settings.handle.policy,
+        key=settings.key("hmac_key") if settings.insecure else None,
+        window=settings.window,
+        buffer_max=settings.buffer_max,
+        hb_interval=settings.hb_interval,
+        hb_timeout=settings.hb_timeout,
+        max_remote=settings.max_remote,
+        channel=settings.handle.token,
+        run=settings.run,
+        data_port=data_port,
+        data_token=data_token,
+        buffer_bytes=buffer_bytes,
+        sole_reader=settings.sole_reader,
+    )
 
 
 def _spin(src: ShmSource, net: Listener, stdin_fd: int, until_ns: int) -> bool:

@@ -102,43 +102,51 @@ class ZmtpMitm(ByteRelay):
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         if src.getpeername()[0] != "127.0.0.1" or src.getpeername()[1] != self.port:
             return super()._pump(src, dst)  # the reader's direction: as it is
-        buf = bytearray()
-        greeting = 64  # greeting bytes still to pass on as they come (each side waits for the other's)
-        group: list[bytes] = []
         try:
-            while chunk := src.recv(1 << 16):
-                buf += chunk
-                if greeting:
-                    n = min(greeting, len(buf))
-                    dst.sendall(buf[:n])
-                    del buf[:n]
-                    greeting -= n
-                    if greeting:
-                        continue
-                while len(buf) >= 2:
-                    flags = buf[0]
-                    head = 9 if flags & 0x02 else 2
-                    if len(buf) < head:
-                        break
-                    size = int.from_bytes(buf[1:9], "big") if flags & 0x02 else buf[1]
-                    if len(buf) < head + size:
-                        break
-                    body = bytes(buf[head : head + size])
-                    raw = bytes(buf[: head + size])
-                    del buf[: head + size]
-                    if flags & 0x04:  # a command (READY, ...)
-                        dst.sendall(raw)
-                        continue
-                    group.append(body)
-                    if flags & 0x01:  # MORE
-                        continue
-                    for out in self.tamper(group):
-                        dst.sendall(_zmtp(out))
-                    group = []
+            for group in zmtp_messages(src, dst):
+                for out in self.tamper(group):
+                    dst.sendall(_zmtp(out))
         except OSError:
             pass
         finally:
             shut(src, dst)
+
+
+def zmtp_messages(src: socket.socket, dst: socket.socket) -> Iterator[list[bytes]]:
+    """The messages (frame groups) of the ZMTP 3 stream ``src`` sends: a 64-byte greeting, then
+    frames (a flags byte, a 1- or 8-byte size, the body). The greeting and the commands (READY,
+    ...) pass on to ``dst`` as they come (each side waits for the other's); each message is the
+    caller's to pass on, change or hold back."""
+    buf = bytearray()
+    greeting = 64  # greeting bytes still to pass on
+    group: list[bytes] = []
+    while chunk := src.recv(1 << 16):
+        buf += chunk
+        if greeting:
+            n = min(greeting, len(buf))
+            dst.sendall(buf[:n])
+            del buf[:n]
+            greeting -= n
+            if greeting:
+                continue
+        while len(buf) >= 2:
+            flags = buf[0]
+            head = 9 if flags & 0x02 else 2
+            if len(buf) < head:
+                break
+            size = int.from_bytes(buf[1:9], "big") if flags & 0x02 else buf[1]
+            if len(buf) < head + size:
+                break
+            body, raw = bytes(buf[head : head + size]), bytes(buf[: head + size])
+            del buf[: head + size]
+            if flags & 0x04:  # a command
+                dst.sendall(raw)
+                continue
+            group.append(body)
+            if flags & 0x01:  # MORE
+                continue
+            yield group
+            group = []
 
 
 def _zmtp(frames: list[bytes]) -> bytes:
@@ -661,41 +669,13 @@ class ControlRelay(ByteRelay):
                 threading.Thread(target=self._relay, args=(a, b, conn, to_reader), daemon=True).start()
 
     def _relay(self, src: socket.socket, dst: socket.socket, conn: _Conn, to_reader: bool) -> None:
-        buf = bytearray()
-        greeting = 64
-        group: list[bytes] = []
         try:
-            while chunk := src.recv(1 << 16):
-                buf += chunk
-                if greeting:
-                    n = min(greeting, len(buf))
-                    dst.sendall(buf[:n])
-                    del buf[:n]
-                    greeting -= n
-                    if greeting:
-                        continue
-                while len(buf) >= 2:
-                    flags = buf[0]
-                    head = 9 if flags & 0x02 else 2
-                    if len(buf) < head:
-                        break
-                    size = int.from_bytes(buf[1:9], "big") if flags & 0x02 else buf[1]
-                    if len(buf) < head + size:
-                        break
-                    body, raw = bytes(buf[head : head + size]), bytes(buf[: head + size])
-                    del buf[: head + size]
-                    if flags & 0x04:  # a command
-                        dst.sendall(raw)
-                        continue
-                    group.append(body)
-                    if flags & 0x01:  # MORE
-                        continue
-                    while conn.inject[to_reader]:
-                        dst.sendall(_zmtp(conn.inject[to_reader].pop(0)))
-                        conn.injected.set()
-                    conn.crossed[to_reader].append(group)
-                    dst.sendall(_zmtp(group))
-                    group = []
+            for group in zmtp_messages(src, dst):
+                while conn.inject[to_reader]:
+                    dst.sendall(_zmtp(conn.inject[to_reader].pop(0)))
+                    conn.injected.set()
+                conn.crossed[to_reader].append(group)
+                dst.sendall(_zmtp(group))
         except OSError:
             pass
         finally:

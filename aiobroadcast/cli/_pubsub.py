@@ -411,13 +411,7 @@ async def _open_with_retry(args: argparse.Namespace, name: str | None) -> Reader
             gone = await known_gone(handle) if args.transport == "auto" else None
             if gone is not None:
                 raise InvalidHandle(gone)  # rather than waiting --connect-timeout for TCP
-            return await open_reader(
-                handle,
-                name=name,
-                transport=args.transport,
-                trust_pickle=not args.no_pickle,
-                connect_timeout=args.connect_timeout,
-            )
+            return await _open(args, handle, name)
         except (UsageError, InvalidHandle, TransportError) as exc:
             if time.monotonic() >= deadline:
                 if args.wait:
@@ -503,6 +497,17 @@ async def _read(reader: Reader[Any], args: argparse.Namespace, name: str, tally:
     return "count"
 
 
+async def _open(args: argparse.Namespace, handle: Handle, name: str | None) -> Reader[Any]:
+    """A reader of ``handle`` as ``subscribe``'s options ask."""
+    return await open_reader(
+        handle,
+        name=name,
+        transport=args.transport,
+        trust_pickle=not args.no_pickle,
+        connect_timeout=args.connect_timeout,
+    )
+
+
 async def _reattach(args: argparse.Namespace, name: str, handle: Handle) -> Reader[Any]:
     """``--follow``: open a reader on ``handle`` again, as soon as a writer of its channel
     accepts it (the segment is back, or the server answers); each new reason it is not yet
@@ -510,13 +515,7 @@ async def _reattach(args: argparse.Namespace, name: str, handle: Handle) -> Read
     said = ""
     while True:
         try:
-            return await open_reader(
-                handle,
-                name=name,
-                transport=args.transport,
-                trust_pickle=not args.no_pickle,
-                connect_timeout=args.connect_timeout,
-            )
+            return await _open(args, handle, name)
         except (InvalidHandle, TransportError) as exc:
             if str(exc) != said:
                 said = str(exc)

@@ -65,6 +65,11 @@ class Holder:
         assert line, f"the reader process {self.pid} exited with {self.proc.wait()}"
         return line.strip()
 
+    def ready(self) -> None:
+        """Its reader is open (it was not refused)."""
+        line = self.answer()
+        assert line.startswith("ready "), line
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             assert self.proc.stdin is not None

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,51 +13,13 @@ from collections.abc import Iterator
 import anyio
 import pytest
 from _interrupts import in_functions, interrupt_at_line
+from test_reader_names import Holder
 
 import aiobroadcast as ab
 from aiobroadcast import blocking
 
 ASYNCIO = pytest.param(("asyncio", {"use_uvloop": False}), id="asyncio")
 LOOPBACK = "tcp://127.0.0.1:0"
-
-#: a reader process: opens a reader named argv[2] (transport argv[3]), says "ready", holds it
-#: until its stdin closes
-HOLDER = """
-import sys
-from aiobroadcast import blocking
-reader = blocking.open_reader(sys.argv[1], name=sys.argv[2], transport=sys.argv[3])
-print("ready", flush=True)
-sys.stdin.read()
-reader.close()
-"""
-
-
-class Holder:
-    def __init__(self, handle: ab.Handle, name: str, transport: str = "shm") -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, handle.to_json(), name, transport],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.pid = self.proc.pid
-
-    def ready(self) -> None:
-        assert self.proc.stdout is not None
-        assert self.proc.stdout.readline().strip() == "ready", f"exit code {self.proc.wait()}"
-
-    def stop(self) -> None:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        else:
-            self.proc.stdin.close()
-        self.proc.stdout.close()
 
 
 @pytest.fixture

@@ -105,10 +105,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from . import _fork, blocking
-from ._exceptions import BroadcastError, InsufficientSharedMemory, WaitTimeout, WouldBlock
-from ._handle import Handle as ChannelHandle
-from ._open import DEFAULT_DIRECTORY, _ring_reachable
+from ._base import fork as _fork
+from ._base.errors import BroadcastError, InsufficientSharedMemory, WaitTimeout, WouldBlock
+from ._base.handle import Handle as ChannelHandle
+from ._broadcast import blocking
+from ._broadcast.open import DEFAULT_DIRECTORY, _ring_reachable
 
 __all__ = [
     "Handle",

@@ -31,7 +31,7 @@ import time
 from typing import Any
 
 import aiobroadcast.cli._bench_call as bc
-from aiobroadcast._exceptions import EndOfStream, WouldBlock
+from aiobroadcast._base.errors import EndOfStream, WouldBlock
 from aiobroadcast._shm.layout import fence
 from aiobroadcast.cli._bench_figures import STEP_TIMEOUT_S, reap
 

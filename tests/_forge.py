@@ -11,7 +11,7 @@ from typing import Any
 
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
-from aiobroadcast import _seal as seal
+from aiobroadcast._tcp import seal
 
 #: a counter for forged LAGGED and END frames, above anything a server of a test seals
 FORGED_COUNTER = seal.CONTROL_BASE + (1 << 40)

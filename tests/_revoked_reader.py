@@ -23,9 +23,8 @@ from typing import Any
 import zmq
 import zmq.utils.monitor
 
-from aiobroadcast import _seal as seal
-from aiobroadcast._handle import Handle
-from aiobroadcast._tcp import wire
+from aiobroadcast._base.handle import Handle
+from aiobroadcast._tcp import seal, wire
 
 
 def say(**event: Any) -> None:

@@ -35,7 +35,7 @@ import psutil
 from _mountns import private_tmpfs
 
 import aiobroadcast as ab
-from aiobroadcast._handle import Policy
+from aiobroadcast._base.handle import Policy
 from aiobroadcast._tcp.report import STALE_HEARTBEATS
 
 Backend = tuple[str, dict[str, Any]]

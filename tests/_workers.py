@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 import aiobroadcast as ab
-from aiobroadcast import _tuning
-from aiobroadcast._handle import Policy
+from aiobroadcast._base import tuning as _tuning
+from aiobroadcast._base.handle import Policy
 
 if TYPE_CHECKING:
     import numpy as np

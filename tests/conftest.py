@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import aiobroadcast
-from aiobroadcast import _tuning
+from aiobroadcast._base import tuning as _tuning
 
 # torch's CPU ops run on an OpenMP thread pool, which does not survive fork: a process forked after
 # the pool started hangs in its first parallel op. The suite is one process that both runs torch

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from aiobroadcast._codec import PickleEncoder
+from aiobroadcast._base.codec import PickleEncoder
 from aiobroadcast._shm.layout import SLOT_HEADER_BYTES
 from aiobroadcast.cli import _bench, _bench_driver
 

@@ -22,8 +22,9 @@ from _workers import writer_proc as async_writer_proc
 from pydantic import BaseModel
 
 import aiobroadcast as ab
-from aiobroadcast import _tuning, blocking
-from aiobroadcast._open import ReaderOptions, WriterOptions, _ReaderSpec, _WriterSpec
+from aiobroadcast import blocking
+from aiobroadcast._base import tuning as _tuning
+from aiobroadcast._broadcast.open import ReaderOptions, WriterOptions, _ReaderSpec, _WriterSpec
 
 #: Generous bound for "it happens" (never a performance claim): a loaded 2-core CI machine.
 WITHIN_S = 15.0

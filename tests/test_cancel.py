@@ -25,7 +25,7 @@ import anyio.lowlevel
 import pytest
 
 import aiobroadcast as ab
-from aiobroadcast import _tuning
+from aiobroadcast._base import tuning as _tuning
 
 pytestmark = pytest.mark.anyio
 

@@ -586,7 +586,7 @@ def test_demo_ctrl_c_leaves_no_process_and_no_segment() -> None:
 
 def test_the_command_line_does_not_load_zeromq_until_a_command_needs_it() -> None:
     """The CLI sits on top of the library and imports no transport module for a name (the TCP
-    server's reader name comes from aiobroadcast._constants): building every command's parser
+    server's reader name comes from aiobroadcast._base.constants): building every command's parser
     loads no ZeroMQ, so ``stats`` and ``subscribe`` over shared memory start without it."""
     probe = "import sys; from aiobroadcast.cli import build_parser; build_parser(); print('zmq' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True)

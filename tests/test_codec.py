@@ -9,8 +9,8 @@ import threading
 import numpy as np
 import pytest
 
-from aiobroadcast._codec import OOB_MIN_BYTES, PickleEncoder, _assemble, decode_pickle, decode_pickle_view
-from aiobroadcast._exceptions import SerializationError
+from aiobroadcast._base.codec import OOB_MIN_BYTES, PickleEncoder, _assemble, decode_pickle, decode_pickle_view
+from aiobroadcast._base.errors import SerializationError
 
 
 def _body(obj: object) -> tuple[bytearray, bool]:

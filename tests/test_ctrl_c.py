@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 
 import aiobroadcast as ab
-from aiobroadcast import _tuning, blocking
+from aiobroadcast import blocking
+from aiobroadcast._base import tuning as _tuning
 
 pytestmark = [
     pytest.mark.skipif(not hasattr(signal, "SIGUSR1"), reason="needs POSIX signals"),

@@ -20,7 +20,8 @@ from _workers import spawn
 from pydantic import BaseModel
 
 import aiobroadcast as ab
-from aiobroadcast import _tuning, blocking
+from aiobroadcast import blocking
+from aiobroadcast._base import tuning as _tuning
 from aiobroadcast._shm import segment as _segment
 
 #: Generous bound for "it happens" (never a performance claim): a loaded 2-core machine.
@@ -439,7 +440,12 @@ async def test_bad_items_raise_in_the_sender_and_nothing_accepted_is_lost() -> N
 #: What runs while a sender's item is checked, copied into its ring and published (the put's own
 #: locks are left alone, as tests/test_faults.py does for a writer).
 _PUBLISHING = in_functions(
-    ("aiobroadcast._fanin", "aiobroadcast._shm.publisher", "aiobroadcast._shm.fragments", "aiobroadcast._shm.records"),
+    (
+        "aiobroadcast._fanin.core",
+        "aiobroadcast._shm.publisher",
+        "aiobroadcast._shm.fragments",
+        "aiobroadcast._shm.records",
+    ),
     ("_check", "publish", "publish_many", "_write_fragments", "copy_into", "wake_readers", "wake_sleepers"),
 )
 

@@ -13,7 +13,8 @@ from _fanin_workers import CtrlCOnce, Undecodable, remote_writer_proc
 from _workers import spawn
 
 import aiobroadcast as ab
-from aiobroadcast import _tuning, blocking
+from aiobroadcast import blocking
+from aiobroadcast._base import tuning as _tuning
 
 
 @pytest.fixture

@@ -14,7 +14,8 @@ from _fanin_workers import sender_proc
 from _workers import spawn
 
 import aiobroadcast as ab
-from aiobroadcast import _tuning, blocking
+from aiobroadcast import blocking
+from aiobroadcast._base import tuning as _tuning
 
 #: Generous bound for "it happens" (never a performance claim): a loaded 2-core machine; far
 #: below the minute-long liveness period these tests set.

@@ -21,7 +21,7 @@ from _interrupts import in_functions, interrupt_at_line
 
 import aiobroadcast as ab
 from aiobroadcast import blocking
-from aiobroadcast._codec import PickleEncoder, decode_pickle
+from aiobroadcast._base.codec import PickleEncoder, decode_pickle
 from aiobroadcast._shm import layout as _layout
 from aiobroadcast._shm import segment as _segment
 from aiobroadcast._shm.subscriber import ShmSource

@@ -29,7 +29,7 @@ from _fork_workers import fork_exit_proc, forking_reader_proc, forking_writer_pr
 from _workers import Backend, spawn
 
 import aiobroadcast as ab
-from aiobroadcast import _tuning
+from aiobroadcast._base import tuning as _tuning
 
 pytestmark = pytest.mark.anyio
 

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import _litmus
 import pytest
 
-from aiobroadcast._exceptions import BroadcastError
+from aiobroadcast._base.errors import BroadcastError
 from aiobroadcast._shm import layout
 from aiobroadcast._shm.atomic import Words, fence, fence_acquire, fence_release
 

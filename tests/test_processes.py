@@ -44,7 +44,7 @@ from _workers import (
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 import aiobroadcast as ab
-from aiobroadcast import _tuning
+from aiobroadcast._base import tuning as _tuning
 from aiobroadcast._shm import layout as _layout
 
 pytestmark = pytest.mark.anyio

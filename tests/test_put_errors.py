@@ -29,7 +29,7 @@ from _workers import Child, spawn
 
 import aiobroadcast as ab
 from aiobroadcast import blocking
-from aiobroadcast._stats import HOLDER_STUCK
+from aiobroadcast._base.stats import HOLDER_STUCK
 from aiobroadcast.vllm import MessageQueue
 
 #: Generous bound for "it happens" (never a performance claim): a loaded 2-core machine.

@@ -11,7 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
-from aiobroadcast._reader import sleep_async, sleep_blocking
+from aiobroadcast._broadcast.reader import sleep_async, sleep_blocking
 
 pytestmark = pytest.mark.anyio
 

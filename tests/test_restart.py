@@ -19,8 +19,8 @@ import pytest
 from test_cli import Proc, run, wait_file
 
 import aiobroadcast as ab
-from aiobroadcast import _seal as seal
 from aiobroadcast import blocking
+from aiobroadcast._tcp import seal
 from aiobroadcast._tcp.protocol import (
     Admitted,
     ClientProtocol,

@@ -22,8 +22,8 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from aiobroadcast._exceptions import EndOfStream, ReaderLagged, WouldBlock
-from aiobroadcast._handle import Handle
+from aiobroadcast._base.errors import EndOfStream, ReaderLagged, WouldBlock
+from aiobroadcast._base.handle import Handle
 from aiobroadcast._shm.layout import POLICIES, W_HEAD, W_NEXT_MSG, W_WAIT_TARGET, has_room, wait_target
 from aiobroadcast._shm.publisher import Publisher
 from aiobroadcast._shm.segment import Segment, attach_segment, create_segment

@@ -167,12 +167,12 @@ def test_blocking_caller_reports_a_killed_worker_dead_and_goes_on() -> None:
 #: locks it takes, and of publishing the request. Not the lines of ``BlockingCaller.call``
 #: itself: its ``finally`` frees the turn, and a line event there is a place where Python raises
 #: no signal's exception (no call or backward jump between the body's end and the release).
-_RPC_FILE = sys.modules["aiobroadcast._rpc"].__file__
+_RPC_FILE = sys.modules["aiobroadcast._calls.core"].__file__
 _PUBLISHING = in_functions(
     ("aiobroadcast._shm.publisher", "aiobroadcast._shm.fragments"),
     ("publish", "publish_many", "_write_fragments", "wake_readers", "wake_sleepers"),
 )
-_OWNED = in_functions(("aiobroadcast._owned",), ("acquire", "try_acquire", "count", "left_before"))
+_OWNED = in_functions(("aiobroadcast._shm.owned",), ("acquire", "try_acquire", "count", "left_before"))
 
 
 def _calling(code: Any) -> bool:

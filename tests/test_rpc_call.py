@@ -13,9 +13,9 @@ import pytest
 
 import aiobroadcast as ab
 from aiobroadcast import blocking
-from aiobroadcast._exceptions import BroadcastError, ClosedResourceError
-from aiobroadcast._fanin import Item, SourceClosed, SourceGone
-from aiobroadcast._rpc import (
+from aiobroadcast._base.errors import BroadcastError, ClosedResourceError
+from aiobroadcast._base.steps import drive, drive_blocking
+from aiobroadcast._calls.core import (
     _DONE,
     _GET,
     _HANDLE,
@@ -31,7 +31,7 @@ from aiobroadcast._rpc import (
     serve_steps,
     worker_steps,
 )
-from aiobroadcast._steps import drive, drive_blocking
+from aiobroadcast._fanin.core import Item, SourceClosed, SourceGone
 
 
 def hello(name: str) -> Item[object]:

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiobroadcast import _seal as seal
+from aiobroadcast._tcp import seal
 
 CHANNEL = b"0123456789abcdef0123456789abcdef"
 SECRET = b"s" * 32

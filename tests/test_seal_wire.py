@@ -27,8 +27,7 @@ import zmq
 from _peers import ON_ASYNCIO, ON_TRIO, ON_UVLOOP, remote_names, tcp_writer, the_server, until
 
 import aiobroadcast as ab
-from aiobroadcast import _seal as seal
-from aiobroadcast._tcp import wire
+from aiobroadcast._tcp import seal, wire
 
 pytestmark = pytest.mark.anyio
 

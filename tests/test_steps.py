@@ -1,11 +1,11 @@
-"""The two drivers of step generators (``aiobroadcast._steps``) run one generator alike."""
+"""The two drivers of step generators (``aiobroadcast._base.steps``) run one generator alike."""
 
 from __future__ import annotations
 
 import anyio
 import pytest
 
-from aiobroadcast._steps import CHECKPOINT, Steps, never_sleep, never_sleep_async, poll_steps, run, run_blocking
+from aiobroadcast._base.steps import CHECKPOINT, Steps, never_sleep, never_sleep_async, poll_steps, run, run_blocking
 
 pytestmark = pytest.mark.anyio
 

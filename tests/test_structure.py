@@ -13,29 +13,19 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "aiobroadcast"
 #: The package's modules from the bottom up. A module may import its own layer and the layers
 #: below it, never one above (names are prefixes of dotted module names under ``aiobroadcast``).
 LAYERS: list[tuple[str, ...]] = [
-    # the base: constants, errors, codecs, keys, handles, step drivers; no role, no transport
-    ("_constants", "_tuning", "_exceptions", "_files", "_fork", "_steps", "_stats", "_codec", "_seal", "_handle"),
-    # the ring and its wake-ups; the TCP frames and the sans-IO protocol
-    ("_shm", "_tcp.wire", "_tcp.readers", "_tcp.protocol"),
+    # the shared base: constants, errors, codecs, handles, step drivers; no role, no transport
+    ("_base",),
+    # the ring and its wake-ups; the TCP frames, the sealing and the sans-IO protocol
+    ("_shm", "_tcp.seal", "_tcp.wire", "_tcp.readers", "_tcp.protocol"),
     # the TCP pumps, server and supervisor (they read the ring as a reader does)
     ("_tcp",),
-    # what the roles hold: the writer's channel, the reader's front, the blocking roles' lock
-    ("_channel", "_channel_put", "_channel_server", "_reader", "_wakeup", "_owned"),
-    # the roles and their factories
-    (
-        "_writer",
-        "_open",
-        "blocking",
-        "_fanin",
-        "_fanin_blocking",
-        "_fanin_deaths",
-        "_fanin_remote",
-        "_rpc",
-        "_relay",
-        "vllm",
-    ),
-    # the public surface and the command line
-    ("__init__", "cli", "__main__"),
+    # the role families, each on the ones before it
+    ("_broadcast",),
+    ("_fanin",),
+    ("_calls",),
+    # the public faces and the command line
+    ("__init__", "blocking", "vllm"),
+    ("cli", "__main__"),
 ]
 
 #: Modules that must not do I/O or know of event loops: they are driven from outside.
@@ -43,7 +33,7 @@ SANS_IO = {
     "_tcp.wire": {"zmq", "socket", "select", "asyncio", "anyio", "threading", "sniffio"},
     "_tcp.readers": {"zmq", "socket", "select", "asyncio", "anyio", "threading", "sniffio"},
     "_tcp.protocol": {"zmq", "socket", "select", "asyncio", "anyio", "threading", "sniffio"},
-    "_steps": {"zmq", "socket", "select", "asyncio", "threading", "sniffio"},
+    "_base.steps": {"zmq", "socket", "select", "asyncio", "threading", "sniffio"},
 }
 
 
@@ -123,9 +113,9 @@ def test_sans_io_modules_do_no_io(module: str) -> None:
 def test_the_checks_see_an_upward_import(tmp_path: pathlib.Path) -> None:
     """The import check is not vacuous: an ``_shm`` module importing a role is caught."""
     fake = tmp_path / "fake.py"
-    fake.write_text("from .._writer import Writer\nfrom ..cli import main\nimport zmq\n")
+    fake.write_text("from .._broadcast.writer import Writer\nfrom ..cli import main\nimport zmq\n")
     found = _imports("_shm.fake", fake)
-    assert found == {"_writer", "cli", "zmq"}
+    assert found == {"_broadcast.writer", "cli", "zmq"}
     assert [t for t in found if _layer(t) > _layer("_shm.fake")] != []
 
 

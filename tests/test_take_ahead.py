@@ -17,7 +17,8 @@ import anyio
 import pytest
 
 import aiobroadcast as ab
-from aiobroadcast import _tuning, blocking
+from aiobroadcast import blocking
+from aiobroadcast._base import tuning as _tuning
 
 pytestmark = pytest.mark.anyio
 

@@ -66,10 +66,10 @@ from _tcp_workers import (
 from zmq.auth.thread import ThreadAuthenticator
 
 import aiobroadcast as ab
-from aiobroadcast import _seal as seal
-from aiobroadcast import _tuning, blocking
-from aiobroadcast._steps import run, run_blocking
-from aiobroadcast._tcp import wire
+from aiobroadcast import blocking
+from aiobroadcast._base import tuning as _tuning
+from aiobroadcast._base.steps import run, run_blocking
+from aiobroadcast._tcp import seal, wire
 from aiobroadcast._tcp.client import TcpSource
 
 pytestmark = pytest.mark.anyio

@@ -9,8 +9,8 @@ import time
 
 import zmq
 
-from aiobroadcast import _seal as seal
-from aiobroadcast._seal import Buffers
+from aiobroadcast._tcp import seal
+from aiobroadcast._tcp.seal import Buffers
 
 SIZE = 1 << 20
 COUNT = 12

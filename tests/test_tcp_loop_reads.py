@@ -24,7 +24,7 @@ import pytest
 
 import aiobroadcast as ab
 import aiobroadcast.blocking as abb
-from aiobroadcast import _tuning
+from aiobroadcast._base import tuning as _tuning
 from aiobroadcast._tcp import client
 
 pytestmark = pytest.mark.anyio

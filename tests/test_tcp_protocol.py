@@ -21,8 +21,7 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from aiobroadcast import _seal as seal
-from aiobroadcast._tcp import wire
+from aiobroadcast._tcp import seal, wire
 from aiobroadcast._tcp.protocol import (
     BUFFER_BYTES,
     HEARTBEAT_HEARD,

@@ -9,8 +9,7 @@ from typing import Any
 import pytest
 from test_tcp_protocol import CHANNEL, Net, publish, server
 
-from aiobroadcast import _seal as seal
-from aiobroadcast._tcp import wire
+from aiobroadcast._tcp import seal, wire
 from aiobroadcast._tcp.protocol import Admitted, ServerProtocol
 from aiobroadcast._tcp.readers import REVOKED
 

@@ -19,9 +19,8 @@ from _peers import ON_ASYNCIO, tcp_writer, the_server, until
 from test_seal_wire import ByteRelay, ZmtpMitm, listening_ports, middle_for
 
 import aiobroadcast as ab
-from aiobroadcast import _seal as seal
-from aiobroadcast._handle import AllowList, Handle
-from aiobroadcast._tcp import wire
+from aiobroadcast._base.handle import AllowList, Handle
+from aiobroadcast._tcp import seal, wire
 from aiobroadcast._tcp.readers import REVOKED
 from aiobroadcast.blocking import open_writer as open_blocking_writer
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import zmq
 
-from aiobroadcast._constants import REKEY_BYTES, REKEY_MESSAGES
+from aiobroadcast._base.constants import REKEY_BYTES, REKEY_MESSAGES
 from aiobroadcast._shm.segment import attach_segment
 from aiobroadcast._tcp import server as tcp_server
 from aiobroadcast._tcp import wire

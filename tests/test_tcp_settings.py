@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from aiobroadcast._handle import CurveKeys
+from aiobroadcast._base.handle import CurveKeys
 from aiobroadcast._tcp import supervisor
 from aiobroadcast._tcp.notices import Notices
 from aiobroadcast._tcp.report import (

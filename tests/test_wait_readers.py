@@ -129,7 +129,7 @@ def test_blocking_wait_by_names_from_another_thread_and_close_ends_it() -> None:
 
 
 def test_a_ctrl_c_anywhere_in_a_blocking_wait_leaves_the_writer_usable() -> None:
-    import aiobroadcast._channel_server as channel_server
+    import aiobroadcast._broadcast.channel_server as channel_server
 
     # Every line of the wait's own code. Not the lines of ``attached``, a snapshot under the
     # writer's close lock as ``statistics()`` takes it (``with``): a real signal is handled after a

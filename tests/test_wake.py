@@ -24,9 +24,9 @@ import anyio.to_thread
 import pytest
 
 import aiobroadcast as ab
-from aiobroadcast import _tuning
+from aiobroadcast._base import tuning as _tuning
+from aiobroadcast._broadcast.wakeup import LoopWaiter
 from aiobroadcast._shm import wake as _wake
-from aiobroadcast._wakeup import LoopWaiter
 
 pytestmark = pytest.mark.anyio
 
@@ -477,7 +477,7 @@ async def test_one_timer_ends_each_sleep_at_its_own_limit(tmp_path: Any) -> None
 
 def test_the_shared_memory_layer_knows_no_event_loop() -> None:
     """``_shm`` (the ring, its wake-up sockets) imports no event-loop module: a task's sleep on an
-    inbox is the reader layer's (``aiobroadcast._wakeup``), given to ``_shm`` from above."""
+    inbox is the reader layer's (``aiobroadcast._broadcast.wakeup``), given to ``_shm`` from above."""
     import ast
     import pathlib
 

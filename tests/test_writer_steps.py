@@ -12,8 +12,8 @@ import pytest
 
 import aiobroadcast as ab
 from aiobroadcast import blocking
+from aiobroadcast._base.steps import run_blocking
 from aiobroadcast._shm.layout import W_WAIT_TARGET
-from aiobroadcast._steps import run_blocking
 
 #: Generous bound for "it happens" (never a performance claim): a loaded 2-core CI machine.
 WITHIN_S = 15.0

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import aiobroadcast as ab
-from aiobroadcast._codec import OOB_MIN_BYTES
+from aiobroadcast._base.codec import OOB_MIN_BYTES
 
 pytestmark = pytest.mark.anyio
 

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from pydantic import BaseModel
 
 from aiobroadcast import blocking
-from aiobroadcast._codec import OOB_MIN_BYTES, PickleEncoder, decode_pickle, decode_pickle_view
+from aiobroadcast._base.codec import OOB_MIN_BYTES, PickleEncoder, decode_pickle, decode_pickle_view
 
 # A failing example is printed: its large buffers make a long repr, which Hypothesis warns of.
 pytestmark = pytest.mark.filterwarnings("ignore:Generating overly large repr")

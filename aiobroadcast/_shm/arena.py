@@ -33,10 +33,10 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .. import _tuning
-from .._codec import _BYTES_KIND, Buffer, decode_pickle, decode_pickle_view, writable_twins
-from .._exceptions import BroadcastError, InsufficientSharedMemory, InvalidArgument
-from .._files import unlink_quietly
+from .._base import tuning as _tuning
+from .._base.codec import _BYTES_KIND, Buffer, decode_pickle, decode_pickle_view, writable_twins
+from .._base.errors import BroadcastError, InsufficientSharedMemory, InvalidArgument
+from .._base.files import unlink_quietly
 from .atomic import Words
 from .layout import fence
 from .segment import Segment

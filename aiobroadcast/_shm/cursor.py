@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .._exceptions import EndOfStream, ReaderLagged, WouldBlock, WriterGone
+from .._base.errors import EndOfStream, ReaderLagged, WouldBlock, WriterGone
 from .atomic import Words, fence_acquire
 from .layout import (
     BUSY,

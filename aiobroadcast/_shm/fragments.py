@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from .._codec import Buffer
+from .._base.codec import Buffer
 from ._atomics import Held
 from .arena import ArenaHead
 from .atomic import Words, fence_release

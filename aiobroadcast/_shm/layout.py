@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
 
-from .._exceptions import BroadcastError
+from .._base.errors import BroadcastError
 from .atomic import fence as fence  # the ring's modules take it from here
 
 MAGIC = int.from_bytes(b"ABCAST\x00\x01", "little")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 import time
 
-from .._constants import TCP_SERVER_READER_NAME
-from .._exceptions import InvalidArgument, InvalidHandle, TooManyReaders
+from .._base.constants import TCP_SERVER_READER_NAME
+from .._base.errors import InvalidArgument, InvalidHandle, TooManyReaders
 from . import layout as _layout
 from . import segment as _segment
 from .layout import (

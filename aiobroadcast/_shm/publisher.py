@@ -12,9 +12,9 @@ import os
 from collections.abc import Sequence
 from time import perf_counter_ns
 
-from .. import _tuning
-from .._codec import Buffer
-from .._exceptions import ClosedResourceError
+from .._base import tuning as _tuning
+from .._base.codec import Buffer
+from .._base.errors import ClosedResourceError
 from . import segment as _segment
 from ._atomics import Held
 from .arena import ArenaHead

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 
-from .._files import unlink_quietly
-from .._stats import ReaderInfo
+from .._base.files import unlink_quietly
+from .._base.stats import ReaderInfo
 from . import segment as _segment
 from .layout import JOINING, R_GENERATION, R_NAME_LEN, R_PID, R_RECEIVED, fence, has_room
 from .segment import Segment

@@ -15,9 +15,10 @@ import stat
 import struct
 import time
 
-from .. import _fork, _tuning
-from .._exceptions import BroadcastError, InsufficientSharedMemory, InvalidHandle, os_error
-from .._files import unlink_quietly
+from .._base import fork as _fork
+from .._base import tuning as _tuning
+from .._base.errors import BroadcastError, InsufficientSharedMemory, InvalidHandle, os_error
+from .._base.files import unlink_quietly
 from .atomic import Words
 from .layout import (
     EMPTY,

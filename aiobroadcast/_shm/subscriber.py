@@ -7,9 +7,9 @@ from collections import deque
 from collections.abc import Awaitable
 from typing import Any
 
-from .. import _tuning
-from .._handle import Handle
-from .._stats import ReaderStatistics
+from .._base import tuning as _tuning
+from .._base.handle import Handle
+from .._base.stats import ReaderStatistics
 from . import segment as _segment
 from .arena import ArenaReader
 from .layout import BUSY, EMPTY, W_CLOSED, W_HEAD, W_WRITER_PID, fence

@@ -8,8 +8,8 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .. import _tuning
-from .._exceptions import DeserializationError, ReaderLagged
+from .._base import tuning as _tuning
+from .._base.errors import DeserializationError, ReaderLagged
 from .atomic import fence_acquire
 from .cursor import ReaderCursor
 from .layout import F_FIRST, F_GAP, F_LAST, F_OOB, F_WHOLE, SLOT_HEADER_BYTES, SLOT_REST, SLOT_REST_OFFSET

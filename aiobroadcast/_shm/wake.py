@@ -16,12 +16,12 @@ import threading
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
-from .. import _fork
-from .._exceptions import BroadcastError, os_error
+from .._base import fork as _fork
+from .._base.errors import BroadcastError, os_error
 
 
 class EventLoopSide(Protocol):
-    """How tasks sleep on an inbox (``aiobroadcast._wakeup.LoopWaiter``): ``_shm`` knows nothing
+    """How tasks sleep on an inbox (``aiobroadcast._broadcast.wakeup.LoopWaiter``): ``_shm`` knows nothing
     of event loops, the layer above gives it this (``serve_event_loops``)."""
 
     def wait(self, limit_s: float) -> Awaitable[bool]: ...
@@ -35,7 +35,7 @@ _event_loop_side: Callable[[Inbox], EventLoopSide] | None = None
 
 def serve_event_loops(make: Callable[[Inbox], EventLoopSide]) -> None:
     """Give inboxes their event-loop side (called once by the reader layer, which imports
-    ``aiobroadcast._wakeup``: ``_shm`` may not)."""
+    ``aiobroadcast._broadcast.wakeup``: ``_shm`` may not)."""
     global _event_loop_side
     _event_loop_side = make
 
@@ -102,7 +102,7 @@ class Inbox:
         side = self.side
         if side is None:
             if _event_loop_side is None:
-                raise BroadcastError("no event-loop side for inboxes: aiobroadcast._reader was not imported")
+                raise BroadcastError("no event-loop side for inboxes: aiobroadcast._broadcast.reader was not imported")
             side = self.side = _event_loop_side(self)
         return side.wait(limit_s)
 

@@ -10,8 +10,8 @@ import os
 from collections.abc import Container
 from typing import TYPE_CHECKING
 
-from .._exceptions import InvalidArgument
-from .._handle import AllowList
+from .._base.errors import InvalidArgument
+from .._base.handle import AllowList
 from . import wire
 from .readers import REVOKED, ClientInfo
 

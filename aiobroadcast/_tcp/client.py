@@ -25,8 +25,8 @@ import anyio
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from .. import _tuning
-from .._exceptions import (
+from .._base import tuning as _tuning
+from .._base.errors import (
     DeserializationError,
     EndOfStream,
     InvalidHandle,
@@ -35,11 +35,11 @@ from .._exceptions import (
     WouldBlock,
     WriterGone,
 )
-from .._handle import Handle
+from .._base.handle import Handle
+from .._base.stats import ReaderStatistics
+from .._base.steps import Steps, run, run_blocking
 from .._shm.layout import host_name
 from .._shm.place import NameTaken
-from .._stats import ReaderStatistics
-from .._steps import Steps, run, run_blocking
 from . import wire
 from .errors import protocol_error, zmq_errors
 from .protocol import ACK_BYTES, IDLE_ACK_HEARTBEATS, ClientProtocol, Ended, Lagged, Messages, Refused, Welcomed

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 
 import zmq
 
-from .._exceptions import BroadcastError
+from .._base.errors import BroadcastError
 
 #: ZMTP and ZAP protocol errors by code, as ``zmq.Event`` names them
 _PROTOCOL_ERRORS = {

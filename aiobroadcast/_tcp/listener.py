@@ -15,7 +15,7 @@ from typing import Any, cast
 import zmq
 import zmq.auth.thread
 
-from .._exceptions import TransportError
+from .._base.errors import TransportError
 from . import wire
 from .errors import zmq_errors
 from .protocol import Outgoing, Transmission

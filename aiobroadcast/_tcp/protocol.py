@@ -33,8 +33,7 @@ from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from .. import _seal as seal
-from . import wire
+from . import seal, wire
 from .readers import (
     BUFFER_BYTES,
     REVOKED,

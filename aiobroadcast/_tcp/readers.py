@@ -22,7 +22,7 @@ from .._shm.layout import NAME_BYTES, name_key
 from . import wire
 
 if TYPE_CHECKING:
-    from .._seal import WriterMac
+    from .seal import WriterMac
 
 #: a frame group for one reader: its ident, and the frames (signed, or sealed)
 Outgoing = tuple[bytes, list[Any]]

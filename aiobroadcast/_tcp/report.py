@@ -15,8 +15,8 @@ import time
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from .._files import unlink_quietly
-from .._stats import ReaderInfo
+from .._base.files import unlink_quietly
+from .._base.stats import ReaderInfo
 
 #: the server is short of descriptors when fewer than this many of its limit are free (or a 64th of
 #: it, if more): it cannot accept new readers' connections, nor write its report, for long

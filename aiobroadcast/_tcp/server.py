@@ -31,17 +31,16 @@ import zmq
 import zmq.auth.thread
 from pydantic import ValidationError
 
-from .. import _seal as seal
-from .. import _tuning
-from .._constants import TCP_SERVER_READER_NAME
-from .._exceptions import BroadcastError, EndOfStream, ReaderLagged, WouldBlock, WriterGone
+from .._base import tuning as _tuning
+from .._base.constants import TCP_SERVER_READER_NAME
+from .._base.errors import BroadcastError, EndOfStream, ReaderLagged, WouldBlock, WriterGone
 from .._shm import segment as _segment
 from .._shm.arena import arena_path
 from .._shm.layout import W_NEXT_MSG, name_key
 from .._shm.place import local_holder
 from .._shm.segment import Segment, attach_segment
 from .._shm.subscriber import ShmSource
-from . import wire
+from . import seal, wire
 from .allow import AllowGate
 from .listener import Listener
 from .notices import Notices

@@ -15,7 +15,7 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .._handle import CurveKeys, Handle
+from .._base.handle import CurveKeys, Handle
 from .report import report_path
 
 #: a remote reader silent for this many heartbeats is dropped

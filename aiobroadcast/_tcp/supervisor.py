@@ -22,7 +22,7 @@ import threading
 import time
 from typing import Any
 
-from .._stats import ReaderInfo, TcpServerState
+from .._base.stats import ReaderInfo, TcpServerState
 from .report import Reports, health, remove_report
 from .settings import ServerSettings
 

@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .._exceptions import plural
+from .._base.errors import plural
 from ._bench_driver import default_loop, ring_for
 from ._bench_figures import MODES
 from ._bench_gather import ring_for_gather

@@ -17,8 +17,8 @@ import anyio
 import anyio.abc
 from pydantic import BaseModel, ValidationError
 
-from .._exceptions import plural
-from .._handle import CurveKeys, Handle
+from .._base.errors import plural
+from .._base.handle import CurveKeys, Handle
 
 #: Exit codes of every command, ``bench`` and its driver included (the README lists them).
 EXIT_OK = 0  #: done: the input ended, the count was reached, or SIGTERM asked for a clean stop

@@ -15,9 +15,9 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from .._exceptions import BroadcastError, plural
-from .._handle import Handle
-from .._open import Transport, open_reader, open_writer
+from .._base.errors import BroadcastError, plural
+from .._base.handle import Handle
+from .._broadcast.open import Transport, open_reader, open_writer
 from ._common import (
     EXIT_FAILED,
     EXIT_OK,

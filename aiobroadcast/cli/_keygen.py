@@ -23,8 +23,8 @@ import os
 import sys
 from typing import Any
 
-from .._exceptions import InvalidArgument
-from .._handle import AllowList, CurveKeys
+from .._base.errors import InvalidArgument
+from .._base.handle import AllowList, CurveKeys
 from ._common import EXIT_OK, HelpFormatter, fail, load_handle, run_sync
 
 

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from .._exceptions import BroadcastError
+from .._base.errors import BroadcastError
 from . import _bench, _demo, _keygen, _pubsub, _relay, _stats
 from ._common import EXIT_INTERRUPTED, EXIT_USAGE
 

@@ -15,8 +15,8 @@ from typing import Any
 
 import anyio
 
-from .._constants import TCP_SERVER_READER_NAME
-from .._exceptions import (
+from .._base.constants import TCP_SERVER_READER_NAME
+from .._base.errors import (
     DeserializationError,
     EndOfStream,
     InvalidHandle,
@@ -25,10 +25,10 @@ from .._exceptions import (
     WriterGone,
     plural,
 )
-from .._handle import CurveKeys, Handle
-from .._open import open_reader, open_writer
-from .._reader import Reader
-from .._writer import Writer
+from .._base.handle import CurveKeys, Handle
+from .._broadcast.open import open_reader, open_writer
+from .._broadcast.reader import Reader
+from .._broadcast.writer import Writer
 from ._common import (
     EXIT_FAILED,
     EXIT_OK,

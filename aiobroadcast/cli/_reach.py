@@ -11,8 +11,8 @@ from typing import Literal
 import anyio
 import anyio.to_thread
 
-from .._exceptions import TransportError
-from .._handle import Handle
+from .._base.errors import TransportError
+from .._base.handle import Handle
 from ._common import MissingHandleFile
 
 #: How long a look at the endpoint may take: a host that drops packets gives no answer, and is

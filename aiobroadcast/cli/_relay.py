@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .._exceptions import TransportError, plural
-from .._handle import Handle
-from .._relay import RelayEnd, relay
+from .._base.errors import TransportError, plural
+from .._base.handle import Handle
+from .._broadcast.relay import RelayEnd, relay
 from ._common import EXIT_FAILED, HelpFormatter, error, fail, run_async, stop_on_signals
 from ._pubsub import _remove_if_ours
 

@@ -19,9 +19,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .._constants import TCP_SERVER_READER_NAME
-from .._exceptions import InvalidHandle, plural
-from .._handle import Handle
+from .._base.constants import TCP_SERVER_READER_NAME
+from .._base.errors import InvalidHandle, plural
+from .._base.handle import Handle
+from .._base.stats import HOLDER_GONE, HOLDER_STUCK, HOLDER_TCP_SERVER, where
 from .._shm import layout as _layout
 from .._shm import segment as _segment
 from .._shm.arena import arena_path, read_usage
@@ -36,7 +37,6 @@ from .._shm.layout import (
     W_WAIT_TARGET,
     W_WRITER_PID,
 )
-from .._stats import HOLDER_GONE, HOLDER_STUCK, HOLDER_TCP_SERVER, where
 from .._tcp.report import read_report, report_path
 from ._common import EXIT_FAILED, EXIT_OK, HelpFormatter, fail, load_handle, run_sync
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
-from ._exceptions import EndOfStream, ReaderLagged, TransportError, WriterGone
-from ._handle import Handle
-from ._open import DEFAULT_DIRECTORY, Transport, _open_channel, _open_raw_reader, _WriterSpec
+from .._base.errors import EndOfStream, ReaderLagged, TransportError, WriterGone
+from .._base.handle import Handle
+from .open import DEFAULT_DIRECTORY, Transport, _open_channel, _open_raw_reader, _WriterSpec
 
 
 class RelayEnd(NamedTuple):

@@ -13,7 +13,7 @@ from typing import Any
 
 import anyio
 
-from ._shm.wake import Inbox
+from .._shm.wake import Inbox
 
 _sniffed: Any
 try:

@@ -19,8 +19,7 @@ import anyio
 import anyio.to_thread
 from pydantic import BaseModel
 
-from ._channel import WriterChannel
-from ._codec import (
+from .._base.codec import (
     JsonCodec,
     PickleEncoder,
     SchemaCodec,
@@ -30,26 +29,27 @@ from ._codec import (
     import_schema,
     schema_path,
 )
-from ._constants import REKEY_BYTES, REKEY_BYTES_MAX, REKEY_MESSAGES, REKEY_MESSAGES_MAX
-from ._exceptions import BroadcastError, InvalidArgument, InvalidHandle
-from ._files import unlink_quietly
-from ._handle import AllowList, CurveKeys, Handle, Policy, check_directory, check_endpoint, require
-from ._reader import Reader, Source
-from ._reader import _private as _reader_token
-from ._shm import layout as _layout
-from ._shm import segment as _segment
-from ._shm.arena import arena_path
-from ._shm.layout import name_key
-from ._shm.place import NameTaken
-from ._shm.subscriber import ShmSource
-from ._steps import drive
-from ._tcp.settings import ServerSettings
-from ._tcp.supervisor import SERVER_START_S, ServerProcess, read_answer
-from ._writer import Writer
-from ._writer import _private as _writer_token
+from .._base.constants import REKEY_BYTES, REKEY_BYTES_MAX, REKEY_MESSAGES, REKEY_MESSAGES_MAX
+from .._base.errors import BroadcastError, InvalidArgument, InvalidHandle
+from .._base.files import unlink_quietly
+from .._base.handle import AllowList, CurveKeys, Handle, Policy, check_directory, check_endpoint, require
+from .._base.steps import drive
+from .._shm import layout as _layout
+from .._shm import segment as _segment
+from .._shm.arena import arena_path
+from .._shm.layout import name_key
+from .._shm.place import NameTaken
+from .._shm.subscriber import ShmSource
+from .._tcp.settings import ServerSettings
+from .._tcp.supervisor import SERVER_START_S, ServerProcess, read_answer
+from .channel import WriterChannel
+from .reader import Reader, Source
+from .reader import _private as _reader_token
+from .writer import Writer
+from .writer import _private as _writer_token
 
 if TYPE_CHECKING:
-    from ._tcp.client import TcpSource
+    from .._tcp.client import TcpSource
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -748,7 +748,7 @@ def _make_source(
     for or reachable, else TCP. A TCP source comes back a second time: the caller waits for its
     welcome (``wait_welcome`` in a task, ``wait_welcome_blocking`` in a thread) before use."""
     if _over_tcp(h, transport):
-        from ._tcp.client import TcpSource
+        from .._tcp.client import TcpSource
 
         tcp_source = TcpSource(h, name, decode)
         return tcp_source, tcp_source
@@ -801,8 +801,8 @@ def _shm_source(
 def _remote_holder(h: Handle, name: str) -> str | None:
     """The remote reader that holds ``name``, as the writer's TCP server reports it (its report
     is written as it admits a reader, after it claimed the name: looked for a few times)."""
-    from ._shm.place import HOLDER_LOOK_S, HOLDER_LOOKS
-    from ._tcp.report import read_report, report_path
+    from .._shm.place import HOLDER_LOOK_S, HOLDER_LOOKS
+    from .._tcp.report import read_report, report_path
 
     key = name_key(name)
     for _ in range(HOLDER_LOOKS):

@@ -20,21 +20,22 @@ from typing import TYPE_CHECKING
 
 import anyio
 
-from . import _fork, _tuning
-from ._channel_put import Publishing, Turns
-from ._channel_server import Serving
-from ._codec import JsonCodec, PickleEncoder, SchemaCodec
-from ._exceptions import BroadcastError
-from ._files import unlink_quietly
-from ._handle import Handle
-from ._shm.arena import ArenaWriter
-from ._shm.layout import CODECS, W_CODEC
-from ._shm.publisher import Publisher
-from ._shm.segment import Segment
-from ._shm.wake import Inbox
+from .._base import fork as _fork
+from .._base import tuning as _tuning
+from .._base.codec import JsonCodec, PickleEncoder, SchemaCodec
+from .._base.errors import BroadcastError
+from .._base.files import unlink_quietly
+from .._base.handle import Handle
+from .._shm.arena import ArenaWriter
+from .._shm.layout import CODECS, W_CODEC
+from .._shm.publisher import Publisher
+from .._shm.segment import Segment
+from .._shm.wake import Inbox
+from .channel_put import Publishing, Turns
+from .channel_server import Serving
 
 if TYPE_CHECKING:
-    from ._tcp.supervisor import ServerProcess
+    from .._tcp.supervisor import ServerProcess
 
 __all__ = ["Turns", "WriterChannel"]
 

@@ -15,13 +15,14 @@ from typing import Any, Generic, NoReturn, Protocol, TypeVar, final
 import anyio
 import anyio.lowlevel
 
-from . import _fork, _tuning
-from ._exceptions import BroadcastError, ClosedResourceError, EndOfStream, WouldBlock
-from ._handle import Handle
-from ._shm.wake import serve_event_loops, wait_readable
-from ._stats import ReaderStatistics
-from ._steps import Steps, poll_steps, run, run_blocking
-from ._wakeup import LoopWaiter
+from .._base import fork as _fork
+from .._base import tuning as _tuning
+from .._base.errors import BroadcastError, ClosedResourceError, EndOfStream, WouldBlock
+from .._base.handle import Handle
+from .._base.stats import ReaderStatistics
+from .._base.steps import Steps, poll_steps, run, run_blocking
+from .._shm.wake import serve_event_loops, wait_readable
+from .wakeup import LoopWaiter
 
 T_co = TypeVar("T_co", covariant=True)
 

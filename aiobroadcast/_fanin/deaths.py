@@ -15,10 +15,10 @@ import os
 import select
 import threading
 
-from ._shm import layout as _layout
-from ._shm import segment as _segment
-from ._shm.layout import W_WRITER_PID, W_WRITER_PIDNS
-from ._shm.wake import knock
+from .._shm import layout as _layout
+from .._shm import segment as _segment
+from .._shm.layout import W_WRITER_PID, W_WRITER_PIDNS
+from .._shm.wake import knock
 
 
 class SenderDeaths:

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from ._exceptions import InvalidArgument, InvalidHandle, plural
+from .errors import InvalidArgument, InvalidHandle, plural
 
 Policy = Literal["block", "lag"]
 Codec = Literal["pickle", "json", "pydantic-json"]

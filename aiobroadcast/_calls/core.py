@@ -21,8 +21,8 @@ import anyio
 import anyio.lowlevel
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from . import _fork
-from ._exceptions import (
+from .._base import fork as _fork
+from .._base.errors import (
     BroadcastError,
     ClosedResourceError,
     CollectorGone,
@@ -34,7 +34,15 @@ from ._exceptions import (
     WorkerError,
     WouldBlock,
 )
-from ._fanin import (
+from .._base.handle import Handle, _first_problem, handle_kind, path_problem
+from .._base.stats import where
+from .._base.steps import drive, drive_blocking
+from .._broadcast import blocking as blocking_roles
+from .._broadcast.open import DEFAULT_DIRECTORY, _Opening, open_reader, open_writer
+from .._broadcast.reader import Reader
+from .._broadcast.writer import Writer
+from .._fanin import blocking as fanin_blocking
+from .._fanin.core import (
     Collector,
     CollectorHandle,
     Item,
@@ -46,16 +54,10 @@ from ._fanin import (
     open_collector,
     open_sender,
 )
-from ._handle import Handle, _first_problem, handle_kind, path_problem
-from ._open import DEFAULT_DIRECTORY, _Opening, open_reader, open_writer
-from ._owned import Owned
-from ._reader import Reader
-from ._stats import where
-from ._steps import drive, drive_blocking
-from ._writer import Writer
+from .._shm.owned import Owned
 
 if TYPE_CHECKING:
-    from ._channel import WriterChannel
+    from .._broadcast.channel import WriterChannel
 
 Q = TypeVar("Q")  #: what a call sends
 R = TypeVar("R")  #: what a worker answers
@@ -914,16 +916,21 @@ async def _open_async(step: OpenStep) -> object:
     return await _ASYNC_FACTORIES[what](*args, **kwargs)
 
 
-def _open_blocking(step: OpenStep) -> object:
-    from . import blocking
+_BLOCKING_FACTORIES: dict[str, Callable[..., object]] = {
+    "open_writer": blocking_roles.open_writer,
+    "open_collector": fanin_blocking.open_collector,
+    "open_sender": fanin_blocking.open_sender,
+    "open_reader": blocking_roles.open_reader,
+}
 
+
+def _open_blocking(step: OpenStep) -> object:
     what, args, kwargs = step
     if what == "close":
         return args[0].close()
     if what == "put":
         return args[0].put(args[1])
-    factory: Callable[..., object] = getattr(blocking, what)
-    return factory(*args, **kwargs)
+    return _BLOCKING_FACTORIES[what](*args, **kwargs)
 
 
 def open_caller(

@@ -30,10 +30,10 @@ import anyio
 import anyio.lowlevel
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from . import _fork, _tuning
-from ._channel import WriterChannel
-from ._codec import Buffer, import_schema
-from ._exceptions import (
+from .._base import fork as _fork
+from .._base import tuning as _tuning
+from .._base.codec import Buffer, import_schema
+from .._base.errors import (
     BroadcastError,
     ClosedResourceError,
     CollectorGone,
@@ -48,10 +48,8 @@ from ._exceptions import (
     WouldBlock,
     WriterGone,
 )
-from ._fanin_deaths import SenderDeaths
-from ._fanin_remote import NoWatch, RemoteOptions, remote_spec, server_place
-from ._files import unlink_quietly
-from ._handle import (
+from .._base.files import unlink_quietly
+from .._base.handle import (
     _UNIX_PATH_MAX,
     Codec,
     CurveKeys,
@@ -63,15 +61,18 @@ from ._handle import (
     path_problem,
     require,
 )
-from ._open import DEFAULT_DIRECTORY, _decoder, _open_channel, _Opening, _WriterSpec
-from ._shm import segment as _segment
-from ._shm.atomic import Words
-from ._shm.layout import R_ACTIVE, R_CURSOR, R_PID, fence
-from ._shm.subscriber import ShmSource
-from ._shm.wake import Inbox, Outbox, knock
-from ._steps import Steps, poll_steps, run
-from ._writer import Writer
-from ._writer import _private as _writer_token
+from .._base.steps import Steps, poll_steps, run
+from .._broadcast.channel import WriterChannel
+from .._broadcast.open import DEFAULT_DIRECTORY, _decoder, _open_channel, _Opening, _WriterSpec
+from .._broadcast.writer import Writer
+from .._broadcast.writer import _private as _writer_token
+from .._shm import segment as _segment
+from .._shm.atomic import Words
+from .._shm.layout import R_ACTIVE, R_CURSOR, R_PID, fence
+from .._shm.subscriber import ShmSource
+from .._shm.wake import Inbox, Outbox, knock
+from .deaths import SenderDeaths
+from .remote import NoWatch, RemoteOptions, remote_spec, server_place
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
@@ -355,7 +356,7 @@ class _Senders:
 
     def remote_source(self, handle: Handle | str, name: str) -> tuple[Handle, Any]:
         """Check a remote sender's handle and name, and start its ``TcpSource`` (not yet welcomed)."""
-        from ._tcp.client import TcpSource
+        from .._tcp.client import TcpSource
 
         if self.closed:
             raise ClosedResourceError(self.refusal or "this collector is closed")
@@ -1208,7 +1209,7 @@ def sweep_stale_collectors(directory: str) -> list[str]:
 
 
 def _schema_path(schema: type[BaseModel]) -> str:
-    from ._codec import schema_path
+    from .._base.codec import schema_path
 
     return schema_path(schema)
 

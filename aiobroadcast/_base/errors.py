@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
-    from ._stats import ReaderInfo
+    from .stats import ReaderInfo
 
 
 class BroadcastError(Exception):

@@ -12,16 +12,16 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.lowlevel
 
-from . import _tuning
-from ._codec import Buffer
-from ._exceptions import InvalidArgument, MessageTooLarge
-from ._shm.layout import W_WAIT_TARGET, wait_target
-from ._shm.publisher import Chunks, Encoded, Publisher
-from ._shm.wake import Inbox
-from ._steps import CHECKPOINT, Steps, poll_steps, run
+from .._base import tuning as _tuning
+from .._base.codec import Buffer
+from .._base.errors import InvalidArgument, MessageTooLarge
+from .._base.steps import CHECKPOINT, Steps, poll_steps, run
+from .._shm.layout import W_WAIT_TARGET, wait_target
+from .._shm.publisher import Chunks, Encoded, Publisher
+from .._shm.wake import Inbox
 
 if TYPE_CHECKING:
-    from ._shm.arena import ArenaWriter
+    from .._shm.arena import ArenaWriter
 
 
 class Publishing:

@@ -10,9 +10,16 @@ from typing import TYPE_CHECKING, Any, Generic, Literal, NoReturn, TypeVar, fina
 
 from pydantic import BaseModel
 
-from . import _fork, _tuning
-from ._exceptions import BroadcastError, ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
-from ._fanin import (
+from .._base import fork as _fork
+from .._base import tuning as _tuning
+from .._base.errors import BroadcastError, ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
+from .._base.files import unlink_quietly
+from .._base.handle import CurveKeys, Handle, Policy
+from .._base.steps import run_blocking
+from .._broadcast import blocking as blocking_roles
+from .._broadcast.open import DEFAULT_DIRECTORY
+from .._shm.wake import wait_readable
+from .core import (
     _NOTHING,
     COLLECTOR_FIX,
     SENDER_FIX,
@@ -30,24 +37,13 @@ from ._fanin import (
     sleep_steps,
     take_many,
 )
-from ._fanin_remote import RemoteOptions, blocking_channel
-from ._files import unlink_quietly
-from ._handle import CurveKeys, Handle, Policy
-from ._open import DEFAULT_DIRECTORY
-from ._shm.wake import wait_readable
-from ._steps import run_blocking
+from .remote import RemoteOptions, blocking_channel
 
 T_co = TypeVar("T_co", covariant=True)
 T_contra = TypeVar("T_contra", contravariant=True)
 M = TypeVar("M", bound=BaseModel)
 
 _private = object()
-
-
-def _blocking() -> Any:
-    from . import blocking
-
-    return blocking
 
 
 @final
@@ -60,7 +56,7 @@ class BlockingCollector(Generic[T_co]):
     def __init__(self, token: object, gather: _Gather) -> None:
         if token is not _private:
             raise TypeError("BlockingCollector cannot be built directly; use aiobroadcast.blocking.open_collector()")
-        b = _blocking()
+        b = blocking_roles
         self._g = gather
         self._lock = b._Owned()  # one taker at a time
         self._sleep_lock = b._Owned()  # one sleeper at a time
@@ -184,7 +180,7 @@ class BlockingCollector(Generic[T_co]):
         """``take()`` under the lock until it finds something (``get``, ``get_many``), sleeping
         on the inbox between tries; ``WaitTimeout`` after ``timeout`` seconds, having taken
         nothing."""
-        b = _blocking()
+        b = blocking_roles
         deadline = None if timeout is None else b._deadline(timeout)
         lock = self._lock
         if lock.mine():
@@ -202,7 +198,7 @@ class BlockingCollector(Generic[T_co]):
             self._wait(deadline)
 
     def _wait(self, deadline: float | None) -> None:
-        b = _blocking()
+        b = blocking_roles
         g = self._g
         try:
             self._sleep_lock.acquire(deadline)
@@ -437,7 +433,7 @@ def open_sender(
     """Attach a blocking sender to a collector (made by either API); the arguments and errors
     are those of ``aiobroadcast.open_sender`` (``tcp=``: a remote sender, whose
     ``remote_handle`` the collector attaches). Use ``with`` or call ``close()``."""
-    b = _blocking()
+    b = blocking_roles
     plan = SenderPlan(
         SenderArgs(handle, name, schema, capacity, slot_bytes, connect_timeout),
         None if tcp is None else RemoteOptions(tcp, advertise, keys, heartbeat_s, data_port),

@@ -15,14 +15,11 @@ from typing import TYPE_CHECKING
 import anyio
 import anyio.to_thread
 
-from . import _tuning
-from ._constants import TCP_SERVER_READER_NAME
-from ._exceptions import InvalidArgument, WaitTimeout
-from ._handle import Handle
-from ._shm import segment as _segment
-from ._shm.layout import R_GENERATION, W_WAIT_TARGET, has_room, holds_writer, host_name, pack_host, unpack_host
-from ._shm.publisher import Publisher, messages_from
-from ._stats import (
+from .._base import tuning as _tuning
+from .._base.constants import TCP_SERVER_READER_NAME
+from .._base.errors import InvalidArgument, WaitTimeout
+from .._base.handle import Handle
+from .._base.stats import (
     HOLDER_GONE,
     HOLDER_STUCK,
     HOLDER_TCP_SERVER,
@@ -31,11 +28,14 @@ from ._stats import (
     remote_holder,
     where,
 )
-from ._steps import Steps
+from .._base.steps import Steps
+from .._shm import segment as _segment
+from .._shm.layout import R_GENERATION, W_WAIT_TARGET, has_room, holds_writer, host_name, pack_host, unpack_host
+from .._shm.publisher import Publisher, messages_from
 
 if TYPE_CHECKING:
-    from ._shm.arena import ArenaWriter
-    from ._tcp.supervisor import ServerProcess
+    from .._shm.arena import ArenaWriter
+    from .._tcp.supervisor import ServerProcess
 
 
 class Serving:

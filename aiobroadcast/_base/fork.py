@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn, Protocol, TypeVar
 
-from ._exceptions import ClosedResourceError
+from .errors import ClosedResourceError
 
 
 class Inherited(Protocol):

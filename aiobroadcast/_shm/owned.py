@@ -27,8 +27,8 @@ from __future__ import annotations
 import threading
 from time import monotonic
 
-from ._exceptions import WaitTimeout, WouldBlock
-from ._shm._atomics import Held
+from .._base.errors import WaitTimeout, WouldBlock
+from ._atomics import Held
 
 
 def left_before(deadline: float | None) -> float | None:

@@ -10,13 +10,14 @@ from typing import Generic, NoReturn, TypeVar, final
 
 import anyio
 
-from . import _fork, _tuning
-from ._channel import WriterChannel
-from ._codec import Buffer
-from ._exceptions import BroadcastError, WouldBlock
-from ._handle import Handle
-from ._stats import ReaderInfo, WriterStatistics
-from ._steps import run
+from .._base import fork as _fork
+from .._base import tuning as _tuning
+from .._base.codec import Buffer
+from .._base.errors import BroadcastError, WouldBlock
+from .._base.handle import Handle
+from .._base.stats import ReaderInfo, WriterStatistics
+from .._base.steps import run
+from .channel import WriterChannel
 
 T_contra = TypeVar("T_contra", contravariant=True)
 

@@ -39,7 +39,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from ._exceptions import SchemaViolation, SerializationError
+from .errors import SchemaViolation, SerializationError
 
 #: ``PickleBuffer`` producers (numpy arrays, bytearrays) from this size up travel out of band (one
 #: copy, straight into the ring). Below it the out-of-band bookkeeping costs more than it saves.

@@ -19,12 +19,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from ._channel import WriterChannel
-from ._codec import import_schema
-from ._exceptions import InvalidArgument, InvalidHandle
-from ._handle import CurveKeys, check_directory
-from ._open import DEFAULT_DIRECTORY, _WriterSpec
-from ._shm.layout import R_ACTIVE, R_PID
+from .._base.codec import import_schema
+from .._base.errors import InvalidArgument, InvalidHandle
+from .._base.handle import CurveKeys, check_directory
+from .._broadcast.channel import WriterChannel
+from .._broadcast.open import DEFAULT_DIRECTORY, _WriterSpec
+from .._shm.layout import R_ACTIVE, R_PID
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +93,7 @@ def server_place(ch: WriterChannel) -> int:
 
 def blocking_channel(spec: _WriterSpec) -> WriterChannel:
     """The channel and its TCP server, for ``aiobroadcast.blocking.open_sender(tcp=...)``."""
-    from .blocking import _blocking_channel
+    from .._broadcast.blocking import _blocking_channel
 
     return _blocking_channel(spec)
 

@@ -53,7 +53,7 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
-from . import _constants
+from .._base import constants as _constants
 
 KEY_BYTES = 32
 TAG_BYTES = 16

@@ -1,0 +1,2 @@
+"""Broadcast: one writer, many readers over the shared-memory ring (and its TCP server).
+The channel, the writer and reader roles, async and blocking, and their factories."""

@@ -1,0 +1,487 @@
+"""The broadcast family's blocking roles: ``BlockingWriter``, ``BlockingReader`` and their
+factories (``aiobroadcast.blocking`` documents them and re-exports them)."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Iterator
+from time import monotonic
+from types import TracebackType
+from typing import Any, Generic, Self, TypeVar, Unpack, final, overload
+
+from pydantic import BaseModel
+
+from .._base import fork as _fork
+from .._base import tuning as _tuning
+from .._base.codec import decode_pickle_view
+from .._base.errors import ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
+from .._base.handle import Handle
+from .._base.stats import ReaderInfo, ReaderStatistics, WriterStatistics
+from .._base.steps import Steps, drive_blocking, run_blocking
+from .._shm.owned import Owned as _Owned
+from .._shm.owned import left_before as _left
+from .channel import WriterChannel
+from .open import ReaderOptions, WriterOptions, _ReaderSpec, _shm_source, _WriterSpec, channel_steps, source_steps
+from .reader import Source, poll_budget, sleep_blocking, wait_steps
+
+__all__ = ["BlockingReader", "BlockingWriter", "open_reader", "open_writer"]
+
+T_contra = TypeVar("T_contra", contravariant=True)
+T_co = TypeVar("T_co", covariant=True)
+M = TypeVar("M", bound=BaseModel)
+
+_private = object()
+
+
+def _deadline(timeout: float | None) -> float | None:
+    # A negative timeout is "now", never "forever" (a deadline computed as a difference can go
+    # negative; vLLM once passed one to poll() as -1).
+    return None if timeout is None else monotonic() + max(0.0, timeout)
+
+
+class _Closable(ABC):
+    """``with`` closes; an object dropped unclosed warns (``ResourceWarning``), as the async roles."""
+
+    _closed = True
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not self._closed:
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
+
+
+# --- the writer --------------------------------------------------------------------------------
+@final
+@_fork.role("writer")
+class BlockingWriter(_Closable, Generic[T_contra]):
+    """The sending end of a channel, for code without an event loop. Built by
+    ``aiobroadcast.blocking.open_writer``; has no ``get``. Thread-safe (see the module)."""
+
+    def __init__(self, token: object, channel: WriterChannel) -> None:
+        if token is not _private:
+            raise TypeError("BlockingWriter cannot be built directly; use aiobroadcast.blocking.open_writer()")
+        self._w = channel
+        self._lock = _Owned()
+        # close() holds this while it releases the ring; statistics() holds it to read the ring.
+        self._close_lock = threading.Lock()
+        self._closing = False
+        self._closed = False
+
+    @property
+    def handle(self) -> Handle:
+        """What a reader needs to attach (``open_reader``, blocking or async)."""
+        return self._w.handle
+
+    def put_nowait(self, obj: T_contra) -> None:
+        """Publish ``obj`` now, or raise ``WouldBlock`` if a live reader would be overrun or
+        another thread's ``put`` is in progress. Raises like ``Writer.put_nowait``."""
+        self._put(obj, None, nowait=True)
+
+    def put(self, obj: T_contra, timeout: float | None = None) -> None:
+        """Publish ``obj``, blocking this thread while a live reader would be overrun (policy
+        "block") or another thread's ``put`` is in progress. ``timeout``: raise ``WaitTimeout``
+        after that many seconds instead, having published nothing (a message larger than the
+        whole ring that times out midway is dropped by every reader); it names the readers that
+        held the writer (``holders``), or says that another thread's put held it and what that
+        one waits for. A message larger than the ring needs its readers reading while it streams:
+        one read by this thread only after ``put`` returns never lets it finish (the error says
+        so). Raises like ``Writer.put``, and ``ClosedResourceError`` if ``close()`` is called
+        meanwhile."""
+        self._put(obj, None if timeout is None else _deadline(timeout), nowait=False)
+
+    def put_many(self, objs: Iterable[T_contra], timeout: float | None = None) -> None:
+        """Publish several messages, in order, as one operation: all of them or (timed out, an
+        object that cannot be encoded) none. Blocks like ``put`` until there is room for the
+        whole batch. Raises like ``Writer.put_many``."""
+        if self._closing:
+            raise ClosedResourceError("this writer is closed")
+        deadline = None if timeout is None else _deadline(timeout)
+        lock = self._lock
+        try:
+            try:
+                lock.acquire(deadline, wait=True)
+            except WaitTimeout:
+                raise self._busy_timeout("put_many") from None
+            self._check_open()
+            w = self._w
+            batch, entries = w.encode_batch(objs)
+            if not batch or w.pub.try_publish_many(batch, entries):
+                return
+            self._wait(w.batch_steps(batch, entries), deadline, "put_many", entries)
+        finally:
+            lock.release()
+
+    def statistics(self) -> WriterStatistics:
+        """A snapshot, as ``Writer.statistics()``; ``waiting_for`` names the readers a blocked
+        ``put`` waits for."""
+        with self._close_lock:
+            self._check_open()
+            return self._w.statistics(self._lock.waiting)
+
+    def wait_readers(
+        self, count: int | None = None, *, names: Iterable[str] | None = None, timeout: float | None = None
+    ) -> tuple[ReaderInfo, ...]:
+        """As ``Writer.wait_readers``, blocking this thread (asleep between looks, every 50 ms);
+        Ctrl-C ends it at once, changing nothing. Raises ``ClosedResourceError`` if ``close()``
+        is called meanwhile."""
+
+        def attached() -> tuple[ReaderInfo, ...]:
+            with self._close_lock:
+                self._check_open()
+                return self._w.attached()
+
+        return run_blocking(self._w.wait_readers_steps(attached, count, names, timeout), _sleep)
+
+    def close(self) -> None:
+        """Close the channel: readers receive what was published, then ``EndOfStream``."""
+        if self._lock.mine():
+            raise WouldBlock("close() called from inside this writer's own put() on this thread")
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closing = True
+            w = self._w
+            w.pub.outbox.wake(w.inbox.path)  # a put waiting for room looks up and sees _closing
+            try:
+                self._lock.acquire(None)
+                _close_writer(w)
+                self._closed = True
+            finally:
+                self._lock.release()
+
+    def __repr__(self) -> str:
+        h = self._w.handle
+        state = "closed" if self._closed else f"sent={self._w.pub.msg}"
+        return f"<aiobroadcast.blocking.BlockingWriter {h.name} {h.policy} {state}>"
+
+    # --- internals ---------------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._closing:
+            raise ClosedResourceError("this writer is closed")
+
+    def _put(self, obj: object, deadline: float | None, *, nowait: bool) -> None:
+        if self._closing:
+            raise ClosedResourceError("this writer is closed")
+        lock = self._lock
+        try:
+            try:
+                lock.acquire(deadline, wait=not nowait)
+            except WaitTimeout:  # another thread's put held the writer: say what that one waits for
+                raise self._busy_timeout("put") from None
+            self._check_open()
+            w = self._w
+            # Under the lock, so that a put from inside pickling (a __reduce__ that publishes)
+            # raises WouldBlock here rather than waiting on itself.
+            parts, total, oob, entries = w.encoded(obj)
+            if w.pub.try_publish(parts, total, oob, entries):
+                return
+            if nowait:
+                raise WouldBlock
+            self._wait(w.publish_steps(parts, total, oob, entries), deadline, "put", entries)
+        finally:
+            lock.release()
+
+    def _busy_timeout(self, what: str) -> WaitTimeout:
+        """``busy_timeout``, read under the close lock as ``statistics()`` reads: this thread does
+        not hold the writer, so another one may be closing it (and unmapping the ring)."""
+        with self._close_lock:
+            if self._closing:
+                return WaitTimeout(f"{what}: the timeout passed while another thread held this writer, closing it")
+            return self._w.busy_timeout(what)
+
+    def _wait(self, steps: Steps[None], deadline: float | None, what: str, entries: int) -> None:
+        """Run a put's waiting steps (``publish_steps``, ``batch_steps``) in this thread, which
+        holds ``self._lock`` (this writer's threads take turns on it), counted as waiting. A
+        ``WaitTimeout`` names the readers that held it (``put_timeout``), read when it is raised."""
+        self._lock.count(1)
+        start = self._w.pub.head
+        try:
+            run_blocking(steps, self._sleeper(deadline))
+        except WaitTimeout:
+            raise self._w.put_timeout(what, entries, start) from None
+        finally:
+            self._lock.count(-1)
+
+    def _sleeper(self, deadline: float | None) -> Callable[[float], bool]:
+        inbox = self._w.inbox
+
+        def sleep(limit: float) -> bool:
+            left = _left(deadline)
+            woken = inbox.wait_blocking(limit if left is None else min(limit, left))
+            if self._closing:
+                raise ClosedResourceError("this writer was closed while put() waited for room")
+            return woken
+
+        return sleep
+
+
+def _sleep(limit_s: float) -> bool:
+    time.sleep(limit_s)
+    return False
+
+
+def _close_writer(w: WriterChannel) -> None:
+    """``WriterChannel.aclose`` for a thread: the same steps, waiting for the TCP server here."""
+    w.close_blocking()
+
+
+# --- the reader --------------------------------------------------------------------------------
+#: What ``ShmSource`` and ``TcpSource`` offer both reader front ends (one protocol).
+_Source = Source
+
+
+@final
+@_fork.role("reader")
+class BlockingReader(_Closable, Generic[T_co]):
+    """The receiving end of a channel, for code without an event loop. Built by
+    ``aiobroadcast.blocking.open_reader``; has no ``put``. Thread-safe (see the module)."""
+
+    def __init__(self, token: object, source: _Source, handle: Handle, name: str, spin_us: float | None = None) -> None:
+        if token is not _private:
+            raise TypeError("BlockingReader cannot be built directly; use aiobroadcast.blocking.open_reader()")
+        self._src = source
+        self._handle = handle
+        self._name = name
+        self._spin_ns = None if spin_us is None else int(spin_us * 1000)
+        self._slept_ns = _tuning.DENSE_NS  # no polling before the first sleep
+        self._lock = _Owned()  # one taker at a time
+        self._sleep_lock = _Owned()  # one sleeper at a time
+        # One close at a time, and no wake-up of the source while it is being closed: a second
+        # close (another thread's, a ``with`` around a close) waits for the first, then returns.
+        self._close_lock = threading.Lock()
+        self._closing = False
+        self._closed = False
+        self._refusal: str | None = None  # why a fork child may not use it
+        self._owner = os.getpid()
+        _fork.track(self)
+
+    @property
+    def handle(self) -> Handle:
+        return self._handle
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def get_nowait(self) -> T_co:
+        """Take the next message, or raise ``WouldBlock`` if none is ready. Raises like
+        ``Reader.get_nowait``."""
+        lock = self._lock
+        try:
+            lock.acquire(None)
+            if self._closed:
+                raise ClosedResourceError(self._refusal or "this reader is closed")
+            return self._src.get_nowait()  # type: ignore[no-any-return]
+        finally:
+            lock.release()
+
+    def get(self, timeout: float | None = None) -> T_co:
+        """Wait for the next message and return it, blocking this thread in ``poll()`` (no CPU
+        while it waits). ``timeout``: raise ``WaitTimeout`` after that many seconds instead,
+        having taken nothing. Raises like ``Reader.get``, and ``ClosedResourceError`` if
+        ``close()`` is called meanwhile."""
+        lock = self._lock
+        tried = False
+        try:
+            if lock.try_acquire():  # the common case first: a message is there, nobody else takes
+                if self._closed:
+                    raise ClosedResourceError(self._refusal or "this reader is closed")
+                tried = True
+                return self._src.get_nowait()  # type: ignore[no-any-return]
+        except WouldBlock:
+            pass
+        finally:
+            lock.release()
+        return self._get(None if timeout is None else _deadline(timeout), tried=tried)  # type: ignore[no-any-return]
+
+    def statistics(self) -> ReaderStatistics:
+        lock = self._lock
+        try:
+            lock.acquire(None)
+            if self._closed:
+                raise ClosedResourceError(self._refusal or "this reader is closed")
+            return self._src.statistics(self._sleep_lock.waiting + (self._sleep_lock.owner != 0))
+        finally:
+            lock.release()
+
+    def close(self) -> None:
+        """Detach: the writer stops waiting for this reader at once; parked ``get`` calls raise
+        ``ClosedResourceError``."""
+        if self._lock.mine() or self._sleep_lock.mine():
+            raise WouldBlock("close() called from inside this reader's own get() on this thread")
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closing = True
+            self._src.interrupt()  # the sleeping thread wakes up, and the others after it
+            try:
+                self._sleep_lock.acquire(None)
+                try:
+                    self._lock.acquire(None)
+                    self._closed = True
+                    _fork.untrack(self)
+                    self._src.close()
+                finally:
+                    self._lock.release()
+            finally:
+                self._sleep_lock.release()
+
+    def __iter__(self) -> Iterator[T_co]:
+        return self
+
+    def __next__(self) -> T_co:
+        try:
+            return self.get()
+        except EndOfStream:
+            raise StopIteration from None
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else self._src.describe()
+        return f"<aiobroadcast.blocking.BlockingReader {self._name!r} {state}>"
+
+    # --- internals ---------------------------------------------------------------------------
+    def _forget_in_child(self) -> None:
+        """In a fork child: the reader is the parent's, and its source let go of its copies. A
+        bound method taken before the fork (``get = reader.get``) runs this class's code, not the
+        inherited role's (``_fork.role``): it refuses here."""
+        self._closed = self._closing = True
+        self._refusal = _fork.refusal("reader", self._owner)
+
+    def _get(
+        self,
+        deadline: float | None,
+        stop: Callable[[], BaseException | None] | None = None,
+        stop_every_s: float | None = None,
+        poll_ns: int | None = None,
+        *,
+        tried: bool = False,
+    ) -> Any:
+        """``get`` with the knobs of ``aiobroadcast.vllm``: ``stop()`` is asked before each wait
+        and while polling, and returns an exception to end the wait with (or None); a sleep lasts
+        at most ``stop_every_s`` (for a condition nothing signals; ``_interrupt`` wakes it
+        otherwise); ``poll_ns`` overrides how long to poll before sleeping. ``tried``: the caller
+        found nothing an instant ago (``get``'s first look), so the first wait comes first."""
+        if self._lock.mine():
+            raise WouldBlock("get() called from inside this reader's own get() on this thread")
+        while True:
+            if tried:
+                tried = False
+            else:
+                try:
+                    return self.get_nowait()
+                except WouldBlock:
+                    pass
+            if self._closing:
+                raise ClosedResourceError("this reader was closed while get() waited")
+            if stop is not None and (exc := stop()) is not None:
+                raise exc
+            self._wait(deadline, stop, stop_every_s, poll_ns)
+
+    def _sleep(self, limit_s: float) -> bool:
+        """The blocking driver's sleep for ``wait_steps``: one ``sleep_steps`` on the source."""
+        return sleep_blocking(self._src, limit_s)
+
+    def _interrupt(self) -> None:
+        """Wake the thread sleeping in ``get`` (from another thread): it looks again, and asks
+        its ``stop``. Nothing once closed."""
+        with self._close_lock:
+            if not self._closed:
+                self._src.interrupt()
+
+    def _wait(
+        self,
+        deadline: float | None,
+        stop: Callable[[], BaseException | None] | None,
+        stop_every_s: float | None,
+        poll_ns: int | None,
+    ) -> None:
+        """Wait until the source may have something: one thread sleeps on the socket, the
+        others queue for its place, and each looks at the source again before sleeping."""
+        try:
+            self._sleep_lock.acquire(deadline)
+            if self._closing:
+                return
+            src = self._src
+            left = _left(deadline)
+            spin = poll_budget(self._spin_ns, self._slept_ns) if poll_ns is None else poll_ns
+            if left is not None:
+                spin = min(spin, int(left * 1e9))
+
+            def ready() -> bool:
+                return self._closing or src.ready() or (stop is not None and stop() is not None)
+
+            def limit_s() -> float:
+                limit = src.sleep_limit_s
+                left = _left(deadline)  # asked after the poll, which took some of it
+                if left is not None:
+                    limit = min(limit, left)
+                if stop_every_s is not None:
+                    limit = min(limit, stop_every_s)
+                return limit
+
+            self._slept_ns = run_blocking(wait_steps(spin, ready, limit_s), self._sleep)
+        finally:
+            self._sleep_lock.release()
+
+
+# --- the factories -----------------------------------------------------------------------------
+@overload
+def open_writer(*, schema: None = ..., **options: Unpack[WriterOptions]) -> BlockingWriter[Any]: ...
+@overload
+def open_writer(*, schema: type[M], **options: Unpack[WriterOptions]) -> BlockingWriter[M]: ...
+def open_writer(*, schema: type[BaseModel] | None = None, **options: Unpack[WriterOptions]) -> BlockingWriter[Any]:
+    """Create a channel and return its blocking writer. The keyword arguments, their defaults
+    and the errors are those of ``aiobroadcast.open_writer``. Use ``with`` (closes at the end)
+    or call ``close()``."""
+    return BlockingWriter(_private, _blocking_channel(_WriterSpec(schema=schema, **options)))
+
+
+def _blocking_channel(spec: _WriterSpec) -> WriterChannel:
+    """``channel_steps`` in this thread (``_steps.drive_blocking``): the server's answer is
+    waited for here."""
+    return drive_blocking(channel_steps(spec), lambda start: start.answer())
+
+
+@overload
+def open_reader(
+    handle: Handle | str, *, schema: None = ..., **options: Unpack[ReaderOptions]
+) -> BlockingReader[Any]: ...
+@overload
+def open_reader(handle: Handle | str, *, schema: type[M], **options: Unpack[ReaderOptions]) -> BlockingReader[M]: ...
+def open_reader(
+    handle: Handle | str, *, schema: type[BaseModel] | None = None, **options: Unpack[ReaderOptions]
+) -> BlockingReader[Any]:
+    """Attach to a channel (made by either API) and return a blocking reader. The keyword
+    arguments, their defaults and the errors are those of ``aiobroadcast.open_reader``;
+    ``spin_us`` polls in this thread. Use ``with`` (closes at the end) or call ``close()``."""
+    h = Handle.parse(handle)
+    spec = _ReaderSpec(schema=schema, **options)
+    decode = spec.decoder(h)
+    steps = source_steps(
+        h, spec.name, decode, spec.transport, hold=decode is decode_pickle_view, take_ahead=spec.take_ahead
+    )
+    source, reader_name = drive_blocking(steps, lambda welcome: welcome.wait_welcome_blocking(spec.connect_timeout))
+    return BlockingReader(_private, source, h, reader_name, spec.spin_us)
+
+
+def _open_arena_reader(handle: Handle | str, *, name: str) -> BlockingReader[Any]:
+    """A shared-memory reader whose arena bodies arrive as views with a lifetime and everything
+    else as copies (``aiobroadcast.vllm``'s local readers: vLLM's arena hands out such tensors)."""
+    h = Handle.parse(handle)
+    decode = _ReaderSpec(name=name).decoder(h)
+    source = _shm_source(h, name, decode, False, arena_views=True)
+    return BlockingReader(_private, source, h, name, None)

@@ -44,6 +44,12 @@ from ._calls.core import open_blocking_caller as open_caller
 from ._calls.core import open_blocking_worker as open_worker
 from ._fanin.blocking import BlockingCollector, BlockingSender, open_collector, open_sender
 
+# Every public name says where users import it from (in reprs, tracebacks and the reference), as
+# the fan-in and call roles do in their own modules.
+for _public in (BlockingReader, BlockingWriter, open_reader, open_writer):
+    _public.__module__ = __name__
+del _public
+
 __all__ = [
     "BlockingCaller",
     "BlockingCollector",

@@ -9,6 +9,9 @@ Each rule is its own test, and each has a test that plants a violation (a fake m
 - a package's private modules (``_shm._atomics``, ``cli._common``) are imported by that package only
   (``test_no_import_of_another_packages_private_module``);
 - the sans-IO modules import no I/O or event-loop module (``test_sans_io_modules_do_no_io``);
+- a reader's modules do not import the writer's, even indirectly
+  (``test_readers_do_not_import_the_writer``);
+- ``_base.constants`` imports nothing (``test_constants_import_nothing``);
 - sizes by job: a class with its in-package bases is at most 250 lines
   (``test_no_class_with_its_bases_is_longer_than_250_lines``), a module at most 600 unless
   ``BIG_MODULES`` names its one job (``test_no_module_is_longer_than_600_lines``).
@@ -353,6 +356,67 @@ def test_the_checks_see_an_io_import(tmp_path: pathlib.Path) -> None:
     fake.write_text("import anyio.lowlevel\ndef later():\n    import threading\n    from anyio import sleep\n")
     assert _io_imports("_base.steps", _imports("_base.steps", fake)) == ["anyio", "threading"]
     assert _io_imports("_tcp.wire", {"anyio.lowlevel", "zmq.asyncio", "json"}) == ["anyio.lowlevel", "zmq.asyncio"]
+
+
+#: The modules of a reader (over shared memory or TCP, and its role) and of a writer: a reader
+#: imports none of the writer's, even through another module.
+READER_SIDE = {"_broadcast.reader", "_broadcast.wakeup", "_shm.subscriber", "_shm.place", "_tcp.client"}
+WRITER_SIDE = {
+    "_broadcast.writer",
+    "_broadcast.channel",
+    "_broadcast.channel_put",
+    "_broadcast.channel_server",
+    "_shm.publisher",
+    "_shm.fragments",
+    "_shm.records",
+    "_tcp.server",
+    "_tcp.supervisor",
+    "_tcp.settings",
+}
+
+
+def _reach(module: str, graph: Mapping[str, set[str]]) -> set[str]:
+    """Every package module that importing ``module`` imports, directly or not."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for following in graph.get(todo.pop(), ()):
+            if following not in seen:
+                seen.add(following)
+                todo.append(following)
+    return seen
+
+
+@pytest.mark.parametrize("module", sorted(READER_SIDE))
+def test_readers_do_not_import_the_writer(module: str) -> None:
+    assert module in MODULES
+    found = sorted(_reach(module, GRAPH) & WRITER_SIDE)
+    assert found == [], f"the reader's {module} imports the writer's {found}"
+
+
+def test_the_checks_see_a_reader_importing_the_writer(tmp_path: pathlib.Path) -> None:
+    """Through a module in between (``_shm.layout`` importing ``_shm.records``), too."""
+    layout = tmp_path / "layout.py"
+    layout.write_text("def later():\n    from .records import ReaderRecords\n")
+    graph = _graph({**MODULES, "_shm.layout": layout})
+    assert _reach("_shm.subscriber", graph) & WRITER_SIDE == {"_shm.records"}
+    assert _reach("_shm.subscriber", GRAPH) & WRITER_SIDE == set()
+
+
+def _imports_anything(name: str, path: pathlib.Path) -> list[str]:
+    return sorted(_imports(name, path) - {"__future__"})
+
+
+def test_constants_import_nothing() -> None:
+    """Names shared across layers without importing them (the TCP server's reader name) live in a
+    module that any layer can import without pulling anything in."""
+    assert _imports_anything("_base.constants", MODULES["_base.constants"]) == []
+
+
+def test_the_checks_see_constants_importing(tmp_path: pathlib.Path) -> None:
+    fake = tmp_path / "constants.py"
+    fake.write_text("from __future__ import annotations\nimport os\nfrom .errors import BroadcastError\n")
+    assert _imports_anything("_base.constants", fake) == ["_base.errors", "os"]
 
 
 # --- sizes by job -----------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """The one compiled part (aiobroadcast/_shm/_atomics.c): the ring's atomic loads, stores and
-fences, and the lock that a Ctrl-C cannot leave held (Held, aiobroadcast/_owned.py).
+fences, and the lock that a Ctrl-C cannot leave held (Held, aiobroadcast/_shm/owned.py).
 
 Everything else is in pyproject.toml. Building needs a C compiler (GCC or Clang) and Python's
 headers: ``apt-get install gcc python3-dev`` on Debian and Ubuntu.

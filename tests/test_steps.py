@@ -5,7 +5,16 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from aiobroadcast._base.steps import CHECKPOINT, Steps, never_sleep, never_sleep_async, poll_steps, run, run_blocking
+from aiobroadcast._base.steps import (
+    CHECKPOINT,
+    Sleep,
+    Steps,
+    never_sleep,
+    never_sleep_async,
+    poll_steps,
+    run,
+    run_blocking,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -13,9 +22,9 @@ pytestmark = pytest.mark.anyio
 def _steps(log: list[str]) -> Steps[int]:
     try:
         yield CHECKPOINT
-        woken = yield 0.5
+        woken = yield Sleep(0.5)
         log.append(f"woken={woken}")
-        woken = yield 0.25
+        woken = yield Sleep(0.25)
         log.append(f"woken={woken}")
         return 7
     finally:

@@ -15,7 +15,7 @@ import anyio.lowlevel
 from .._base import tuning as _tuning
 from .._base.codec import Buffer
 from .._base.errors import InvalidArgument, MessageTooLarge
-from .._base.steps import CHECKPOINT, Steps, poll_steps, run
+from .._base.steps import CHECKPOINT, Sleep, Steps, poll_steps, run
 from .._shm.layout import W_WAIT_TARGET, wait_target
 from .._shm.publisher import Chunks, Encoded, Publisher
 from .._shm.wake import Inbox
@@ -223,7 +223,7 @@ class Publishing:
                 if pub.records.min_cursor >= target:
                     return
                 start = perf_counter_ns()
-                woken = yield _tuning.ROOM_CHECK_S
+                woken = yield Sleep(_tuning.ROOM_CHECK_S)
                 self.slept_ns = perf_counter_ns() - start
                 pub.check_open()
                 if not woken:

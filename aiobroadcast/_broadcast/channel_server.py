@@ -28,7 +28,7 @@ from .._base.stats import (
     remote_holder,
     where,
 )
-from .._base.steps import Steps
+from .._base.steps import Sleep, Steps
 from .._shm import segment as _segment
 from .._shm.layout import R_GENERATION, W_WAIT_TARGET, has_room, holds_writer, host_name, pack_host, unpack_host
 from .._shm.publisher import Publisher, messages_from
@@ -124,7 +124,7 @@ class Serving:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise WaitTimeout(_missing(now, count, missing, timeout))
-            yield _tuning.READERS_POLL_S if left is None else min(_tuning.READERS_POLL_S, left)
+            yield Sleep(_tuning.READERS_POLL_S if left is None else min(_tuning.READERS_POLL_S, left))
 
     # --- state ---------------------------------------------------------------------------------
     def statistics(self, tasks_waiting: int) -> WriterStatistics:

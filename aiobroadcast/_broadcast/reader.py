@@ -6,7 +6,7 @@ import os
 import threading
 import warnings
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Generator
 from threading import get_ident as _get_ident
 from time import perf_counter_ns
 from types import TracebackType
@@ -20,7 +20,7 @@ from .._base import tuning as _tuning
 from .._base.errors import BroadcastError, ClosedResourceError, EndOfStream, WouldBlock
 from .._base.handle import Handle
 from .._base.stats import ReaderStatistics
-from .._base.steps import Steps, poll_steps, run, run_blocking
+from .._base.steps import Sleep, Steps, poll_steps, run, run_blocking
 from .._shm.wake import serve_event_loops, wait_readable
 from .wakeup import LoopWaiter
 
@@ -52,11 +52,11 @@ def wait_steps(spin_ns: int, ready: Callable[[], bool], limit_s: Callable[[], fl
     if spin_ns and (yield from poll_steps(ready, spin_ns)):
         return 0
     start = perf_counter_ns()
-    yield limit_s()
+    yield Sleep(limit_s())
     return perf_counter_ns() - start
 
 
-def sleep_steps(src: Source, limit_s: float) -> Steps[bool]:
+def sleep_steps(src: Source, limit_s: float) -> Generator[Sleep, bool, bool]:
     """One sleep of a reader on its source's inbox, written once for both front ends (``_steps``):
     announce the sleep (``begin_sleep``: from now on a new message wakes the inbox), re-check
     (done by ``begin_sleep``: if something came meanwhile, no sleep), wait for a wake-up for up to
@@ -69,7 +69,7 @@ def sleep_steps(src: Source, limit_s: float) -> Steps[bool]:
         return False
     woken = False
     try:
-        woken = yield limit_s
+        woken = yield Sleep(limit_s)
     finally:
         src.end_sleep(woken)
     return woken
@@ -87,11 +87,11 @@ async def sleep_async(src: Source, limit_s: float) -> bool:
     cancellation, the last ``send`` otherwise."""
     steps = sleep_steps(src, limit_s)
     try:
-        limit = next(steps)
+        step = next(steps)
     except StopIteration as done:  # the ring changed while the sleep was announced
         return done.value  # type: ignore[no-any-return]
     try:
-        woken = await src.sleep(limit)
+        woken = await src.sleep(step.seconds)
     except anyio.ClosedResourceError:
         steps.close()
         return False  # closed by aclose() meanwhile (the sleep is ended): Reader raises ClosedResourceError

@@ -61,7 +61,7 @@ from .._base.handle import (
     path_problem,
     require,
 )
-from .._base.steps import Steps, poll_steps, run
+from .._base.steps import Sleep, Steps, poll_steps, run
 from .._broadcast.channel import WriterChannel
 from .._broadcast.open import DEFAULT_DIRECTORY, _decoder, _open_channel, _Opening, _WriterSpec
 from .._broadcast.writer import Writer
@@ -974,7 +974,7 @@ def sleep_steps(g: _Gather, slept_ns: int, stop: Callable[[], bool], left_s: Cal
         return slept_ns
     start = perf_counter_ns()
     try:
-        yield limit
+        yield Sleep(limit)
     finally:
         g.end_sleep()
     return perf_counter_ns() - start

@@ -37,7 +37,7 @@ from .._base.errors import (
 )
 from .._base.handle import Handle
 from .._base.stats import ReaderStatistics
-from .._base.steps import Steps, run, run_blocking
+from .._base.steps import Sleep, Steps, run, run_blocking
 from .._shm.layout import host_name
 from .._shm.place import NameTaken
 from . import wire
@@ -821,7 +821,7 @@ class TcpSource:
         failure, or nothing within ``limit_s``). A wait that ends any other way (cancelled,
         interrupted: the driver closes these steps) closes the source too: nobody will use it."""
         try:
-            got = yield max(limit_s, 0.0)  # (never CHECKPOINT: a negative limit waits no time)
+            got = yield Sleep(max(limit_s, 0.0))
         except BaseException:
             self.close()
             raise

@@ -442,7 +442,7 @@ class MessageQueueReader(MessageQueue):
         # (create_from_handle(handle, -1)) takes the default name, unique too (reader-<pid>-<n>).
         name = f"rank-{rank}" if rank >= 0 else None
         if name is not None and rank in handle.local_reader_ranks:
-            reader = blocking._open_arena_reader(handle.channel, name=name)
+            reader = blocking.open_arena_reader(handle.channel, name=name)
         else:
             if handle.n_reader == handle.n_local_reader:
                 raise BroadcastError(
@@ -474,7 +474,7 @@ class MessageQueueReader(MessageQueue):
 
     def shutdown(self) -> None:
         self.shutting_down = True
-        self._reader._interrupt()
+        self._reader._interrupt()  # noqa: SLF001 (see _wait)
 
     def close(self) -> None:
         """Detach this reader (the writer stops waiting for it at once). Closing again does
@@ -507,7 +507,10 @@ class MessageQueueReader(MessageQueue):
         if spin.busy_loop_s > 0:
             busy_ns = max(0, int((spin.last_read + spin.busy_loop_s - time.monotonic()) * 1e9))
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        return self._reader._get(deadline, stop, CANCEL_CHECK_S if cancel is not None else None, busy_ns)
+        # vLLM's dequeue stops on shutdown() or a cancel event and spins as its busy loop says:
+        # the blocking reader's get with a stop condition, which its public get does not offer
+        # (it has no such users); this drop-in is its one other user.
+        return self._reader._get(deadline, stop, CANCEL_CHECK_S if cancel is not None else None, busy_ns)  # noqa: SLF001
 
 
 def _close_at_exit(

@@ -232,7 +232,7 @@ _LENGTHS = {4: _U32, 8: _U64}
 _NEW_OBJECT = {ord("R"): 2, 0x81: 2, 0x92: 3, 0x93: 2}  # REDUCE NEWOBJ NEWOBJ_EX STACK_GLOBAL: values taken
 #: copyreg's extension registry: while it is empty, the pickler names every callable an object is
 #: rebuilt with by ``STACK_GLOBAL`` (else perhaps by an ``EXT`` code).
-_EXTENSIONS: dict[tuple[str, str], int] = copyreg._extension_registry  # type: ignore[attr-defined]
+_EXTENSIONS: dict[tuple[str, str], int] = copyreg._extension_registry  # type: ignore[attr-defined]  # noqa: SLF001 (no public view of it)
 
 
 def _may_hold(chunk: bytes) -> bool:

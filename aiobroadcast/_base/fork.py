@@ -191,7 +191,7 @@ def _after_fork_in_child() -> None:
     inherited = list(_live)
     _live.clear()
     for res in inherited:
-        res._forget_in_child()
+        res._forget_in_child()  # noqa: SLF001 (the hook of Tracked, defined by every tracked resource)
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

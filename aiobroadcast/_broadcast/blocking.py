@@ -478,7 +478,7 @@ def open_reader(
     return BlockingReader(_private, source, h, reader_name, spec.spin_us)
 
 
-def _open_arena_reader(handle: Handle | str, *, name: str) -> BlockingReader[Any]:
+def open_arena_reader(handle: Handle | str, *, name: str) -> BlockingReader[Any]:
     """A shared-memory reader whose arena bodies arrive as views with a lifetime and everything
     else as copies (``aiobroadcast.vllm``'s local readers: vLLM's arena hands out such tensors)."""
     h = Handle.parse(handle)

@@ -16,7 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     # the shared base: constants, errors, codecs, handles, step drivers; no role, no transport
     ("_base",),
     # the ring and its wake-ups; the TCP frames, the sealing and the sans-IO protocol
-    ("_shm", "_tcp.seal", "_tcp.wire", "_tcp.readers", "_tcp.protocol"),
+    ("_shm", "_tcp.seal", "_tcp.wire", "_tcp.readers", "_tcp.protocol", "_tcp.serving", "_tcp.receiving"),
     # the TCP pumps, server and supervisor (they read the ring as a reader does)
     ("_tcp",),
     # the role families, each on the ones before it
@@ -32,7 +32,9 @@ LAYERS: list[tuple[str, ...]] = [
 SANS_IO = {
     "_tcp.wire": {"zmq", "socket", "select", "asyncio", "anyio", "threading", "sniffio"},
     "_tcp.readers": {"zmq", "socket", "select", "asyncio", "anyio", "threading", "sniffio"},
-    "_tcp.protocol": {"zmq", "socket", "select", "asyncio", "anyio", "threading", "sniffio"},
+    "_tcp.protocol": {"zmq", "socket", "select", "asyncio", "anyio", "threading", "sniffio", "time"},
+    "_tcp.serving": {"zmq", "socket", "select", "asyncio", "anyio", "threading", "sniffio", "time"},
+    "_tcp.receiving": {"zmq", "socket", "select", "asyncio", "anyio", "threading", "sniffio", "time"},
     "_base.steps": {"zmq", "socket", "select", "asyncio", "threading", "sniffio"},
 }
 

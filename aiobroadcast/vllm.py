@@ -109,7 +109,8 @@ from ._base import fork as _fork
 from ._base.errors import BroadcastError, InsufficientSharedMemory, WaitTimeout, WouldBlock
 from ._base.handle import Handle as ChannelHandle
 from ._broadcast import blocking
-from ._broadcast.open import DEFAULT_DIRECTORY, _ring_reachable
+from ._broadcast.open import DEFAULT_DIRECTORY
+from ._broadcast.reader_open import _ring_reachable
 
 __all__ = [
     "Handle",

@@ -24,7 +24,8 @@ from pydantic import BaseModel
 import aiobroadcast as ab
 from aiobroadcast import blocking
 from aiobroadcast._base import tuning as _tuning
-from aiobroadcast._broadcast.open import ReaderOptions, WriterOptions, _ReaderSpec, _WriterSpec
+from aiobroadcast._broadcast.reader_open import ReaderOptions, _ReaderSpec
+from aiobroadcast._broadcast.writer_open import WriterOptions, _WriterSpec
 
 #: Generous bound for "it happens" (never a performance claim): a loaded 2-core CI machine.
 WITHIN_S = 15.0

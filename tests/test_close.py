@@ -32,7 +32,7 @@ from _tcp_workers import ASYNCIO, TRIO, UVLOOP
 import aiobroadcast as ab
 from aiobroadcast import blocking
 from aiobroadcast._tcp import client as tcp_client
-from aiobroadcast._tcp.protocol import ClientProtocol
+from aiobroadcast._tcp.receiving import ClientProtocol
 from aiobroadcast.vllm import Handle as QueueHandle
 from aiobroadcast.vllm import MessageQueue
 

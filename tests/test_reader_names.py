@@ -163,7 +163,7 @@ def test_unnamed_readers_get_distinct_names() -> None:
 def test_an_unnamed_reader_skips_a_default_name_another_process_holds(holders: list[Holder]) -> None:
     """A process with our pid in another pid namespace (containers sharing the ring) can hold
     the name our next unnamed reader would take: it takes the next number instead."""
-    from aiobroadcast._broadcast import open as _open
+    from aiobroadcast._broadcast import reader_open as _open
 
     with blocking.open_writer(capacity=4, slot_bytes=256) as writer:
         with blocking.open_reader(writer.handle) as first:

@@ -21,15 +21,8 @@ from test_cli import Proc, run, wait_file
 import aiobroadcast as ab
 from aiobroadcast import blocking
 from aiobroadcast._tcp import seal
-from aiobroadcast._tcp.protocol import (
-    Admitted,
-    ClientProtocol,
-    Ended,
-    ServerConfig,
-    ServerEvent,
-    ServerProtocol,
-    Welcomed,
-)
+from aiobroadcast._tcp.receiving import ClientProtocol, Ended, Welcomed
+from aiobroadcast._tcp.serving import Admitted, ServerConfig, ServerEvent, ServerProtocol
 
 
 @pytest.fixture

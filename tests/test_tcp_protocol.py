@@ -22,26 +22,18 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from aiobroadcast._tcp import seal, wire
-from aiobroadcast._tcp.protocol import (
+from aiobroadcast._tcp.protocol import HEARTBEAT_HEARD, HEARTBEAT_LATEST, IDLE_ACK_HEARTBEATS
+from aiobroadcast._tcp.receiving import ClientEvent, ClientProtocol, Ended, Lagged, Messages, Refused, Welcomed
+from aiobroadcast._tcp.serving import (
     BUFFER_BYTES,
-    HEARTBEAT_HEARD,
-    HEARTBEAT_LATEST,
-    IDLE_ACK_HEARTBEATS,
     Admitted,
-    ClientEvent,
-    ClientProtocol,
     Departed,
-    Ended,
-    Lagged,
-    Messages,
     ReaderFault,
-    Refused,
     Rejected,
     ServerConfig,
     ServerEvent,
     ServerProtocol,
     TimedOut,
-    Welcomed,
 )
 
 KEY = secrets.token_bytes(32)  #: the handle's key (insecure mode): every side derives its keys from it
@@ -1811,7 +1803,7 @@ def test_the_wire_and_the_protocol_load_no_zeromq() -> None:
     """The CLI takes the server's ring-place name from wire.py, and the protocol is sans-IO:
     importing either must not load ZeroMQ (a fresh interpreter, so nothing else loaded it)."""
     code = (
-        "import sys, aiobroadcast._tcp.wire, aiobroadcast._tcp.protocol; "
+        "import sys, aiobroadcast._tcp.wire, aiobroadcast._tcp.serving, aiobroadcast._tcp.receiving; "
         "print(sorted(m for m in sys.modules if m == 'zmq' or m.startswith('zmq.')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -10,8 +10,8 @@ import pytest
 from test_tcp_protocol import CHANNEL, Net, publish, server
 
 from aiobroadcast._tcp import seal, wire
-from aiobroadcast._tcp.protocol import Admitted, ServerProtocol
 from aiobroadcast._tcp.readers import REVOKED
+from aiobroadcast._tcp.serving import Admitted, ServerProtocol
 
 
 def hello(window: int = 4, resume: int | None = None) -> list[bytes]:

@@ -25,8 +25,9 @@ from .._base.steps import Steps, drive_blocking, run_blocking
 from .._shm.owned import Owned as _Owned
 from .._shm.owned import left_before as _left
 from .channel import WriterChannel
-from .open import ReaderOptions, WriterOptions, _ReaderSpec, _shm_source, _WriterSpec, channel_steps, source_steps
 from .reader import Source, poll_budget, sleep_blocking, wait_steps
+from .reader_open import ReaderOptions, _ReaderSpec, _shm_source, source_steps
+from .writer_open import WriterOptions, _WriterSpec, channel_steps
 
 __all__ = ["BlockingReader", "BlockingWriter", "open_reader", "open_writer"]
 

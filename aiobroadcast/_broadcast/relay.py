@@ -9,7 +9,9 @@ from typing import Any, Literal, NamedTuple
 
 from .._base.errors import EndOfStream, ReaderLagged, TransportError, WriterGone
 from .._base.handle import Handle
-from .open import DEFAULT_DIRECTORY, Transport, _open_channel, _open_raw_reader, _WriterSpec
+from .open import _open_raw_reader
+from .reader_open import Transport
+from .writer_open import DEFAULT_DIRECTORY, _open_channel, _WriterSpec
 
 
 class RelayEnd(NamedTuple):

@@ -63,9 +63,11 @@ from .._base.handle import (
 )
 from .._base.steps import Sleep, Steps, poll_steps, run
 from .._broadcast.channel import WriterChannel
-from .._broadcast.open import DEFAULT_DIRECTORY, _decoder, _open_channel, _Opening, _WriterSpec
+from .._broadcast.open import _Opening
+from .._broadcast.reader_open import _decoder
 from .._broadcast.writer import Writer
 from .._broadcast.writer import _private as _writer_token
+from .._broadcast.writer_open import DEFAULT_DIRECTORY, _open_channel, _WriterSpec
 from .._shm import segment as _segment
 from .._shm.atomic import Words
 from .._shm.layout import R_ACTIVE, R_CURSOR, R_PID, fence

@@ -23,7 +23,7 @@ from .._base.codec import import_schema
 from .._base.errors import InvalidArgument, InvalidHandle
 from .._base.handle import CurveKeys, check_directory
 from .._broadcast.channel import WriterChannel
-from .._broadcast.open import DEFAULT_DIRECTORY, _WriterSpec
+from .._broadcast.writer_open import DEFAULT_DIRECTORY, _WriterSpec
 from .._shm.layout import R_ACTIVE, R_PID
 
 

@@ -17,7 +17,7 @@ from .readers import REVOKED, ClientInfo
 
 if TYPE_CHECKING:
     from .listener import Listener
-    from .protocol import ServerProtocol
+    from .serving import ServerProtocol
 
 log = logging.getLogger("aiobroadcast")
 

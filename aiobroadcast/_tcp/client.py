@@ -42,8 +42,9 @@ from .._shm.layout import host_name
 from .._shm.place import NameTaken
 from . import wire
 from .errors import protocol_error, zmq_errors
-from .protocol import ACK_BYTES, IDLE_ACK_HEARTBEATS, ClientProtocol, Ended, Lagged, Messages, Refused, Welcomed
+from .protocol import ACK_BYTES, IDLE_ACK_HEARTBEATS
 from .readers import NAME_TAKEN
+from .receiving import ClientProtocol, Ended, Lagged, Messages, Refused, Welcomed
 from .sockets import recv_parts
 
 #: bytes of data frames the I/O thread opens before it looks at acknowledgements again

@@ -18,7 +18,7 @@ import zmq.auth.thread
 from .._base.errors import TransportError
 from . import wire
 from .errors import zmq_errors
-from .protocol import Outgoing, Transmission
+from .serving import Outgoing, Transmission
 from .settings import ServerSettings
 from .sockets import send_parts
 

@@ -11,8 +11,8 @@ import os
 import time
 from typing import Any
 
-from .protocol import Rejected, ServerEvent, ServerProtocol, TimedOut
 from .report import ServerReport, write_report
+from .serving import Rejected, ServerEvent, ServerProtocol, TimedOut
 
 log = logging.getLogger("aiobroadcast")
 

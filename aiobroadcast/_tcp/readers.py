@@ -1,5 +1,5 @@
 """The remote readers a TCP server knows, and its control connection with each, without sockets,
-threads or clocks (docs/tcp.md): part of the server's sans-IO protocol (``protocol.py``).
+threads or clocks (docs/tcp.md): part of the server's sans-IO protocol (``serving.py``).
 
 ``Readers`` admits a reader (HELLO: version, channel, room, where it resumes), takes its ACK,
 NACK and BYE, drops it when it falls silent or sends a bad frame, and says WELCOME, REFUSED,
@@ -7,7 +7,7 @@ UNKNOWN, KEYS and HEARTBEAT: each reader's place, credit and deadlines are here.
 sent of the stream (the batches, gaps and END of the data connection) is ``ServerProtocol``'s,
 which holds the stream and reads each reader's place and credit from here. Control frames
 pile up for ``data_to_send``, which the pump empties; the events and types of the server's
-side are defined here too (``protocol.py`` exports them).
+side are defined here too (``serving.py`` exports them).
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ _IDLE_REFS = 3
 class Buffers:
     """The buffers large bodies are sealed or opened into, used again once nothing refers to them.
 
-    The server's (``Sealer``): a sealed body is held (``_tcp.protocol``) and shared with ZeroMQ (a
+    The server's (``Sealer``): a sealed body is held (``_tcp.serving``) and shared with ZeroMQ (a
     ``zmq.Frame`` made without a copy keeps a reference to its buffer until ZeroMQ has sent it to
     every reader); once the readers acknowledged it and ZeroMQ let go, only this pool refers to
     it, and the next body of the same size is sealed into it. A reader's (``Opener``): an opened

@@ -44,14 +44,14 @@ from . import seal, wire
 from .allow import AllowGate
 from .listener import Listener
 from .notices import Notices
-from .protocol import (
+from .report import remove_report
+from .serving import (
     BUFFER_BYTES,
     ClientInfo,
     ReaderFault,
     ServerConfig,
     ServerProtocol,
 )
-from .report import remove_report
 from .settings import ServerSettings
 
 log = logging.getLogger("aiobroadcast")

@@ -25,7 +25,7 @@ STOP_HEARTBEATS = 12
 
 
 class WriterOptions(Protocol):
-    """The writer's options the server's settings come from (``_open._WriterSpec``)."""
+    """The writer's options the server's settings come from (``_broadcast.writer_open._WriterSpec``)."""
 
     @property
     def insecure(self) -> bool: ...

@@ -1,4 +1,4 @@
-"""A call's state machine (``_rpc._Call``), driven by hand: what ``Caller`` and ``BlockingCaller``
+"""A call's state machine (``_calls.machine._Call``), driven by hand: what ``Caller`` and ``BlockingCaller``
 both run, without processes or rings. Which reply answers which call, whom a call waits for,
 and what the ones that did not answer get."""
 
@@ -15,22 +15,20 @@ import aiobroadcast as ab
 from aiobroadcast import blocking
 from aiobroadcast._base.errors import BroadcastError, ClosedResourceError
 from aiobroadcast._base.steps import drive, drive_blocking
-from aiobroadcast._calls.core import (
+from aiobroadcast._calls.machine import (
     _DONE,
     _GET,
     _HANDLE,
-    _HELLO,
     _NEXT,
     _PUT,
     _REPLY,
     _Book,
     _Call,
     _CallerCore,
-    _PoolSpec,
-    caller_steps,
     serve_steps,
-    worker_steps,
 )
+from aiobroadcast._calls.open import _PoolSpec, caller_steps, worker_steps
+from aiobroadcast._calls.types import _HELLO
 from aiobroadcast._fanin.core import Item, SourceClosed, SourceGone
 
 

@@ -1,0 +1,247 @@
+"""The blocking calls roles (``aiobroadcast.blocking``): ``BlockingCaller``, ``BlockingRequest``,
+``BlockingWorker``, for code without an event loop; they drive the call machine as the async
+roles do."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from time import monotonic
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, final
+
+from .._base import fork as _fork
+from .._base.errors import BroadcastError, ClosedResourceError, EndOfStream, WaitTimeout
+from .._base.steps import drive_blocking
+from .._shm.owned import Owned
+from .machine import _DONE, _HANDLE, _NEXT, _PUT, _REPLY, ServeStep, _Answer, _CallerCore, _why_late, serve_steps
+from .types import CALLER_FIX, WORKER_FIX, CallerStatistics, Outcome, PoolHandle, Q, R, _check_timeout, _private
+
+
+# --- blocking ---------------------------------------------------------------------------------------
+@final
+@_fork.role("caller", CALLER_FIX)
+class BlockingCaller(Generic[Q, R]):
+    """``Caller`` for code without an event loop (``aiobroadcast.blocking.open_caller``)."""
+
+    def __init__(self, token: object, writer: Any, collector: Any, workers: tuple[str, ...]) -> None:
+        if token is not _private:
+            raise TypeError("BlockingCaller cannot be built directly; use aiobroadcast.blocking.open_caller()")
+        self._w = writer
+        self._c = collector
+        self._core = _CallerCore(writer.handle, collector.handle, workers)
+        # Calls and wait_ready take turns on it. A call from inside this thread's own call (a
+        # request's __reduce__, a signal handler) is refused instead of waiting for itself.
+        self._lock = Owned()
+
+    @property
+    def handle(self) -> PoolHandle:
+        return self._core.handle
+
+    @property
+    def workers(self) -> tuple[str, ...]:
+        return self._core.book.workers
+
+    def call(self, request: Q, *, timeout: float) -> dict[str, Outcome[R]]:
+        """As ``Caller.call``; calls from several threads take turns (the wait counts in the timeout)."""
+        _check_timeout(timeout)
+        lock = self._lock
+        if lock.mine():
+            raise BroadcastError("call() called from inside this caller's own call on this thread")
+        try:
+            lock.acquire(None)  # inside the try: a Ctrl-C anywhere leaves it free (_owned.py)
+            try:
+                return self._call(request, timeout)
+            finally:
+                self._core.book.busy = False  # the call is over (_Book.begin)
+        finally:
+            lock.release()
+
+    def _call(self, request: Q, timeout: float) -> dict[str, Outcome[R]]:
+        call = self._core.start(request)
+        deadline = monotonic() + timeout
+        need = call.need()
+        unsent = None
+        while need != _DONE:
+            left = max(0.0, deadline - monotonic())
+            try:
+                if need == _PUT:
+                    self._w.put(call.message, left)
+                    need = call.sent()
+                else:
+                    need = call.take(self._c.get(left))
+            except EndOfStream:
+                need = call.ended()
+            except WaitTimeout as exc:
+                if need == _PUT:
+                    unsent = str(exc)  # it names the workers that held the request ring
+                break
+        if need == _DONE:
+            return call.result(timeout)
+        w = self._w
+        with w._close_lock:  # as its statistics() reads the ring: a close from another thread waits
+            if w._closing:
+                return call.result(timeout)
+            return call.result(timeout, _why_late(w._w, unsent))
+
+    def statistics(self) -> CallerStatistics:
+        return self._core.book.statistics()
+
+    def wait_ready(self, names: Iterable[str] | None = None, *, timeout: float | None = None) -> None:
+        """As ``Caller.wait_ready``; takes turns with calls from other threads."""
+        core = self._core
+        wanted = core.wanted(names, timeout)
+        deadline = None if timeout is None else monotonic() + timeout
+        lock = self._lock
+        if lock.mine():
+            raise BroadcastError("wait_ready() called from inside this caller's own call on this thread")
+        try:
+            try:
+                lock.acquire(deadline)
+            except WaitTimeout:
+                raise core.not_ready(wanted, timeout) from None
+            core.check_open()
+            c = self._c
+
+            def check_now() -> None:
+                try:
+                    c._lock.acquire(None)
+                    c._g.check_now()
+                finally:
+                    c._lock.release()
+
+            while core.sweep(wanted, c.get_nowait, check_now):
+                try:
+                    d = c.get(None if deadline is None else max(0.0, deadline - monotonic()))
+                except WaitTimeout:
+                    raise core.not_ready(wanted, timeout) from None
+                core.hello(d)
+        except EndOfStream:
+            raise core.not_ready(wanted, timeout) from None
+        finally:
+            lock.release()
+
+    def close(self) -> None:
+        if self._core.closed:
+            return
+        self._core.closed = True
+        try:
+            self._w.close()
+        finally:
+            self._c.close()
+
+    def __enter__(self) -> BlockingCaller[Q, R]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<aiobroadcast.blocking.BlockingCaller workers={len(self.workers)}>"
+
+    def __reduce__(self) -> NoReturn:
+        raise BroadcastError("a BlockingCaller cannot be pickled: send caller.handle and open_worker there")
+
+    if not TYPE_CHECKING:
+
+        @property
+        def serve(self) -> NoReturn:
+            raise AttributeError(
+                "a BlockingCaller has no serve(): workers serve (open_worker(caller.handle, name=...).serve(fn))"
+            )
+
+
+@final
+class BlockingRequest(_Answer[Q, R]):
+    """``Request`` for a ``BlockingWorker``."""
+
+    __slots__ = ()
+
+    def reply(self, value: R) -> None:
+        answer = self._reply(value)
+        try:
+            self._sender.put(answer)
+        except BaseException:
+            self._unsent()
+            raise
+
+    def fail(self, exc: BaseException) -> None:
+        self._sender.put(self._failure(exc))
+
+
+@final
+@_fork.role("worker", WORKER_FIX)
+class BlockingWorker(Generic[Q, R]):
+    """``Worker`` for code without an event loop (``aiobroadcast.blocking.open_worker``)."""
+
+    def __init__(self, token: object, reader: Any, sender: Any, name: str) -> None:
+        if token is not _private:
+            raise TypeError("BlockingWorker cannot be built directly; use aiobroadcast.blocking.open_worker()")
+        self._r = reader
+        self._s = sender
+        self._name = name
+        self._closed = False
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def __iter__(self) -> BlockingWorker[Q, R]:
+        return self
+
+    def __next__(self) -> BlockingRequest[Q, R]:
+        request = self._next()
+        if request is None:
+            raise StopIteration
+        return request
+
+    def _next(self) -> BlockingRequest[Q, R] | None:
+        try:
+            cid, value = self._r.get()
+        except (EndOfStream, ClosedResourceError):
+            return None
+        return BlockingRequest(self._s, cid, value)
+
+    def serve(self, handler: Any) -> int:
+        """As ``Worker.serve``, with a plain function."""
+
+        def do(step: ServeStep) -> object:
+            what, arg = step
+            if what == _NEXT:
+                return self._next()
+            if what == _HANDLE:
+                return handler(arg.value)
+            request, x = arg
+            (request.reply if what == _REPLY else request.fail)(x)
+            return None
+
+        return drive_blocking(serve_steps(), do)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._s.close()
+        finally:
+            self._r.close()
+
+    def __enter__(self) -> BlockingWorker[Q, R]:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<aiobroadcast.blocking.BlockingWorker {self._name!r}>"
+
+    def __reduce__(self) -> NoReturn:
+        raise BroadcastError("a BlockingWorker cannot be pickled: send the pool's handle and open_worker there")
+
+    if not TYPE_CHECKING:
+
+        @property
+        def call(self) -> NoReturn:
+            raise AttributeError("a BlockingWorker has no call(): only the caller calls (open_caller(workers=...))")
+
+
+for _public in (BlockingCaller, BlockingRequest, BlockingWorker):
+    _public.__module__ = "aiobroadcast.blocking"

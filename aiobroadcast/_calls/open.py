@@ -1,0 +1,197 @@
+"""Opening a pool's roles: the arguments (``_PoolSpec``), the steps of opening a caller and
+a worker (written once), and the async and blocking factories that drive them."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable, Generator, Iterable
+from typing import Any
+
+from .._base.errors import InvalidArgument
+from .._base.steps import drive, drive_blocking
+from .._broadcast import blocking as blocking_roles
+from .._broadcast.open import DEFAULT_DIRECTORY, _Opening, open_reader, open_writer
+from .._fanin import blocking as fanin_blocking
+from .._fanin.core import open_collector, open_sender
+from .blocking import BlockingCaller, BlockingWorker
+from .roles import Caller, Worker
+from .types import _HELLO, PoolHandle, _check_workers, _private
+
+
+# --- opening ----------------------------------------------------------------------------------------
+class _PoolSpec:
+    """``open_caller``'s arguments, checked; shared by the async and blocking factories."""
+
+    def __init__(
+        self,
+        workers: Iterable[str],
+        capacity: int,
+        slot_bytes: int,
+        max_request_bytes: int | None,
+        max_reply_bytes: int | None,
+        directory: str,
+    ) -> None:
+        self.workers = _check_workers(workers)
+        self.capacity = capacity
+        self.slot_bytes = slot_bytes
+        self.max_request_bytes = max_request_bytes
+        self.max_reply_bytes = max_reply_bytes
+        self.directory = directory
+
+    def writer_options(self) -> dict[str, Any]:
+        """The request channel: one reader place per worker."""
+        return {
+            "capacity": self.capacity,
+            "slot_bytes": self.slot_bytes,
+            "max_readers": len(self.workers),
+            "max_message_bytes": self.max_request_bytes,
+            "directory": self.directory,
+        }
+
+    def collector_options(self) -> dict[str, Any]:
+        """The reply collector: it waits for the pool's workers."""
+        return {
+            "expect": self.workers,
+            "capacity": self.capacity,
+            "slot_bytes": self.slot_bytes,
+            "max_message_bytes": self.max_reply_bytes,
+            "directory": self.directory,
+        }
+
+
+#: A step of opening a pool's role (``caller_steps``, ``worker_steps``): what to do (a factory's
+#: name, ``"put"`` or ``"close"``), with what. Each front end does it with its own factories and
+#: methods (``_open_async``, ``_open_blocking``), driven by ``_steps.drive``/``drive_blocking``.
+OpenStep = tuple[str, tuple[Any, ...], dict[str, Any]]
+
+
+def caller_steps(spec: _PoolSpec) -> Generator[OpenStep, Any, tuple[Any, Any]]:
+    """Opening a caller, written once: the request channel, then the reply collector; on a
+    failure (or a cancellation) the channel is closed again. Returns (writer, collector)."""
+    writer = yield "open_writer", (), spec.writer_options()
+    try:
+        collector = yield "open_collector", (), spec.collector_options()
+    except BaseException:
+        yield "close", (writer,), {}
+        raise
+    return writer, collector
+
+
+def worker_steps(handle: object, name: str) -> Generator[OpenStep, Any, tuple[Any, Any]]:
+    """Opening a worker, written once: claim the name (the reply sender), attach to the
+    requests, say hello (calls from now on reach us); on a failure, close what was opened.
+    Returns (reader, sender)."""
+    h = _worker_start(handle, name)
+    sender = yield "open_sender", (h.replies,), {"name": name}
+    try:
+        reader = yield "open_reader", (h.requests,), {"name": name, "transport": "shm"}
+        try:
+            yield "put", (sender, (_HELLO, True, os.getpid())), {}
+        except BaseException:
+            yield "close", (reader,), {}
+            raise
+    except BaseException:
+        yield "close", (sender,), {}
+        raise
+    return reader, sender
+
+
+_ASYNC_FACTORIES: dict[str, Callable[..., Awaitable[Any]]] = {
+    "open_writer": open_writer,
+    "open_collector": open_collector,
+    "open_sender": open_sender,
+    "open_reader": open_reader,
+}
+
+
+async def _open_async(step: OpenStep) -> object:
+    what, args, kwargs = step
+    if what == "close":
+        return await args[0].aclose()
+    if what == "put":
+        return await args[0].put(args[1])
+    return await _ASYNC_FACTORIES[what](*args, **kwargs)
+
+
+_BLOCKING_FACTORIES: dict[str, Callable[..., object]] = {
+    "open_writer": blocking_roles.open_writer,
+    "open_collector": fanin_blocking.open_collector,
+    "open_sender": fanin_blocking.open_sender,
+    "open_reader": blocking_roles.open_reader,
+}
+
+
+def _open_blocking(step: OpenStep) -> object:
+    what, args, kwargs = step
+    if what == "close":
+        return args[0].close()
+    if what == "put":
+        return args[0].put(args[1])
+    return _BLOCKING_FACTORIES[what](*args, **kwargs)
+
+
+def open_caller(
+    *,
+    workers: Iterable[str],
+    capacity: int = 64,
+    slot_bytes: int = 1 << 16,
+    max_request_bytes: int | None = None,
+    max_reply_bytes: int | None = None,
+    directory: str = DEFAULT_DIRECTORY,
+) -> _Opening[Caller[Any, Any]]:
+    """Create a pool of the named ``workers`` (unique names, as a fan-in's senders) and return its
+    caller. Start the workers with ``caller.handle``; ``call`` waits (within its timeout) for
+    those not attached yet. ``capacity``/``slot_bytes``: the request ring and each worker's reply
+    ring. ``max_request_bytes``/``max_reply_bytes``: size limits (``MessageTooLarge``)."""
+    spec = _PoolSpec(workers, capacity, slot_bytes, max_request_bytes, max_reply_bytes, directory)
+
+    async def make() -> Caller[Any, Any]:
+        writer, collector = await drive(caller_steps(spec), _open_async)
+        return Caller(_private, writer, collector, spec.workers)
+
+    return _Opening(make)
+
+
+def _worker_start(handle: object, name: str) -> PoolHandle:
+    h = PoolHandle.parse(handle)  # type: ignore[arg-type]
+    if name not in h.workers:
+        raise InvalidArgument(f"{name!r} is not one of this pool's workers {list(h.workers)}")
+    return h
+
+
+def open_worker(handle: PoolHandle | str, *, name: str) -> _Opening[Worker[Any, Any]]:
+    """Join the pool of ``handle`` (``caller.handle`` or its JSON) as worker ``name`` (one of the
+    names the caller gave). Raises ``InvalidHandle`` (not a pool's handle), ``InvalidArgument``
+    (a name not in the pool, or held by a live worker), ``CollectorGone`` (the caller closed)."""
+
+    async def make() -> Worker[Any, Any]:
+        reader, sender = await drive(worker_steps(handle, name), _open_async)
+        return Worker(_private, reader, sender, name)
+
+    return _Opening(make)
+
+
+def open_blocking_caller(
+    *,
+    workers: Iterable[str],
+    capacity: int = 64,
+    slot_bytes: int = 1 << 16,
+    max_request_bytes: int | None = None,
+    max_reply_bytes: int | None = None,
+    directory: str = DEFAULT_DIRECTORY,
+) -> BlockingCaller[Any, Any]:
+    """``aiobroadcast.blocking.open_caller``: the arguments and errors of ``open_caller``."""
+    spec = _PoolSpec(workers, capacity, slot_bytes, max_request_bytes, max_reply_bytes, directory)
+    writer, collector = drive_blocking(caller_steps(spec), _open_blocking)
+    return BlockingCaller(_private, writer, collector, spec.workers)
+
+
+def open_blocking_worker(handle: PoolHandle | str, *, name: str) -> BlockingWorker[Any, Any]:
+    """``aiobroadcast.blocking.open_worker``: the arguments and errors of ``open_worker``."""
+    reader, sender = drive_blocking(worker_steps(handle, name), _open_blocking)
+    return BlockingWorker(_private, reader, sender, name)
+
+
+for _fn, _name in ((open_blocking_caller, "open_caller"), (open_blocking_worker, "open_worker")):
+    _fn.__module__ = "aiobroadcast.blocking"
+    _fn.__name__ = _fn.__qualname__ = _name

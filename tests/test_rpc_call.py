@@ -1,6 +1,7 @@
-"""A call's state machine (``_calls.machine._Call``), driven by hand: what ``Caller`` and ``BlockingCaller``
-both run, without processes or rings. Which reply answers which call, whom a call waits for,
-and what the ones that did not answer get."""
+"""A call's state machine (``_calls.machine._Call``), driven by hand: what ``Caller`` and
+``BlockingCaller`` both run, built from worker names alone, without a handle, processes or
+rings. Which reply answers which call, whom a call waits for, what the ones that did not answer
+get, and which moves between its phases it makes and refuses."""
 
 from __future__ import annotations
 
@@ -16,12 +17,12 @@ from aiobroadcast import blocking
 from aiobroadcast._base.errors import BroadcastError, ClosedResourceError
 from aiobroadcast._base.steps import drive, drive_blocking
 from aiobroadcast._calls.machine import (
-    _DONE,
-    _GET,
     _HANDLE,
     _NEXT,
-    _PUT,
     _REPLY,
+    TRANSITIONS,
+    Need,
+    Phase,
     _Book,
     _Call,
     _CallerCore,
@@ -44,18 +45,18 @@ def test_a_call_waits_for_every_worker_to_attach_then_sends_then_gathers_the_rep
     book = _Book(("a", "b"))
     call = _Call(book, "req")
     assert call.message == (1, "req")
-    assert call.need() == _GET
+    assert call.need() is Need.GET
     call.take(hello("a"))
-    assert call.need() == _GET  # b is not attached: a request now would miss it
+    assert call.need() is Need.GET  # b is not attached: a request now would miss it
     call.take(hello("b"))
-    assert call.need() == _PUT
-    assert call.need() == _PUT  # until it is sent
+    assert call.need() is Need.PUT
+    assert call.need() is Need.PUT  # until it is sent
     call.sent()
-    assert call.need() == _GET
+    assert call.need() is Need.GET
     call.take(reply("b", 1, "B"))
-    assert call.need() == _GET
+    assert call.need() is Need.GET
     call.take(reply("a", 1, "A"))
-    assert call.need() == _DONE
+    assert call.need() is Need.DONE
     book.busy = False
     assert call.result(1.0) == {"a": ab.Reply("a", "A"), "b": ab.Reply("b", "B")}
     assert book.statistics().calls == 1
@@ -65,21 +66,21 @@ def test_a_late_reply_never_answers_the_next_call_and_an_unknown_id_is_counted()
     book = _Book(("a",))
     first = _Call(book, "one")
     first.take(hello("a"))
-    assert first.need() == _PUT
+    assert first.need() is Need.PUT
     first.sent()
     book.busy = False  # its deadline passed
     assert first.result(0.5) == {"a": ab.NoReply("a", "deadline", "worker 'a' did not answer within 0.5 s")}
     second = _Call(book, "two")
-    assert second.need() == _PUT
+    assert second.need() is Need.PUT
     second.sent()
     second.take(reply("a", 1, "late"))  # the first call's answer
     second.take(reply("a", 99, "?"))  # no call has this id
     second.take(Item("a", "not a reply"))
     second.take(Item("stranger", (2, True, "x")))
-    assert second.need() == _GET
+    assert second.need() is Need.GET
     second.take(reply("a", 2, "two"))
     second.take(reply("a", 2, "again"))  # a second answer to this call: dropped, counted late
-    assert second.need() == _DONE
+    assert second.need() is Need.DONE
     book.busy = False
     assert second.result(1.0) == {"a": ab.Reply("a", "two")}
     s = book.statistics()
@@ -92,13 +93,13 @@ def test_a_failed_handler_and_ended_workers_are_answers_and_not_waited_for() -> 
     for name in ("ok", "bad", "gone", "left"):
         call.take(hello(name))
     call.take(SourceGone("gone", 4321))
-    assert call.need() == _PUT
+    assert call.need() is Need.PUT
     call.sent()
     call.take(SourceClosed("left"))  # it ended after the request went out
     call.take(Item("bad", (1, False, ("ValueError", "no"))))
-    assert call.need() == _GET
+    assert call.need() is Need.GET
     call.take(reply("ok", 1, "yes"))
-    assert call.need() == _DONE
+    assert call.need() is Need.DONE
     book.busy = False
     out = call.result(1.0)
     assert list(out) == ["ok", "bad", "gone", "left"]  # the order the workers were named
@@ -111,13 +112,13 @@ def test_a_failed_handler_and_ended_workers_are_answers_and_not_waited_for() -> 
 def test_when_every_worker_ended_the_call_stops_waiting() -> None:
     book = _Book(("a",))
     call = _Call(book, 0)
-    assert call.need() == _GET
+    assert call.need() is Need.GET
     call.ended()  # the collector's stream ended before a worker attached
-    assert call.need() == _PUT
+    assert call.need() is Need.PUT
     call.sent()
-    assert call.need() == _GET
+    assert call.need() is Need.GET
     call.ended()
-    assert call.need() == _DONE
+    assert call.need() is Need.DONE
     book.busy = False
     assert call.result(1.0)["a"].reason == "deadline"  # type: ignore[union-attr]
 
@@ -132,11 +133,95 @@ def test_one_call_at_a_time_and_a_finished_call_frees_the_turn() -> None:
 
 
 def test_a_closed_callers_core_starts_no_call() -> None:
-    core = object.__new__(_CallerCore)  # its handle is not needed here
-    core.book, core.closed = _Book(("a",)), True
+    core = _CallerCore(("a",))
+    call = core.start("x")
+    assert call.phase is Phase.ATTACH
+    core.book.busy = False
+    core.closed = True
     with pytest.raises(ClosedResourceError, match="closed"):
-        core.start("x")
-    assert core.book.statistics().calls == 0
+        core.start("y")
+    assert core.book.statistics().calls == 1
+
+
+# --- the phases and their one table of moves (``TRANSITIONS``) --------------------------------------
+def call_at(phase: Phase) -> _Call:
+    """A call of a pool of one worker, brought to ``phase`` by the events a front end hands it."""
+    call = _Call(_Book(("a",)), "req")
+    if phase is Phase.ATTACH:
+        return call
+    assert call.take(hello("a")) is Need.PUT
+    if phase is Phase.SEND:
+        return call
+    assert call.sent() is Need.GET
+    if phase is Phase.REPLIES:
+        return call
+    assert call.take(reply("a", 1, "A")) is Need.DONE
+    return call
+
+
+def test_the_table_names_every_phase_and_over_is_final() -> None:
+    assert set(TRANSITIONS) == set(Phase)
+    assert TRANSITIONS[Phase.OVER] == frozenset()
+    for phase in Phase:
+        assert call_at(phase).phase is phase
+
+
+@pytest.mark.parametrize("start", list(Phase), ids=lambda p: p.name)
+@pytest.mark.parametrize("to", list(Phase), ids=lambda p: p.name)
+def test_every_move_in_the_table_is_made_and_every_other_is_refused(start: Phase, to: Phase) -> None:
+    call = call_at(start)
+    if to in TRANSITIONS[start]:
+        call.move(to)
+        assert call.phase is to
+    else:
+        with pytest.raises(BroadcastError, match=f"cannot go from {start.name} to {to.name}"):
+            call.move(to)
+        assert call.phase is start  # refused: it stays where it was
+
+
+def test_the_events_make_each_move_of_the_table() -> None:
+    """Each move of the table, made by the events that make it in a front end."""
+    made: set[tuple[Phase, Phase]] = set()
+
+    def step(call: _Call, event: Callable[[], Need], want: Phase) -> None:
+        before = call.phase
+        event()
+        assert call.phase is want
+        made.add((before, want))
+
+    c = call_at(Phase.ATTACH)
+    step(c, lambda: c.take(hello("a")), Phase.SEND)  # the last worker attached
+    step(c, c.sent, Phase.REPLIES)  # the request is out
+    step(c, lambda: c.take(reply("a", 1, "A")), Phase.OVER)  # the last answer came
+    c = call_at(Phase.ATTACH)
+    step(c, c.ended, Phase.SEND)  # every worker ended before attaching: nobody to miss it
+    c = call_at(Phase.REPLIES)
+    step(c, c.ended, Phase.OVER)  # every worker ended: nobody left to wait for
+    c = call_at(Phase.REPLIES)
+    step(c, lambda: c.take(SourceClosed("a")), Phase.OVER)  # the last worker left instead of answering
+    book = _Book(("a",))
+    book.absorb(hello("a"), 0, {})  # attached before the call began
+    c = _Call(book, "req")
+    step(c, c.need, Phase.SEND)
+    assert made == {(a, b) for a, targets in TRANSITIONS.items() for b in targets}
+
+
+@pytest.mark.parametrize(
+    ("phase", "event"),
+    [
+        (Phase.ATTACH, "sent"),  # the request went out before the call needed a send
+        (Phase.REPLIES, "sent"),  # sent twice
+        (Phase.OVER, "sent"),
+        (Phase.SEND, "ended"),  # the collector's stream ended while the call sends: no get was asked for
+    ],
+)
+def test_an_event_out_of_turn_is_refused_and_changes_nothing(phase: Phase, event: str) -> None:
+    call = call_at(phase)
+    before = call._book.statistics(), dict(call._book.absent), call._book.expect
+    with pytest.raises(BroadcastError, match="cannot go from"):
+        getattr(call, event)()
+    assert call.phase is phase
+    assert (call._book.statistics(), dict(call._book.absent), call._book.expect) == before
 
 
 # --- a worker's serving loop (``serve_steps``), driven by both front ends over fakes ----------------

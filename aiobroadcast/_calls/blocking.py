@@ -27,14 +27,15 @@ class BlockingCaller(Generic[Q, R]):
             raise TypeError("BlockingCaller cannot be built directly; use aiobroadcast.blocking.open_caller()")
         self._w = writer
         self._c = collector
-        self._core = _CallerCore(writer.handle, collector.handle, workers)
+        self._core = _CallerCore(workers)
+        self._handle = PoolHandle(requests=writer.handle, replies=collector.handle, workers=workers)
         # Calls and wait_ready take turns on it. A call from inside this thread's own call (a
         # request's __reduce__, a signal handler) is refused instead of waiting for itself.
         self._lock = Owned()
 
     @property
     def handle(self) -> PoolHandle:
-        return self._core.handle
+        return self._handle
 
     @property
     def workers(self) -> tuple[str, ...]:

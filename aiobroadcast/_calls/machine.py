@@ -4,20 +4,20 @@ answer (``_Answer``). Written once for the async and the blocking roles, which d
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable
-from typing import TYPE_CHECKING, Any, Generic
+from collections.abc import Callable, Generator, Iterable, Mapping
+from enum import Enum
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any, Final, Generic
 
 from .._base.errors import BroadcastError, ClosedResourceError, CollectorGone, InvalidArgument, WaitTimeout, WouldBlock
-from .._base.handle import Handle
 from .._base.stats import where
-from .._fanin.core import CollectorHandle, Item, SourceClosed, SourceGone
+from .._fanin.core import Item, SourceClosed, SourceGone
 from .types import (
     _HELLO,
     CallerStatistics,
     Failed,
     NoReply,
     Outcome,
-    PoolHandle,
     Q,
     R,
     Reply,
@@ -167,18 +167,51 @@ class _Book:
         )
 
 
-#: What a call needs next (``_Call.need``): a delivery from the collector, the request sent, nothing.
-_GET, _PUT, _DONE = 0, 1, 2
-#: A call's phases: waiting for the workers to attach, sending, waiting for replies, over.
-_ATTACH, _SEND, _REPLIES, _OVER = 0, 1, 2, 3
+class Need(Enum):
+    """What a call needs next (``_Call.need``): a delivery from the collector, the request
+    sent, nothing (the call is over)."""
+
+    GET = "get"
+    PUT = "put"
+    DONE = "done"
+
+
+class Phase(Enum):
+    """A call's phases: waiting for the workers to attach, sending the request, waiting for
+    the replies, over."""
+
+    ATTACH = "attach"
+    SEND = "send"
+    REPLIES = "replies"
+    OVER = "over"
+
+
+# module names for the members: a global is looked up faster than a class's attribute
+_GET, _PUT, _DONE = Need.GET, Need.PUT, Need.DONE
+_ATTACH, _SEND, _REPLIES, _OVER = Phase.ATTACH, Phase.SEND, Phase.REPLIES, Phase.OVER
+
+#: Every move a call makes, and the only ones (``_Call.move`` refuses any other). From ATTACH
+#: to SEND once every worker attached or ended (``take``, ``need``, ``ended``: then nobody is
+#: left to miss the request); to REPLIES once the request is out (``sent``); to OVER once
+#: every worker the request went to answered or ended (``take``, ``need``, ``ended``).
+TRANSITIONS: Final[Mapping[Phase, frozenset[Phase]]] = MappingProxyType(
+    {
+        _ATTACH: frozenset({_SEND}),
+        _SEND: frozenset({_REPLIES}),
+        _REPLIES: frozenset({_OVER}),
+        _OVER: frozenset(),
+    }
+)
 
 
 class _Call:
     """One call, sans-IO: its id, its request and the answers it gathered. The front end asks
-    ``need()`` and does it (``_GET``: take a delivery from the collector and hand it to ``take``,
-    or say ``ended`` when every worker ended; ``_PUT``: send ``message``, then say ``sent``); each
-    of these returns what is needed next, until ``_DONE`` or the call's deadline passes; then
-    ``result``. The front end ends the call (``_Book.busy``) whatever happened.
+    ``need()`` and does it (``Need.GET``: take a delivery from the collector and hand it to
+    ``take``, or say ``ended`` when every worker ended; ``Need.PUT``: send ``message``, then say
+    ``sent``); each of these returns what is needed next, until ``Need.DONE`` or the call's
+    deadline passes; then ``result``. The front end ends the call (``_Book.busy``) whatever
+    happened. Its phase moves only as ``TRANSITIONS`` allows (``move``): a front end that says
+    ``sent`` before the call needed a send, or ``ended`` while it sends, is refused.
     Written once for ``Caller`` and ``BlockingCaller``: which reply answers this call (its id,
     see ``_Book.absorb``: a late reply to an earlier call never does), whom to wait for, and
     what the ones that did not answer get."""
@@ -193,37 +226,55 @@ class _Call:
         #: what goes on the request channel
         self.message = (cid, request)
 
-    def need(self) -> int:
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    def move(self, to: Phase) -> None:
+        """Go to phase ``to``: ``BroadcastError`` if ``TRANSITIONS`` has no such move (the call
+        stays where it was)."""
+        if to not in TRANSITIONS[self._phase]:
+            allowed = ", ".join(sorted(p.name for p in TRANSITIONS[self._phase])) or "none"
+            raise BroadcastError(
+                f"call {self.cid} cannot go from {self._phase.name} to {to.name} (from {self._phase.name}: {allowed})"
+            )
+        self._phase = to
+
+    def need(self) -> Need:
         phase = self._phase
-        if phase == _ATTACH:
+        if phase is _ATTACH:
             if self._book.unready():
                 return _GET  # first, the workers not attached yet (a request would miss them)
-            self._phase = phase = _SEND
-        if phase == _SEND:
+            self.move(_SEND)
             return _PUT
-        if phase == _REPLIES and self._book.waiting(self._got):
-            return _GET
-        self._phase = _OVER
+        if phase is _SEND:
+            return _PUT
+        if phase is _REPLIES:
+            if self._book.waiting(self._got):
+                return _GET
+            self.move(_OVER)
         return _DONE
 
-    def take(self, delivery: object) -> int:
+    def take(self, delivery: object) -> Need:
         book = self._book
         book.absorb(delivery, self.cid, self._got)
-        if self._phase == _REPLIES:  # the usual case, written out: a reply came
+        if self._phase is _REPLIES:  # the usual case, written out: a reply came
             if book.waiting(self._got):
                 return _GET
-            self._phase = _OVER
+            self.move(_OVER)
             return _DONE
         return self.need()
 
-    def ended(self) -> int:
+    def ended(self) -> Need:
         """Every worker ended (the collector's stream ended): nobody is left to wait for."""
-        self._phase = _SEND if self._phase == _ATTACH else _OVER
+        phase = self._phase
+        if phase is not _OVER:
+            self.move(_SEND if phase is _ATTACH else _OVER)
         return self.need()
 
-    def sent(self) -> int:
+    def sent(self) -> Need:
+        self.move(_REPLIES)
         self._book.sent()
-        self._phase = _REPLIES
         return self.need()
 
     def result(self, timeout: float, why: Callable[[str], str] | None = None) -> dict[str, Outcome[Any]]:
@@ -231,15 +282,15 @@ class _Call:
 
 
 class _CallerCore:
-    """What ``Caller`` and ``BlockingCaller`` share (no I/O): the pool's handle, the
-    bookkeeping, whether the caller is closed, starting a call, and ``wait_ready``'s sweep and
-    error. Each front end holds one and adds its own waiting and turn-taking."""
+    """What ``Caller`` and ``BlockingCaller`` share (no I/O, no handle: built from the
+    workers' names alone): the bookkeeping, whether the caller is closed, starting a call,
+    and ``wait_ready``'s sweep and error. Each front end holds one and adds its own waiting
+    and turn-taking."""
 
-    __slots__ = ("book", "closed", "handle")
+    __slots__ = ("book", "closed")
 
-    def __init__(self, requests: Handle, replies: CollectorHandle, workers: tuple[str, ...]) -> None:
+    def __init__(self, workers: tuple[str, ...]) -> None:
         self.book = _Book(workers)
-        self.handle = PoolHandle(requests=requests, replies=replies, workers=workers)
         self.closed = False
 
     def check_open(self) -> None:

@@ -44,7 +44,8 @@ class Caller(Generic[Q, R]):
             raise TypeError("Caller cannot be built directly; use aiobroadcast.open_caller()")
         self._w = writer
         self._c = collector
-        self._core = _CallerCore(writer.handle, collector.handle, workers)
+        self._core = _CallerCore(workers)
+        self._handle = PoolHandle(requests=writer.handle, replies=collector.handle, workers=workers)
         self._turn = anyio.Lock()  # concurrent calls take turns
         # call() publishes without a look at the thread (put_nowait): it looks itself, first.
         self._thread = threading.get_ident()
@@ -52,7 +53,7 @@ class Caller(Generic[Q, R]):
     @property
     def handle(self) -> PoolHandle:
         """What a worker needs: pass it (or its JSON) to ``open_worker`` with one of the names."""
-        return self._core.handle
+        return self._handle
 
     @property
     def workers(self) -> tuple[str, ...]:

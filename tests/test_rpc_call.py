@@ -5,7 +5,7 @@ get, and which moves between its phases it makes and refuses."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
@@ -15,20 +15,29 @@ import pytest
 import aiobroadcast as ab
 from aiobroadcast import blocking
 from aiobroadcast._base.errors import BroadcastError, ClosedResourceError
-from aiobroadcast._base.steps import drive, drive_blocking
+from aiobroadcast._base.steps import drive_blocking
+from aiobroadcast._calls.blocking import serve_blocking
 from aiobroadcast._calls.machine import (
-    _HANDLE,
-    _NEXT,
-    _REPLY,
     TRANSITIONS,
     Need,
     Phase,
     _Book,
     _Call,
     _CallerCore,
-    serve_steps,
 )
-from aiobroadcast._calls.open import _PoolSpec, caller_steps, worker_steps
+from aiobroadcast._calls.open import (
+    Close,
+    OpenCollector,
+    OpenEvent,
+    OpenReader,
+    OpenSender,
+    OpenWriter,
+    Put,
+    _PoolSpec,
+    caller_steps,
+    worker_steps,
+)
+from aiobroadcast._calls.roles import serve_async
 from aiobroadcast._calls.types import _HELLO
 from aiobroadcast._fanin.core import Item, SourceClosed, SourceGone
 
@@ -224,7 +233,7 @@ def test_an_event_out_of_turn_is_refused_and_changes_nothing(phase: Phase, event
     assert (call._book.statistics(), dict(call._book.absent), call._book.expect) == before
 
 
-# --- a worker's serving loop (``serve_steps``), driven by both front ends over fakes ----------------
+# --- a worker's serving loop (``serve_steps``), run by both drivers over fakes ----------------
 class FakeRequest:
     """Records what the loop answered; ``reply`` raises what ``refuse`` maps the value to."""
 
@@ -250,43 +259,37 @@ def handler(v: object) -> object:
     return v
 
 
+class AsyncFakeRequest(FakeRequest):
+    async def reply(self, answer: object) -> None:  # type: ignore[override]
+        await anyio.lowlevel.checkpoint()
+        super().reply(answer)
+
+    async def fail(self, exc: BaseException) -> None:  # type: ignore[override]
+        await anyio.lowlevel.checkpoint()
+        super().fail(exc)
+
+
 def blocking_serve(values: list[object], refuse: dict[object, BaseException]) -> tuple[int, list[Any]]:
+    """The blocking driver (``serve_blocking``), as a ``BlockingWorker`` runs it."""
     log: list[Any] = []
     queue = [FakeRequest(v, log, refuse) for v in values]
-
-    def do(step: tuple[int, Any]) -> object:
-        what, arg = step
-        if what == _NEXT:
-            return queue.pop(0) if queue else None
-        if what == _HANDLE:
-            return handler(arg.value)
-        request, x = arg
-        (request.reply if what == _REPLY else request.fail)(x)
-        return None
-
-    return drive_blocking(serve_steps(), do), log
+    return serve_blocking(lambda: queue.pop(0) if queue else None, handler), log
 
 
 def async_serve(values: list[object], refuse: dict[object, BaseException]) -> tuple[int, list[Any]]:
+    """The async driver (``serve_async``), as a ``Worker`` runs it, with a coroutine handler."""
     log: list[Any] = []
-    queue = [FakeRequest(v, log, refuse) for v in values]
+
+    async def requests() -> AsyncIterator[AsyncFakeRequest]:
+        for v in values:
+            yield AsyncFakeRequest(v, log, refuse)
 
     async def coroutine_handler(v: object) -> object:
         await anyio.lowlevel.checkpoint()
         return handler(v)
 
-    async def do(step: tuple[int, Any]) -> object:
-        what, arg = step
-        if what == _NEXT:
-            return queue.pop(0) if queue else None
-        if what == _HANDLE:
-            return await coroutine_handler(arg.value)
-        request, x = arg
-        (request.reply if what == _REPLY else request.fail)(x)
-        return None
-
     async def main() -> tuple[int, list[Any]]:
-        return await drive(serve_steps(), do), log
+        return await serve_async(requests(), coroutine_handler), log
 
     return anyio.run(main)
 
@@ -315,14 +318,28 @@ def test_serving_ends_when_the_collector_is_gone(
 
 
 # --- opening a pool's roles (``caller_steps``, ``worker_steps``), over fakes --------------------------
+OPENS = {
+    OpenWriter: "open_writer",
+    OpenCollector: "open_collector",
+    OpenSender: "open_sender",
+    OpenReader: "open_reader",
+}
+
+
 def open_with_fakes(steps: Any, fail: str | None) -> tuple[list[str], Any]:
     """Drive ``steps`` in a thread over fakes that log what is done; ``fail`` names the step that
     raises. Returns the log and the result (or the error raised)."""
     log: list[str] = []
 
-    def do(step: tuple[str, tuple[Any, ...], dict[str, Any]]) -> object:
-        what, args, _kwargs = step
-        log.append(what if what.startswith("open_") else f"{what} {args[0]}")
+    def do(event: OpenEvent) -> object:
+        match event:
+            case Put(sender, _item):
+                what, line = "put", f"put {sender}"
+            case Close(role):
+                what, line = "close", f"close {role}"
+            case _:
+                what = line = OPENS[type(event)]
+        log.append(line)
         if what == fail:
             raise ab.BroadcastError(f"{what} failed")
         return what.removeprefix("open_")

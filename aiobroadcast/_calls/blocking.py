@@ -4,15 +4,25 @@ roles do."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from time import monotonic
 from typing import TYPE_CHECKING, Any, Generic, NoReturn, final
 
 from .._base import fork as _fork
 from .._base.errors import BroadcastError, ClosedResourceError, EndOfStream, WaitTimeout
-from .._base.steps import drive_blocking
 from .._shm.owned import Owned
-from .machine import _DONE, _HANDLE, _NEXT, _PUT, _REPLY, ServeStep, _Answer, _CallerCore, _why_late, serve_steps
+from .machine import (
+    _DONE,
+    _PUT,
+    CallHandler,
+    NextRequest,
+    SendFailure,
+    SendReply,
+    _Answer,
+    _CallerCore,
+    _why_late,
+    serve_steps,
+)
 from .types import CALLER_FIX, WORKER_FIX, CallerStatistics, Outcome, PoolHandle, Q, R, _check_timeout, _private
 
 
@@ -150,6 +160,35 @@ class BlockingCaller(Generic[Q, R]):
             )
 
 
+def serve_blocking(take: Callable[[], Any], handler: Callable[[Any], Any]) -> int:
+    """``serve_steps`` in this thread: ``take()`` returns each request (None at the end: a
+    ``BlockingWorker``'s), ``handler`` answers its value, ``reply``/``fail`` send the answer."""
+    steps = serve_steps()
+    request: Any = None
+    answer: Any = None
+    try:
+        event = next(steps)
+        while True:
+            try:
+                match event:
+                    case NextRequest():
+                        request = take()
+                    case CallHandler():
+                        answer = handler(request.value)
+                    case SendReply():
+                        request.reply(answer)
+                    case SendFailure(error=error):
+                        request.fail(error)
+            except BaseException as exc:
+                event = steps.throw(exc)
+            else:
+                event = steps.send(request)
+    except StopIteration as end:
+        return end.value  # type: ignore[no-any-return]
+    finally:
+        steps.close()
+
+
 @final
 class BlockingRequest(_Answer[Q, R]):
     """``Request`` for a ``BlockingWorker``."""
@@ -204,17 +243,7 @@ class BlockingWorker(Generic[Q, R]):
     def serve(self, handler: Any) -> int:
         """As ``Worker.serve``, with a plain function."""
 
-        def do(step: ServeStep) -> object:
-            what, arg = step
-            if what == _NEXT:
-                return self._next()
-            if what == _HANDLE:
-                return handler(arg.value)
-            request, x = arg
-            (request.reply if what == _REPLY else request.fail)(x)
-            return None
-
-        return drive_blocking(serve_steps(), do)
+        return serve_blocking(self._next, handler)
 
     def close(self) -> None:
         if self._closed:

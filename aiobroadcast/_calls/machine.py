@@ -5,6 +5,7 @@ answer (``_Answer``). Written once for the async and the blocking roles, which d
 from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Mapping
+from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Generic
@@ -185,6 +186,10 @@ class Phase(Enum):
     REPLIES = "replies"
     OVER = "over"
 
+    # Hashed by identity, in C (members are singletons: equal means identical): each move
+    # looks its phase up in TRANSITIONS, and Enum's own __hash__ is a Python function.
+    __hash__ = object.__hash__
+
 
 # module names for the members: a global is looked up faster than a class's attribute
 _GET, _PUT, _DONE = Need.GET, Need.PUT, Need.DONE
@@ -202,6 +207,7 @@ TRANSITIONS: Final[Mapping[Phase, frozenset[Phase]]] = MappingProxyType(
         _OVER: frozenset(),
     }
 )
+_MOVES = dict(TRANSITIONS)  # the same, looked up without the proxy
 
 
 class _Call:
@@ -210,8 +216,11 @@ class _Call:
     ``take``, or say ``ended`` when every worker ended; ``Need.PUT``: send ``message``, then say
     ``sent``); each of these returns what is needed next, until ``Need.DONE`` or the call's
     deadline passes; then ``result``. The front end ends the call (``_Book.busy``) whatever
-    happened. Its phase moves only as ``TRANSITIONS`` allows (``move``): a front end that says
-    ``sent`` before the call needed a send, or ``ended`` while it sends, is refused.
+    happened. Its phase moves only as ``TRANSITIONS`` allows: the moves the front end's events
+    make (``sent``, ``ended``) go through ``move``, which refuses one out of turn (``sent``
+    before the call needed a send, ``ended`` while it sends); ``need`` and ``take`` write theirs
+    out, each right after the test of the phase it moves from (once per call: a method call
+    there was a measurable part of the machine's cost per call).
     Written once for ``Caller`` and ``BlockingCaller``: which reply answers this call (its id,
     see ``_Book.absorb``: a late reply to an earlier call never does), whom to wait for, and
     what the ones that did not answer get."""
@@ -233,7 +242,7 @@ class _Call:
     def move(self, to: Phase) -> None:
         """Go to phase ``to``: ``BroadcastError`` if ``TRANSITIONS`` has no such move (the call
         stays where it was)."""
-        if to not in TRANSITIONS[self._phase]:
+        if to not in _MOVES[self._phase]:
             allowed = ", ".join(sorted(p.name for p in TRANSITIONS[self._phase])) or "none"
             raise BroadcastError(
                 f"call {self.cid} cannot go from {self._phase.name} to {to.name} (from {self._phase.name}: {allowed})"
@@ -245,14 +254,14 @@ class _Call:
         if phase is _ATTACH:
             if self._book.unready():
                 return _GET  # first, the workers not attached yet (a request would miss them)
-            self.move(_SEND)
+            self._phase = _SEND  # ATTACH to SEND (TRANSITIONS), written out: once per call
             return _PUT
         if phase is _SEND:
             return _PUT
         if phase is _REPLIES:
             if self._book.waiting(self._got):
                 return _GET
-            self.move(_OVER)
+            self._phase = _OVER  # REPLIES to OVER (TRANSITIONS), as in take
         return _DONE
 
     def take(self, delivery: object) -> Need:
@@ -261,7 +270,7 @@ class _Call:
         if self._phase is _REPLIES:  # the usual case, written out: a reply came
             if book.waiting(self._got):
                 return _GET
-            self.move(_OVER)
+            self._phase = _OVER  # REPLIES to OVER (TRANSITIONS), written out: once per call
             return _DONE
         return self.need()
 
@@ -363,37 +372,63 @@ def _why_late(ch: WriterChannel, unsent: str | None) -> Callable[[str], str]:
     return why
 
 
-# --- the worker (async) -------------------------------------------------------------------------------
-#: What serving needs next (``serve_steps``): the next request (None once the pool closed), the
-#: handler's answer to a request's value, a request replied to, a request failed.
-_NEXT, _HANDLE, _REPLY, _FAIL = 0, 1, 2, 3
-ServeStep = tuple[int, Any]
-ServeSteps = Generator[ServeStep, Any, int]
+# --- a worker's serving loop ---------------------------------------------------------------------------
+# What serving asks its driver to do (``serve_steps``), as h11's events: each driver (the async
+# one in ``roles.py``, the blocking one in ``blocking.py``) matches them and does it. The events
+# of every request carry nothing: the driver holds the request it took and the handler's
+# answer, and each is made once (no object made per request on this path).
+@dataclass(frozen=True, slots=True)
+class NextRequest:
+    """Take the next request; send it in (None once the pool closed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CallHandler:
+    """Call the handler with the value of the request taken; throw in what it raised."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendReply:
+    """Reply the handler's answer to the request taken; throw in what the reply raised."""
+
+
+@dataclass(frozen=True, slots=True)
+class SendFailure:
+    """Answer the request taken with ``error`` (the caller gets ``Failed``)."""
+
+    error: BaseException
+
+
+ServeEvent = NextRequest | CallHandler | SendReply | SendFailure
+ServeSteps = Generator[ServeEvent, Any, int]
+NEXT_REQUEST: Final = NextRequest()
+CALL_HANDLER: Final = CallHandler()
+SEND_REPLY: Final = SendReply()
 
 
 def serve_steps() -> ServeSteps:
     """A worker's ``serve`` loop, written once for ``Worker`` and ``BlockingWorker``: yields
-    ``(_NEXT, None)``, ``(_HANDLE, request)``, ``(_REPLY, (request, answer))`` or ``(_FAIL,
-    (request, exc))``; the front end does it and sends the result in (the request, None at the
-    end; the answer), or throws what it raised. An exception of the handler fails that call and
-    serving goes on; so does a reply that cannot be sent (unpicklable, too large), but not a
-    collector that is gone. Returns the number of requests served."""
+    ``NextRequest``, ``CallHandler``, ``SendReply`` or ``SendFailure``; the driver does it and
+    sends in the request it holds (the one it took; None once the pool closed), or throws what
+    it raised. An exception of the handler fails that call and serving goes on; so does a reply
+    that cannot be sent (unpicklable, too large), but not a collector that is gone. Returns the
+    number of requests served."""
     served = 0
     while True:
-        request = yield _NEXT, None
+        request = yield NEXT_REQUEST
         if request is None:
             return served
         try:
-            answer = yield _HANDLE, request
+            yield CALL_HANDLER
         except Exception as exc:
-            yield _FAIL, (request, exc)
+            yield SendFailure(exc)
         else:
             try:
-                yield _REPLY, (request, answer)
+                yield SEND_REPLY
             except CollectorGone:
                 raise
             except BroadcastError as exc:
-                yield _FAIL, (request, exc)
+                yield SendFailure(exc)
         served += 1
 
 

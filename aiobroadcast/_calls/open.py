@@ -4,15 +4,17 @@ a worker (written once), and the async and blocking factories that drive them.""
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable, Generator, Iterable
+from collections.abc import Generator, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 from .._base.errors import InvalidArgument
+from .._base.handle import Handle
 from .._base.steps import drive, drive_blocking
 from .._broadcast import blocking as blocking_roles
 from .._broadcast.open import DEFAULT_DIRECTORY, _Opening, open_reader, open_writer
 from .._fanin import blocking as fanin_blocking
-from .._fanin.core import open_collector, open_sender
+from .._fanin.core import CollectorHandle, open_collector, open_sender
 from .blocking import BlockingCaller, BlockingWorker
 from .roles import Caller, Worker
 from .types import _HELLO, PoolHandle, _check_workers, _private
@@ -59,75 +61,119 @@ class _PoolSpec:
         }
 
 
-#: A step of opening a pool's role (``caller_steps``, ``worker_steps``): what to do (a factory's
-#: name, ``"put"`` or ``"close"``), with what. Each front end does it with its own factories and
-#: methods (``_open_async``, ``_open_blocking``), driven by ``_steps.drive``/``drive_blocking``.
-OpenStep = tuple[str, tuple[Any, ...], dict[str, Any]]
+# --- the steps of opening, as events: each driver matches them (``_open_async``, ``_open_blocking``) ---
+@dataclass(frozen=True, slots=True)
+class OpenWriter:
+    """Open the request channel's writer with ``options`` (``open_writer``'s)."""
+
+    options: dict[str, Any]
 
 
-def caller_steps(spec: _PoolSpec) -> Generator[OpenStep, Any, tuple[Any, Any]]:
+@dataclass(frozen=True, slots=True)
+class OpenCollector:
+    """Open the reply collector with ``options`` (``open_collector``'s)."""
+
+    options: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class OpenSender:
+    """Open a worker's reply sender to the collector of ``handle``, under ``name``."""
+
+    handle: CollectorHandle
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class OpenReader:
+    """Open a worker's reader of the request channel of ``handle``, under ``name``, on this
+    host's shared memory (a pool's workers share its host)."""
+
+    handle: Handle
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class Put:
+    """Put ``item`` with ``sender``."""
+
+    sender: Any
+    item: object
+
+
+@dataclass(frozen=True, slots=True)
+class Close:
+    """Close ``role`` (a step that failed after it opened)."""
+
+    role: Any
+
+
+OpenEvent = OpenWriter | OpenCollector | OpenSender | OpenReader | Put | Close
+
+
+def caller_steps(spec: _PoolSpec) -> Generator[OpenEvent, Any, tuple[Any, Any]]:
     """Opening a caller, written once: the request channel, then the reply collector; on a
     failure (or a cancellation) the channel is closed again. Returns (writer, collector)."""
-    writer = yield "open_writer", (), spec.writer_options()
+    writer = yield OpenWriter(spec.writer_options())
     try:
-        collector = yield "open_collector", (), spec.collector_options()
+        collector = yield OpenCollector(spec.collector_options())
     except BaseException:
-        yield "close", (writer,), {}
+        yield Close(writer)
         raise
     return writer, collector
 
 
-def worker_steps(handle: object, name: str) -> Generator[OpenStep, Any, tuple[Any, Any]]:
+def worker_steps(handle: object, name: str) -> Generator[OpenEvent, Any, tuple[Any, Any]]:
     """Opening a worker, written once: claim the name (the reply sender), attach to the
     requests, say hello (calls from now on reach us); on a failure, close what was opened.
     Returns (reader, sender)."""
     h = _worker_start(handle, name)
-    sender = yield "open_sender", (h.replies,), {"name": name}
+    sender = yield OpenSender(h.replies, name)
     try:
-        reader = yield "open_reader", (h.requests,), {"name": name, "transport": "shm"}
+        reader = yield OpenReader(h.requests, name)
         try:
-            yield "put", (sender, (_HELLO, True, os.getpid())), {}
+            yield Put(sender, (_HELLO, True, os.getpid()))
         except BaseException:
-            yield "close", (reader,), {}
+            yield Close(reader)
             raise
     except BaseException:
-        yield "close", (sender,), {}
+        yield Close(sender)
         raise
     return reader, sender
 
 
-_ASYNC_FACTORIES: dict[str, Callable[..., Awaitable[Any]]] = {
-    "open_writer": open_writer,
-    "open_collector": open_collector,
-    "open_sender": open_sender,
-    "open_reader": open_reader,
-}
+async def _open_async(event: OpenEvent) -> object:
+    """An opening step in a task (``_steps.drive``), with the async factories."""
+    match event:
+        case OpenWriter(options):
+            return await open_writer(**options)
+        case OpenCollector(options):
+            return await open_collector(**options)
+        case OpenSender(handle, name):
+            return await open_sender(handle, name=name)
+        case OpenReader(handle, name):
+            return await open_reader(handle, name=name, transport="shm")
+        case Put(sender, item):
+            return await sender.put(item)
+        case Close(role):
+            return await role.aclose()
 
 
-async def _open_async(step: OpenStep) -> object:
-    what, args, kwargs = step
-    if what == "close":
-        return await args[0].aclose()
-    if what == "put":
-        return await args[0].put(args[1])
-    return await _ASYNC_FACTORIES[what](*args, **kwargs)
-
-
-_BLOCKING_FACTORIES: dict[str, Callable[..., object]] = {
-    "open_writer": blocking_roles.open_writer,
-    "open_collector": fanin_blocking.open_collector,
-    "open_sender": fanin_blocking.open_sender,
-    "open_reader": blocking_roles.open_reader,
-}
-
-
-def _open_blocking(step: OpenStep) -> object:
-    what, args, kwargs = step
-    if what == "close":
-        return args[0].close()
-    if what == "put":
-        return args[0].put(args[1])
-    return _BLOCKING_FACTORIES[what](*args, **kwargs)
+def _open_blocking(event: OpenEvent) -> object:
+    """An opening step in this thread (``_steps.drive_blocking``), with the blocking factories."""
+    match event:
+        case OpenWriter(options):
+            return blocking_roles.open_writer(**options)
+        case OpenCollector(options):
+            return fanin_blocking.open_collector(**options)
+        case OpenSender(handle, name):
+            return fanin_blocking.open_sender(handle, name=name)
+        case OpenReader(handle, name):
+            return blocking_roles.open_reader(handle, name=name, transport="shm")
+        case Put(sender, item):
+            return sender.put(item)
+        case Close(role):
+            return role.close()
 
 
 def open_caller(

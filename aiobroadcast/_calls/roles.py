@@ -9,7 +9,7 @@ handler raised, ``(call_id, False, (type_name, message))``; a worker's first ite
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from inspect import isawaitable
 from time import monotonic
 from types import TracebackType
@@ -20,11 +20,21 @@ import anyio.lowlevel
 
 from .._base import fork as _fork
 from .._base.errors import BroadcastError, ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
-from .._base.steps import drive
 from .._broadcast.reader import Reader
 from .._broadcast.writer import Writer
 from .._fanin.core import Collector, Sender
-from .machine import _DONE, _HANDLE, _NEXT, _PUT, _REPLY, ServeStep, _Answer, _CallerCore, _why_late, serve_steps
+from .machine import (
+    _DONE,
+    _PUT,
+    CallHandler,
+    NextRequest,
+    SendFailure,
+    SendReply,
+    _Answer,
+    _CallerCore,
+    _why_late,
+    serve_steps,
+)
 from .types import CALLER_FIX, WORKER_FIX, CallerStatistics, Outcome, PoolHandle, Q, R, _check_timeout, _private
 
 
@@ -203,6 +213,42 @@ class Caller(Generic[Q, R]):
             )
 
 
+# --- the worker (async) -------------------------------------------------------------------------------
+async def serve_async(requests: AsyncIterator[Any], handler: Any) -> int:
+    """``serve_steps`` in a task: takes each request from ``requests`` (a ``Worker``), calls
+    ``handler`` (a function or a coroutine function), answers with ``Request.reply``/``fail``.
+    The events are done here, inline, with no coroutine per event (the path per request)."""
+    steps = serve_steps()
+    request: Any = None
+    answer: Any = None
+    try:
+        event = next(steps)
+        while True:
+            try:
+                match event:
+                    case NextRequest():
+                        try:
+                            request = await requests.__anext__()
+                        except StopAsyncIteration:
+                            request = None
+                    case CallHandler():
+                        answer = handler(request.value)
+                        if isawaitable(answer):
+                            answer = await answer
+                    case SendReply():
+                        await request.reply(answer)
+                    case SendFailure(error=error):
+                        await request.fail(error)
+            except BaseException as exc:
+                event = steps.throw(exc)
+            else:
+                event = steps.send(request)
+    except StopIteration as end:
+        return end.value  # type: ignore[no-any-return]
+    finally:
+        steps.close()
+
+
 @final
 class Request(_Answer[Q, R]):
     """One call as a worker receives it: ``value``, answered once with ``reply`` or ``fail``."""
@@ -266,21 +312,7 @@ class Worker(Generic[Q, R]):
         and the loop goes on. Returns the number of requests served. A reply that cannot be sent
         (unpicklable, too large) is answered as ``Failed`` with that error."""
 
-        async def do(step: ServeStep) -> object:
-            what, arg = step
-            if what == _NEXT:
-                try:
-                    return await self.__anext__()
-                except StopAsyncIteration:
-                    return None
-            if what == _HANDLE:
-                answer = handler(arg.value)
-                return (await answer) if isawaitable(answer) else answer
-            request, x = arg
-            await (request.reply(x) if what == _REPLY else request.fail(x))
-            return None
-
-        return await drive(serve_steps(), do)
+        return await serve_async(self, handler)
 
     async def aclose(self) -> None:
         """Leave the pool: the caller's calls report this worker ``NoReply("closed")``."""

@@ -351,7 +351,7 @@ def open_with_fakes(steps: Any, fail: str | None) -> tuple[list[str], Any]:
 
 
 def test_opening_a_caller_closes_its_request_channel_when_the_collector_cannot_be_made() -> None:
-    spec = _PoolSpec(["a", "b"], 8, 1024, None, 100, "/dev/shm")
+    spec = _PoolSpec(["a", "b"], capacity=8, slot_bytes=1024, max_reply_bytes=100, directory="/dev/shm")
     assert open_with_fakes(caller_steps(spec), None) == (["open_writer", "open_collector"], ("writer", "collector"))
     log, err = open_with_fakes(caller_steps(spec), "open_collector")
     assert log == ["open_writer", "open_collector", "close writer"]

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from time import monotonic
-from typing import TYPE_CHECKING, Any, Generic, NoReturn, final
+from typing import Any, final
 
 from .._base import fork as _fork
 from .._base.errors import BroadcastError, ClosedResourceError, EndOfStream, WaitTimeout
+from .._broadcast.blocking import BlockingReader, BlockingWriter
+from .._fanin.blocking import BlockingCollector, BlockingSender
 from .._shm.owned import Owned
+from .base import _CallerBase, _WorkerBase
 from .machine import (
     _DONE,
     _PUT,
@@ -19,37 +22,29 @@ from .machine import (
     SendFailure,
     SendReply,
     _Answer,
-    _CallerCore,
     _why_late,
     serve_steps,
 )
-from .types import CALLER_FIX, WORKER_FIX, CallerStatistics, Outcome, PoolHandle, Q, R, _check_timeout, _private
+from .types import CALLER_FIX, WORKER_FIX, Outcome, Q, R, _check_timeout
 
 
 # --- blocking ---------------------------------------------------------------------------------------
 @final
 @_fork.role("caller", CALLER_FIX)
-class BlockingCaller(Generic[Q, R]):
+class BlockingCaller(_CallerBase[Q, R, BlockingWriter[Any], BlockingCollector[Any]]):
     """``Caller`` for code without an event loop (``aiobroadcast.blocking.open_caller``)."""
 
-    def __init__(self, token: object, writer: Any, collector: Any, workers: tuple[str, ...]) -> None:
-        if token is not _private:
-            raise TypeError("BlockingCaller cannot be built directly; use aiobroadcast.blocking.open_caller()")
-        self._w = writer
-        self._c = collector
-        self._core = _CallerCore(workers)
-        self._handle = PoolHandle(requests=writer.handle, replies=collector.handle, workers=workers)
+    _NAME = "BlockingCaller"
+    _OPENER = "aiobroadcast.blocking.open_caller()"
+    _NO_SERVE = "a BlockingCaller has no serve(): workers serve (open_worker(caller.handle, name=...).serve(fn))"
+
+    def __init__(
+        self, token: object, writer: BlockingWriter[Any], collector: BlockingCollector[Any], workers: tuple[str, ...]
+    ) -> None:
+        super().__init__(token, writer, collector, workers)
         # Calls and wait_ready take turns on it. A call from inside this thread's own call (a
         # request's __reduce__, a signal handler) is refused instead of waiting for itself.
         self._lock = Owned()
-
-    @property
-    def handle(self) -> PoolHandle:
-        return self._handle
-
-    @property
-    def workers(self) -> tuple[str, ...]:
-        return self._core.book.workers
 
     def call(self, request: Q, *, timeout: float) -> dict[str, Outcome[R]]:
         """As ``Caller.call``; calls from several threads take turns (the wait counts in the timeout)."""
@@ -93,9 +88,6 @@ class BlockingCaller(Generic[Q, R]):
                 return call.result(timeout)
             return call.result(timeout, _why_late(w._w, unsent))
 
-    def statistics(self) -> CallerStatistics:
-        return self._core.book.statistics()
-
     def wait_ready(self, names: Iterable[str] | None = None, *, timeout: float | None = None) -> None:
         """As ``Caller.wait_ready``; takes turns with calls from other threads."""
         core = self._core
@@ -131,9 +123,8 @@ class BlockingCaller(Generic[Q, R]):
             lock.release()
 
     def close(self) -> None:
-        if self._core.closed:
+        if not self._begin_close():
             return
-        self._core.closed = True
         try:
             self._w.close()
         finally:
@@ -147,17 +138,6 @@ class BlockingCaller(Generic[Q, R]):
 
     def __repr__(self) -> str:
         return f"<aiobroadcast.blocking.BlockingCaller workers={len(self.workers)}>"
-
-    def __reduce__(self) -> NoReturn:
-        raise BroadcastError("a BlockingCaller cannot be pickled: send caller.handle and open_worker there")
-
-    if not TYPE_CHECKING:
-
-        @property
-        def serve(self) -> NoReturn:
-            raise AttributeError(
-                "a BlockingCaller has no serve(): workers serve (open_worker(caller.handle, name=...).serve(fn))"
-            )
 
 
 def serve_blocking(take: Callable[[], Any], handler: Callable[[Any], Any]) -> int:
@@ -209,20 +189,16 @@ class BlockingRequest(_Answer[Q, R]):
 
 @final
 @_fork.role("worker", WORKER_FIX)
-class BlockingWorker(Generic[Q, R]):
+class BlockingWorker(_WorkerBase[Q, R, BlockingReader[Any], BlockingSender[Any]]):
     """``Worker`` for code without an event loop (``aiobroadcast.blocking.open_worker``)."""
 
-    def __init__(self, token: object, reader: Any, sender: Any, name: str) -> None:
-        if token is not _private:
-            raise TypeError("BlockingWorker cannot be built directly; use aiobroadcast.blocking.open_worker()")
-        self._r = reader
-        self._s = sender
-        self._name = name
-        self._closed = False
+    _NAME = "BlockingWorker"
+    _OPENER = "aiobroadcast.blocking.open_worker()"
+    _SHOWN_AS = "aiobroadcast.blocking.BlockingWorker"
+    _NO_CALL = "a BlockingWorker has no call(): only the caller calls (open_caller(workers=...))"
 
-    @property
-    def name(self) -> str:
-        return self._name
+    def __init__(self, token: object, reader: BlockingReader[Any], sender: BlockingSender[Any], name: str) -> None:
+        super().__init__(token, reader, sender, name)  # a role class has an __init__ of its own (_fork.role)
 
     def __iter__(self) -> BlockingWorker[Q, R]:
         return self
@@ -242,13 +218,11 @@ class BlockingWorker(Generic[Q, R]):
 
     def serve(self, handler: Any) -> int:
         """As ``Worker.serve``, with a plain function."""
-
         return serve_blocking(self._next, handler)
 
     def close(self) -> None:
-        if self._closed:
+        if not self._begin_close():
             return
-        self._closed = True
         try:
             self._s.close()
         finally:
@@ -259,18 +233,6 @@ class BlockingWorker(Generic[Q, R]):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-    def __repr__(self) -> str:
-        return f"<aiobroadcast.blocking.BlockingWorker {self._name!r}>"
-
-    def __reduce__(self) -> NoReturn:
-        raise BroadcastError("a BlockingWorker cannot be pickled: send the pool's handle and open_worker there")
-
-    if not TYPE_CHECKING:
-
-        @property
-        def call(self) -> NoReturn:
-            raise AttributeError("a BlockingWorker has no call(): only the caller calls (open_caller(workers=...))")
 
 
 for _public in (BlockingCaller, BlockingRequest, BlockingWorker):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Generator, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 from .._base.errors import InvalidArgument
 from .._base.handle import Handle
@@ -21,18 +21,37 @@ from .types import _HELLO, PoolHandle, _check_workers, _private
 
 
 # --- opening ----------------------------------------------------------------------------------------
+class PoolOptions(TypedDict, total=False):
+    """``open_caller``'s keyword arguments but ``workers``, for the async and the blocking
+    factory alike. ``capacity`` (default 64) and ``slot_bytes`` (default 64 KiB): the request
+    ring and each worker's reply ring. ``max_request_bytes``/``max_reply_bytes`` (default None:
+    what a ring holds): size limits (``MessageTooLarge``). ``directory``: where the rings live
+    (default ``/dev/shm``)."""
+
+    capacity: int
+    slot_bytes: int
+    max_request_bytes: int | None
+    max_reply_bytes: int | None
+    directory: str
+
+
 class _PoolSpec:
-    """``open_caller``'s arguments, checked; shared by the async and blocking factories."""
+    """``open_caller``'s arguments, checked, with their defaults; shared by the async and
+    blocking factories."""
 
     def __init__(
         self,
         workers: Iterable[str],
-        capacity: int,
-        slot_bytes: int,
-        max_request_bytes: int | None,
-        max_reply_bytes: int | None,
-        directory: str,
+        *,
+        capacity: int = 64,
+        slot_bytes: int = 1 << 16,
+        max_request_bytes: int | None = None,
+        max_reply_bytes: int | None = None,
+        directory: str = DEFAULT_DIRECTORY,
+        **unknown: object,
     ) -> None:
+        if unknown:  # what Python says of a factory that spells its keywords out
+            raise TypeError(f"open_caller() got an unexpected keyword argument {next(iter(unknown))!r}")
         self.workers = _check_workers(workers)
         self.capacity = capacity
         self.slot_bytes = slot_bytes
@@ -176,20 +195,13 @@ def _open_blocking(event: OpenEvent) -> object:
             return role.close()
 
 
-def open_caller(
-    *,
-    workers: Iterable[str],
-    capacity: int = 64,
-    slot_bytes: int = 1 << 16,
-    max_request_bytes: int | None = None,
-    max_reply_bytes: int | None = None,
-    directory: str = DEFAULT_DIRECTORY,
-) -> _Opening[Caller[Any, Any]]:
+def open_caller(*, workers: Iterable[str], **options: Unpack[PoolOptions]) -> _Opening[Caller[Any, Any]]:
     """Create a pool of the named ``workers`` (unique names, as a fan-in's senders) and return its
     caller. Start the workers with ``caller.handle``; ``call`` waits (within its timeout) for
     those not attached yet. ``capacity``/``slot_bytes``: the request ring and each worker's reply
-    ring. ``max_request_bytes``/``max_reply_bytes``: size limits (``MessageTooLarge``)."""
-    spec = _PoolSpec(workers, capacity, slot_bytes, max_request_bytes, max_reply_bytes, directory)
+    ring. ``max_request_bytes``/``max_reply_bytes``: size limits (``MessageTooLarge``). The
+    options and their defaults: ``PoolOptions``."""
+    spec = _PoolSpec(workers, **options)
 
     async def make() -> Caller[Any, Any]:
         writer, collector = await drive(caller_steps(spec), _open_async)
@@ -217,17 +229,9 @@ def open_worker(handle: PoolHandle | str, *, name: str) -> _Opening[Worker[Any, 
     return _Opening(make)
 
 
-def open_blocking_caller(
-    *,
-    workers: Iterable[str],
-    capacity: int = 64,
-    slot_bytes: int = 1 << 16,
-    max_request_bytes: int | None = None,
-    max_reply_bytes: int | None = None,
-    directory: str = DEFAULT_DIRECTORY,
-) -> BlockingCaller[Any, Any]:
+def open_blocking_caller(*, workers: Iterable[str], **options: Unpack[PoolOptions]) -> BlockingCaller[Any, Any]:
     """``aiobroadcast.blocking.open_caller``: the arguments and errors of ``open_caller``."""
-    spec = _PoolSpec(workers, capacity, slot_bytes, max_request_bytes, max_reply_bytes, directory)
+    spec = _PoolSpec(workers, **options)
     writer, collector = drive_blocking(caller_steps(spec), _open_blocking)
     return BlockingCaller(_private, writer, collector, spec.workers)
 

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Iterable
 from inspect import isawaitable
 from time import monotonic
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Generic, NoReturn, final
+from typing import Any, final
 
 import anyio
 import anyio.lowlevel
@@ -23,6 +23,7 @@ from .._base.errors import BroadcastError, ClosedResourceError, EndOfStream, Wai
 from .._broadcast.reader import Reader
 from .._broadcast.writer import Writer
 from .._fanin.core import Collector, Sender
+from .base import _CallerBase, _WorkerBase
 from .machine import (
     _DONE,
     _PUT,
@@ -31,17 +32,16 @@ from .machine import (
     SendFailure,
     SendReply,
     _Answer,
-    _CallerCore,
     _why_late,
     serve_steps,
 )
-from .types import CALLER_FIX, WORKER_FIX, CallerStatistics, Outcome, PoolHandle, Q, R, _check_timeout, _private
+from .types import CALLER_FIX, WORKER_FIX, Outcome, Q, R, _check_timeout
 
 
 # --- the caller (async) ------------------------------------------------------------------------------
 @final
 @_fork.role("caller", CALLER_FIX)
-class Caller(Generic[Q, R]):
+class Caller(_CallerBase[Q, R, Writer[Any], Collector[Any]]):
     """Calls every worker of a pool and gathers their answers. Built by ``open_caller``.
 
     ``await caller.call(request, timeout=5)`` returns ``{worker: Reply | Failed | NoReply}`` in
@@ -49,25 +49,18 @@ class Caller(Generic[Q, R]):
     call returned is dropped (``statistics().late_replies``), never returned by a later call.
     """
 
+    _NAME = "Caller"
+    _OPENER = "aiobroadcast.open_caller()"
+    _NO_SERVE = (
+        "a Caller has no serve(): workers serve, each in its own role: "
+        "open_worker(caller.handle, name=...).serve(handler)"
+    )
+
     def __init__(self, token: object, writer: Writer[Any], collector: Collector[Any], workers: tuple[str, ...]) -> None:
-        if token is not _private:
-            raise TypeError("Caller cannot be built directly; use aiobroadcast.open_caller()")
-        self._w = writer
-        self._c = collector
-        self._core = _CallerCore(workers)
-        self._handle = PoolHandle(requests=writer.handle, replies=collector.handle, workers=workers)
+        super().__init__(token, writer, collector, workers)
         self._turn = anyio.Lock()  # concurrent calls take turns
         # call() publishes without a look at the thread (put_nowait): it looks itself, first.
         self._thread = threading.get_ident()
-
-    @property
-    def handle(self) -> PoolHandle:
-        """What a worker needs: pass it (or its JSON) to ``open_worker`` with one of the names."""
-        return self._handle
-
-    @property
-    def workers(self) -> tuple[str, ...]:
-        return self._core.book.workers
 
     # The deadline is part of the answer (a NoReply per late worker), not a cancellation.
     async def call(self, request: Q, *, timeout: float) -> dict[str, Outcome[R]]:  # noqa: ASYNC109
@@ -139,9 +132,6 @@ class Caller(Generic[Q, R]):
             return call.result(limit)
         return call.result(limit, _why_late(self._w._ch, unsent))
 
-    def statistics(self) -> CallerStatistics:
-        return self._core.book.statistics()
-
     # The timeout is part of the answer (WaitTimeout naming who is missing), as call's is.
     async def wait_ready(
         self,
@@ -180,9 +170,8 @@ class Caller(Generic[Q, R]):
     async def aclose(self) -> None:
         """Close: workers' iteration ends after the requests already sent; their replies are not
         awaited."""
-        if self._core.closed:
+        if not self._begin_close():
             return
-        self._core.closed = True
         try:
             await self._w.aclose()
         finally:
@@ -199,18 +188,6 @@ class Caller(Generic[Q, R]):
     def __repr__(self) -> str:
         s = self._core.book.statistics()
         return f"<aiobroadcast.Caller workers={len(self.workers)} ready={len(s.ready)} calls={s.calls}>"
-
-    def __reduce__(self) -> NoReturn:
-        raise BroadcastError("a Caller cannot be pickled: send caller.handle and open_worker there")
-
-    if not TYPE_CHECKING:
-
-        @property
-        def serve(self) -> NoReturn:
-            raise AttributeError(
-                "a Caller has no serve(): workers serve, each in its own role: "
-                "open_worker(caller.handle, name=...).serve(handler)"
-            )
 
 
 # --- the worker (async) -------------------------------------------------------------------------------
@@ -276,24 +253,23 @@ class Request(_Answer[Q, R]):
 
 @final
 @_fork.role("worker", WORKER_FIX)
-class Worker(Generic[Q, R]):
+class Worker(_WorkerBase[Q, R, Reader[Any], Sender[Any]]):
     """One named worker of a pool. Built by ``open_worker``; has no ``call``.
 
     ``async for request in worker: await request.reply(answer)``, or ``await
     worker.serve(handler)``. Iteration ends when the caller closes the pool (after the requests
     it sent); a dead caller raises ``WriterGone``."""
 
-    def __init__(self, token: object, reader: Reader[Any], sender: Sender[Any], name: str) -> None:
-        if token is not _private:
-            raise TypeError("Worker cannot be built directly; use aiobroadcast.open_worker()")
-        self._r = reader
-        self._s = sender
-        self._name = name
-        self._closed = False
+    _NAME = "Worker"
+    _OPENER = "aiobroadcast.open_worker()"
+    _SHOWN_AS = "aiobroadcast.Worker"
+    _NO_CALL = (
+        "a Worker has no call(): only the caller calls (open_caller(workers=...).call(request)); "
+        "a worker answers requests: async for request in worker: await request.reply(...)"
+    )
 
-    @property
-    def name(self) -> str:
-        return self._name
+    def __init__(self, token: object, reader: Reader[Any], sender: Sender[Any], name: str) -> None:
+        super().__init__(token, reader, sender, name)  # a role class has an __init__ of its own (_fork.role)
 
     def __aiter__(self) -> Worker[Q, R]:
         return self
@@ -311,14 +287,12 @@ class Worker(Generic[Q, R]):
         the caller closes the pool; an exception the handler raises becomes that call's ``Failed``
         and the loop goes on. Returns the number of requests served. A reply that cannot be sent
         (unpicklable, too large) is answered as ``Failed`` with that error."""
-
         return await serve_async(self, handler)
 
     async def aclose(self) -> None:
         """Leave the pool: the caller's calls report this worker ``NoReply("closed")``."""
-        if self._closed:
+        if not self._begin_close():
             return
-        self._closed = True
         try:
             await self._s.aclose()
         finally:
@@ -331,18 +305,3 @@ class Worker(Generic[Q, R]):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.aclose()
-
-    def __repr__(self) -> str:
-        return f"<aiobroadcast.Worker {self._name!r}>"
-
-    def __reduce__(self) -> NoReturn:
-        raise BroadcastError("a Worker cannot be pickled: send the pool's handle and open_worker there")
-
-    if not TYPE_CHECKING:
-
-        @property
-        def call(self) -> NoReturn:
-            raise AttributeError(
-                "a Worker has no call(): only the caller calls (open_caller(workers=...).call(request)); "
-                "a worker answers requests: async for request in worker: await request.reply(...)"
-            )

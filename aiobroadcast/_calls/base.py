@@ -6,13 +6,20 @@ closing the rings."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar, Generic, NoReturn, Protocol, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, NoReturn, Protocol, TypeVar
 
 from .._base.errors import BroadcastError
 from .._base.handle import Handle
 from .._fanin.core import CollectorHandle
-from .machine import _CallerCore
-from .types import CallerStatistics, PoolHandle, Q, R, _private
+from .machine import _Call, _CallerCore, _why_late
+from .types import CallerStatistics, Outcome, PoolHandle, Q, R, _private
+
+if TYPE_CHECKING:
+    from .._broadcast.channel import WriterChannel
+
+
+V = TypeVar("V")
 
 
 class _Requests(Protocol):
@@ -20,6 +27,8 @@ class _Requests(Protocol):
 
     @property
     def handle(self) -> Handle: ...
+
+    def read_channel(self, read: Callable[[WriterChannel], V]) -> V | None: ...
 
 
 class _Replies(Protocol):
@@ -63,6 +72,13 @@ class _CallerBase(Generic[Q, R, W, C]):
 
     def statistics(self) -> CallerStatistics:
         return self._core.book.statistics()
+
+    def _late(self, call: _Call, limit: float, unsent: str | None) -> dict[str, Outcome[Any]]:
+        """The answer of a call whose deadline passed: each late worker's ``NoReply`` says why
+        (``_why_late``), read from the request ring while the writer is open (a blocking
+        writer's close waits meanwhile); once it closed, its ring is gone and nothing is said."""
+        late = self._w.read_channel(lambda ch: call.result(limit, _why_late(ch, unsent)))
+        return call.result(limit) if late is None else late
 
     def _begin_close(self) -> bool:
         """Whether a close is to be done now (the first close); the caller is closed from here on."""

@@ -22,7 +22,6 @@ from .machine import (
     SendFailure,
     SendReply,
     _Answer,
-    _why_late,
     serve_steps,
 )
 from .types import CALLER_FIX, WORKER_FIX, Outcome, Q, R, _check_timeout
@@ -80,13 +79,9 @@ class BlockingCaller(_CallerBase[Q, R, BlockingWriter[Any], BlockingCollector[An
                 if need == _PUT:
                     unsent = str(exc)  # it names the workers that held the request ring
                 break
-        if need == _DONE:
+        if need is _DONE:
             return call.result(timeout)
-        w = self._w
-        with w._close_lock:  # as its statistics() reads the ring: a close from another thread waits
-            if w._closing:
-                return call.result(timeout)
-            return call.result(timeout, _why_late(w._w, unsent))
+        return self._late(call, timeout, unsent)
 
     def wait_ready(self, names: Iterable[str] | None = None, *, timeout: float | None = None) -> None:
         """As ``Caller.wait_ready``; takes turns with calls from other threads."""

@@ -349,6 +349,11 @@ def _not_begun(worker: str) -> str:
     return "the call did not begin: another call of this caller held it past the deadline"
 
 
+def _unsent(ch: WriterChannel) -> str:
+    """Why a request was not sent by its deadline: the readers that held the request ring."""
+    return str(ch.put_timeout("put", ch.wanted, ch.pub.head))
+
+
 def _why_late(ch: WriterChannel, unsent: str | None) -> Callable[[str], str]:
     """What a call whose deadline passed says of each worker that did not answer: why the
     request was not sent (``unsent``), or where the worker's reader of the requests stands. Read

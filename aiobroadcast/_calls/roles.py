@@ -32,7 +32,7 @@ from .machine import (
     SendFailure,
     SendReply,
     _Answer,
-    _why_late,
+    _unsent,
     serve_steps,
 )
 from .types import CALLER_FIX, WORKER_FIX, Outcome, Q, R, _check_timeout
@@ -116,9 +116,7 @@ class Caller(_CallerBase[Q, R, Writer[Any], Collector[Any]]):
                     with anyio.move_on_after(deadline - monotonic()) as scope:
                         await self._w.put(call.message)
                     if scope.cancelled_caught:  # not sent: a cancelled put publishes nothing
-                        ch = self._w._ch
-                        if not ch.pub.closed:
-                            unsent = str(ch.put_timeout("put", ch.wanted, ch.pub.head))
+                        unsent = self._w.read_channel(_unsent)
                         break
                 need = call.sent()
                 continue
@@ -128,9 +126,9 @@ class Caller(_CallerBase[Q, R, Writer[Any], Collector[Any]]):
                 need = call.ended()
             except WaitTimeout:
                 break
-        if need == _DONE or self._w._ch.pub.closed:  # closed meanwhile: its ring is gone
+        if need is _DONE:
             return call.result(limit)
-        return call.result(limit, _why_late(self._w._ch, unsent))
+        return self._late(call, limit, unsent)
 
     # The timeout is part of the answer (WaitTimeout naming who is missing), as call's is.
     async def wait_ready(

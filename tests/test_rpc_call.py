@@ -5,6 +5,7 @@ get, and which moves between its phases it makes and refuses."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -40,6 +41,9 @@ from aiobroadcast._calls.open import (
 from aiobroadcast._calls.roles import serve_async
 from aiobroadcast._calls.types import _HELLO
 from aiobroadcast._fanin.core import Item, SourceClosed, SourceGone
+
+#: a deadline for liveness only (never a measurement)
+WITHIN_S = 30.0
 
 
 def hello(name: str) -> Item[object]:
@@ -373,3 +377,46 @@ def test_opening_a_worker_says_hello_and_closes_what_it_opened_on_a_failure() ->
         assert log == []  # nothing opened
         assert isinstance(err, ab.InvalidArgument)
         assert "not one of this pool's workers" in str(err)
+
+
+# --- what a late call reads of its request ring (``_CallerBase._late``), on real writers ------------
+def test_a_blocking_writer_is_read_only_while_open_and_a_close_waits_for_the_read() -> None:
+    """A late call reads where the workers' readers stand through ``read_channel``: a close from
+    another thread meanwhile waits until the read is over (the ring is not released under it),
+    and once closed the read is not done at all."""
+    w = blocking.open_writer(capacity=8, slot_bytes=1024, max_readers=1)
+    reading, release, closed = threading.Event(), threading.Event(), threading.Event()
+    seen: list[object] = []
+
+    def read(ch: Any) -> object:
+        reading.set()
+        assert release.wait(WITHIN_S)
+        return ch.pub.closed
+
+    def close() -> None:
+        assert reading.wait(WITHIN_S)
+        w.close()
+        closed.set()
+
+    closer = threading.Thread(target=close)
+    reader = threading.Thread(target=lambda: seen.append(w.read_channel(read)))
+    reader.start()
+    closer.start()
+    assert reading.wait(WITHIN_S)
+    assert not closed.wait(0.2)  # the close waits for the read
+    release.set()
+    reader.join(WITHIN_S)
+    closer.join(WITHIN_S)
+    assert closed.is_set()
+    assert seen == [False]  # the ring was open all through the read
+    assert w.read_channel(read) is None  # closed: nothing is read
+
+
+def test_an_async_writer_is_read_only_while_open() -> None:
+    async def main() -> None:
+        w = await ab.open_writer(capacity=8, slot_bytes=1024, max_readers=1)
+        assert w.read_channel(lambda ch: ch.handle) == w.handle
+        await w.aclose()
+        assert w.read_channel(lambda ch: ch.handle) is None
+
+    anyio.run(main)

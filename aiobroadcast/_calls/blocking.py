@@ -65,10 +65,10 @@ class BlockingCaller(_CallerBase[Q, R, BlockingWriter[Any], BlockingCollector[An
         deadline = monotonic() + timeout
         need = call.need()
         unsent = None
-        while need != _DONE:
+        while need is not _DONE:
             left = max(0.0, deadline - monotonic())
             try:
-                if need == _PUT:
+                if need is _PUT:
                     self._w.put(call.message, left)
                     need = call.sent()
                 else:
@@ -76,7 +76,7 @@ class BlockingCaller(_CallerBase[Q, R, BlockingWriter[Any], BlockingCollector[An
             except EndOfStream:
                 need = call.ended()
             except WaitTimeout as exc:
-                if need == _PUT:
+                if need is _PUT:
                     unsent = str(exc)  # it names the workers that held the request ring
                 break
         if need is _DONE:

@@ -108,8 +108,8 @@ class Caller(_CallerBase[Q, R, Writer[Any], Collector[Any]]):
         call = self._core.start(request)
         need = call.need()
         unsent = None
-        while need != _DONE:
-            if need == _PUT:
+        while need is not _DONE:
+            if need is _PUT:
                 try:
                     self._w.put_nowait(call.message)
                 except WouldBlock:  # the ring is full: wait for room, until the deadline

@@ -137,7 +137,9 @@ class BlockingCaller(_CallerBase[Q, R, BlockingWriter[Any], BlockingCollector[An
 
 def serve_blocking(take: Callable[[], Any], handler: Callable[[Any], Any]) -> int:
     """``serve_steps`` in this thread: ``take()`` returns each request (None at the end: a
-    ``BlockingWorker``'s), ``handler`` answers its value, ``reply``/``fail`` send the answer."""
+    ``BlockingWorker``'s), ``handler`` answers its value, ``reply``/``fail`` send the answer.
+    The loop of ``_steps.drive_blocking``, written out with the events done inline (as
+    ``serve_async`` does): a call per event cost about 100 ns a request here."""
     steps = serve_steps()
     request: Any = None
     answer: Any = None

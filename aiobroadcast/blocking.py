@@ -39,9 +39,9 @@ negative timeout counts as 0 (never as "forever"). A put's names the readers tha
 """
 
 from ._broadcast.blocking import BlockingReader, BlockingWriter, open_reader, open_writer
-from ._calls.core import BlockingCaller, BlockingRequest, BlockingWorker
-from ._calls.core import open_blocking_caller as open_caller
-from ._calls.core import open_blocking_worker as open_worker
+from ._calls.blocking import BlockingCaller, BlockingRequest, BlockingWorker
+from ._calls.open import open_blocking_caller as open_caller
+from ._calls.open import open_blocking_worker as open_worker
 from ._fanin.blocking import BlockingCollector, BlockingSender, open_collector, open_sender
 
 # Every public name says where users import it from (in reprs, tracebacks and the reference), as

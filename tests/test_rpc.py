@@ -167,7 +167,7 @@ def test_blocking_caller_reports_a_killed_worker_dead_and_goes_on() -> None:
 #: locks it takes, and of publishing the request. Not the lines of ``BlockingCaller.call``
 #: itself: its ``finally`` frees the turn, and a line event there is a place where Python raises
 #: no signal's exception (no call or backward jump between the body's end and the release).
-_RPC_FILE = sys.modules["aiobroadcast._calls.core"].__file__
+_RPC_FILES = {m.__file__ for n, m in sys.modules.items() if n.startswith("aiobroadcast._calls.")}
 _PUBLISHING = in_functions(
     ("aiobroadcast._shm.publisher", "aiobroadcast._shm.fragments"),
     ("publish", "publish_many", "_write_fragments", "wake_readers", "wake_sleepers"),
@@ -176,7 +176,7 @@ _OWNED = in_functions(("aiobroadcast._shm.owned",), ("acquire", "try_acquire", "
 
 
 def _calling(code: Any) -> bool:
-    if code.co_filename == _RPC_FILE:
+    if code.co_filename in _RPC_FILES:
         return bool(code.co_qualname != "BlockingCaller.call")
     return _OWNED(code) or _PUBLISHING(code)
 

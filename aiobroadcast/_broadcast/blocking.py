@@ -34,6 +34,7 @@ __all__ = ["BlockingReader", "BlockingWriter", "open_reader", "open_writer"]
 T_contra = TypeVar("T_contra", contravariant=True)
 T_co = TypeVar("T_co", covariant=True)
 M = TypeVar("M", bound=BaseModel)
+V = TypeVar("V")
 
 _private = object()
 
@@ -132,6 +133,12 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         with self._close_lock:
             self._check_open()
             return self._w.statistics(self._lock.waiting)
+
+    def read_channel(self, read: Callable[[WriterChannel], V]) -> V | None:
+        """As ``Writer.read_channel``, under the lock ``close()`` holds while it releases the
+        ring (as ``statistics`` reads it): a close from another thread waits."""
+        with self._close_lock:
+            return None if self._closing else read(self._w)
 
     def wait_readers(
         self, count: int | None = None, *, names: Iterable[str] | None = None, timeout: float | None = None

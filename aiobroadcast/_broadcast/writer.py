@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from threading import get_ident as _get_ident
 from types import TracebackType
 from typing import Generic, NoReturn, TypeVar, final
@@ -20,6 +20,7 @@ from .._base.steps import run
 from .channel import WriterChannel
 
 T_contra = TypeVar("T_contra", contravariant=True)
+V = TypeVar("V")
 
 _private = object()
 
@@ -140,6 +141,13 @@ class Writer(Generic[T_contra]):
 
     def statistics(self) -> WriterStatistics:
         return self._ch.statistics(self._ch.waiting_tasks)
+
+    def read_channel(self, read: Callable[[WriterChannel], V]) -> V | None:
+        """``read(channel)`` while this writer is open, else None (its ring is gone): for the
+        package's roles built on a writer (a pool's caller reads where the readers of its
+        requests stand)."""
+        ch = self._ch
+        return None if ch.pub.closed else read(ch)
 
     async def wait_readers(
         self,

@@ -381,7 +381,7 @@ async def _throw_at(call: Callable[[], Any], n: int, exc: BaseException) -> bool
 #: around it, taking and releasing its locks, is not interrupted here).
 _PUBLISHING = in_functions(
     ("aiobroadcast._shm.publisher", "aiobroadcast._shm.fragments", "aiobroadcast._shm.records"),
-    ("publish", "publish_many", "_write_fragments", "copy_into", "wake_readers", "_wake_sleepers", "wake_sleepers"),
+    ("publish", "publish_many", "write", "copy_into", "wake_readers", "wake_sleepers"),
 )
 
 

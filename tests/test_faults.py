@@ -316,7 +316,7 @@ async def test_an_exception_at_every_await_of_put_and_get_loses_nothing(
             # The ring is full: put waits. Wake the writer spuriously every few ms, so that its
             # wait goes round (each round is another await to interrupt) without ever having room.
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_every_ms, lambda: src._outbox.wake(src._writer_sock))
+                tg.start_soon(_every_ms, lambda: src._outbox.wake(src.cursor.writer_sock))
                 for delay in (0, 0.0001, 0.002, 0.02):
                     with anyio.move_on_after(delay):
                         await writer.put(99)
@@ -381,7 +381,7 @@ async def _throw_at(call: Callable[[], Any], n: int, exc: BaseException) -> bool
 #: around it, taking and releasing its locks, is not interrupted here).
 _PUBLISHING = in_functions(
     ("aiobroadcast._shm.publisher", "aiobroadcast._shm.fragments", "aiobroadcast._shm.records"),
-    ("publish", "publish_many", "_write_fragments", "copy_into", "wake_readers", "_wake_sleepers", "wake_sleepers"),
+    ("publish", "publish_many", "write", "copy_into", "wake_readers", "wake_sleepers"),
 )
 
 

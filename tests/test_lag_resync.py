@@ -152,9 +152,9 @@ async def ring(steps: Callable[[int], int]) -> tuple[ab.Writer[Any], ab.Reader[A
     writer = await ab.open_writer(policy="lag", capacity=CAPACITY, slot_bytes=SLOT_BYTES)
     reader = await ab.open_reader(writer.handle, transport="shm")
     src = cast(ShmSource, reader._src)
-    src._decode = lambda raw, oob: bytes(raw)
+    src.taking.decode = lambda raw, oob: bytes(raw)
     stepped = SteppedWriter(src._seg)
-    src._words = cast(Any, Interleave(src._seg.words, stepped, steps))
+    src._words = src.cursor.words = cast(Any, Interleave(src._seg.words, stepped, steps))
     return writer, reader, src, stepped
 
 

@@ -61,7 +61,7 @@ def test_wait_target_is_exactly_the_boundary_of_has_room(head: int, capacity: in
 def test_crossed_means_this_move_reached_the_target(old: int, step: int, target: int) -> None:
     new = old + step
     assert crossed(old, new, target) == (target != 0 and old < target <= new)
-    # The reader's check in ShmSource._moved, for a one-entry move.
+    # The reader's check in ReaderCursor.moved, for a one-entry move.
     assert crossed(old, old + 1, target) == bool(target and old < target <= old + 1)
     # Moving step by step, exactly one single step crosses a target that the whole move crosses.
     singles = [crossed(c, c + 1, target) for c in range(old, new)]

@@ -5,7 +5,7 @@ at the cursor is not there (not published yet, the end, or overwritten: a lag to
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._base.errors import EndOfStream, ReaderLagged, WouldBlock, WriterGone
 from .atomic import Words, fence_acquire
@@ -25,89 +25,111 @@ from .layout import (
 )
 from .wake import Outbox
 
+if TYPE_CHECKING:
+    from .place import ReaderPlace
+    from .segment import Segment
+
 
 class ReaderCursor:
-    """Where one reader is in the ring and how it moves on; a base of ``ShmSource``, which sets
-    these attributes when it joins (its paths per message read them as attributes of one object)."""
+    """Where one reader is in the ring and how it moves on: one object per reader, which its
+    ``MessageTaking`` (taking.py) moves per message and its ``ShmSource`` reports on. Its state is
+    in plain attributes, read and written by both: the paths per message bind this object once
+    and then read them as attributes of one object, as they would their own."""
 
-    _words: Words
-    _buf: memoryview
-    _cap: int
-    _slot_offset: Callable[[int], int]
-    _block: bool
-    _hold_slot: bool
-    _held: bool
-    _cursor: int
-    _next_msg: int
-    _received: int
-    _lagged_total: int
-    _partial: bytearray | None
-    _writer_gone: bool
-    _cur_word: int
-    _recv_word: int
-    _outbox: Outbox
-    _writer_sock: str
+    def __init__(self, seg: Segment, block: bool, hold_slot: bool, outbox: Outbox) -> None:
+        lay = seg.layout
+        self.words: Words = seg.words
+        self.buf = seg.buf
+        self.cap = lay.capacity
+        self.slot_offset: Callable[[int], int] = lay.slot_offset  # the layout's function: called per message
+        self.block = block
+        #: Zero-copy reads: a delivered message may be a view of its slot, so the slot is
+        #: released only at the next take (``hold``, ``release``).
+        self.hold_slot = hold_slot
+        self.held = False
+        #: the entry to take next (the shared cursor, stored at ``cur_word``, lags it by one while
+        #: a slot is held)
+        self.entry = 0
+        self.next_msg = 0
+        self.received = 0
+        self.lagged_total = 0
+        #: the message being assembled from its fragments, dropped when the cursor jumps
+        self.partial: bytearray | None = None
+        self.writer_gone = False
+        self.outbox = outbox
+        # The place's words and the writer's socket (``joined``).
+        self.cur_word = 0
+        self.recv_word = 0
+        self.writer_sock = ""
 
-    def _take(self, c: int) -> None:
+    def joined(self, place: ReaderPlace, entry: int, next_msg: int) -> None:
+        """The reader took ``place``: it starts at ``entry``, expecting message ``next_msg``."""
+        self.entry = entry
+        self.next_msg = next_msg
+        self.cur_word = place.cur_word
+        self.recv_word = place.recv_word
+        self.writer_sock = place.writer_sock
+
+    def take(self, c: int) -> None:
         """Entry ``c`` (a whole message) is delivered: release its slot, or hold it (zero-copy)."""
-        if self._hold_slot:
-            self._hold(c)
+        if self.hold_slot:
+            self.hold(c)
         else:
-            self._moved(c, c + 1, 1)
+            self.moved(c, c + 1, 1)
 
-    def _count_delivery(self) -> None:
-        self._received += 1
-        self._words[self._recv_word] = self._received
+    def count_delivery(self) -> None:
+        self.received += 1
+        self.words[self.recv_word] = self.received
 
-    def _moved(self, old: int, new: int, delivered: int) -> None:
+    def moved(self, old: int, new: int, delivered: int) -> None:
         """Release entries ``old .. new-1``, of which ``delivered`` messages were handed out: store
         the cursor (and the count), fence, and wake the writer if this move reached the room it
         waits for (``crossed``). The one place a reader gives slots back (docs/design.md,
         "Memory ordering", steps 3 and 5)."""
-        w = self._words
-        self._cursor = new
-        w[self._cur_word] = new
+        w = self.words
+        self.entry = new
+        w[self.cur_word] = new
         if delivered:
-            self._received = received = self._received + delivered
-            w[self._recv_word] = received
-        if self._block:
+            self.received = received = self.received + delivered
+            w[self.recv_word] = received
+        if self.block:
             fence()
             target = w[W_WAIT_TARGET]
             if target and crossed(old, new, target):
-                self._outbox.wake(self._writer_sock)
+                self.outbox.wake(self.writer_sock)
 
-    def _hold(self, c: int) -> None:
+    def hold(self, c: int) -> None:
         """Take entry ``c`` but keep its slot: the shared cursor stays at ``c``, so the writer does
         not reuse the slot while the message handed out has views of it (zero-copy reads)."""
-        self._cursor = c + 1
-        self._held = True
-        self._received += 1
-        self._words[self._recv_word] = self._received
+        self.entry = c + 1
+        self.held = True
+        self.received += 1
+        self.words[self.recv_word] = self.received
 
-    def _release(self) -> None:
-        """Give back the slot ``_hold`` kept, as ``_moved`` would have."""
-        self._held = False
-        self._cursor -= 1
-        self._moved(self._cursor, self._cursor + 1, 0)
+    def release(self) -> None:
+        """Give back the slot ``hold`` kept, as ``moved`` would have."""
+        self.held = False
+        self.entry -= 1
+        self.moved(self.entry, self.entry + 1, 0)
 
-    def _not_ready(self, c: int, seq: int) -> None:
+    def not_ready(self, c: int, seq: int) -> None:
         """Entry ``c`` is not in its slot: raise what that means, or resynchronise and return."""
-        w = self._words
+        w = self.words
         # Policy "lag": a writer with no room for its next entry short of entry c overwrites c.
-        if (seq != EMPTY and seq != BUSY and seq > c) or (not self._block and not has_room(w[W_HEAD], c, 1, self._cap)):
-            self._resync_after_lag(c)
+        if (seq != EMPTY and seq != BUSY and seq > c) or (not self.block and not has_room(w[W_HEAD], c, 1, self.cap)):
+            self.resync_after_lag(c)
             return
-        if w[W_CLOSED] or self._writer_gone:
+        if w[W_CLOSED] or self.writer_gone:
             # The writer stored every entry before `closed`; look once more now that we saw it.
-            if w[self._slot_offset(c) >> 3] == c:
+            if w[self.slot_offset(c) >> 3] == c:
                 return
-            self._partial = None
+            self.partial = None
             if w[W_CLOSED]:
                 raise EndOfStream
             raise WriterGone(w[W_WRITER_PID])
         raise WouldBlock
 
-    def _resync_after_lag(self, c: int) -> None:
+    def resync_after_lag(self, c: int) -> None:
         """Policy "lag": the writer overwrote entries we had not read. Skip to the oldest
         entry still held and report exactly how many messages were lost (docs/design.md,
         "Catching up after a lag").
@@ -117,21 +139,21 @@ class ReaderCursor:
         ``next_msg`` (which the writer stores just before ``head``) cannot be paired with it, so
         neither bounds the search nor gives the count.
         """
-        w = self._words
-        e, first_kept = oldest_intact(w, self._buf, self._slot_offset, max(c, w[W_HEAD] - self._cap))
+        w = self.words
+        e, first_kept = oldest_intact(w, self.buf, self.slot_offset, max(c, w[W_HEAD] - self.cap))
         if e == c:
             # The head we loaded was a full ring ahead, but entry c is intact (the writer had not
             # started to overwrite it). Nothing was lost: read it.
             return
-        missed = first_kept - self._next_msg
-        self._partial = None
-        self._cursor = e
-        w[self._cur_word] = e
+        missed = first_kept - self.next_msg
+        self.partial = None
+        self.entry = e
+        w[self.cur_word] = e
         if missed <= 0:
             # Only fragments of a message already given up (counted, or begun before we joined).
             return
-        self._next_msg = first_kept
-        self._lagged_total += missed
+        self.next_msg = first_kept
+        self.lagged_total += missed
         raise ReaderLagged(missed)
 
 

@@ -4,13 +4,12 @@ than the ring), and ``Chunks``, which walks the message's buffers into the slots
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from .._base.codec import Buffer
-from ._atomics import Held
 from .arena import ArenaHead
-from .atomic import Words, fence_release
+from .atomic import fence_release
 from .layout import (
     BUSY,
     F_FIRST,
@@ -21,45 +20,36 @@ from .layout import (
     SLOT_REST_OFFSET,
     W_HEAD,
     W_NEXT_MSG,
-    Layout,
     free_entries,
 )
-from .records import ReaderRecords
+from .segment import Segment
+
+if TYPE_CHECKING:
+    from .publisher import Publisher
 
 
-class FragmentWrites:
-    """Writing a message fragment by fragment; a base of ``Publisher``, which sets these
-    attributes (see its ``__init__``) and provides ``check_open``, ``recover`` and
-    ``wake_readers``."""
+class FragmentWriter:
+    """Writes a message over several slots: all at once (``Publisher.publish``, for a message the
+    ring holds whole) or as room comes (``stream_some``, for a streamed message larger than the
+    ring). A ``Publisher`` holds one; ``stream_some`` and ``end_stream`` move that publisher's
+    counters (``head``, ``msg``, ``aborted``) under its mutex, as its own methods would."""
 
-    layout: Layout
-    block: bool
-    records: ReaderRecords
-    mutex: Held
-    head: int
-    msg: int
-    aborted: int
-    _words: Words
-    _buf: memoryview
-    _slot_offset: Callable[[int], int]
+    def __init__(self, seg: Segment, block: bool) -> None:
+        self._words = seg.words
+        self._buf = seg.buf
+        self._slot_offset = seg.layout.slot_offset
+        self._payload = seg.layout.payload_bytes
+        self._block = block
 
-    if TYPE_CHECKING:
-
-        def check_open(self) -> None: ...
-        def recover(self) -> None: ...
-        def wake_readers(self) -> None: ...
-
-    def _write_fragments(
-        self, chunks: Chunks, total: int, base_flags: int, seq: int, count: int, *, first: bool
-    ) -> int:
+    def write(self, chunks: Chunks, total: int, base_flags: int, msg: int, seq: int, count: int, *, first: bool) -> int:
+        """Write the next ``count`` fragments of message ``msg`` from ``chunks`` into the slots of
+        entries ``seq`` on, each committed by its seq word; the next entry."""
         w = self._words
         buf = self._buf
-        msg = self.msg
-        lay = self.layout
-        payload = lay.payload_bytes
+        payload = self._payload
         for k in range(count):
             off = self._slot_offset(seq)
-            if not self.block:
+            if not self._block:
                 w[off >> 3] = BUSY
                 fence_release()
             n = chunks.copy_into(buf, off + SLOT_HEADER_BYTES, payload)
@@ -73,43 +63,44 @@ class FragmentWrites:
             seq += 1
         return seq
 
-    def stream_some(self, chunks: Chunks, total: int, oob: bool, msg: int) -> bool:
+    def stream_some(self, pub: Publisher, chunks: Chunks, total: int, oob: bool, msg: int) -> bool:
         """Publish the next fragments of streamed message ``msg`` (larger than the ring) into the
         room there is now. False if another thread holds the mutex (the caller holds the
         writer's turn, so no other put starts now; one may still be finishing): call again."""
         try:  # the mutex taken inside the try (publisher.py, ``_take``)
-            if self.mutex.take(0.0) <= 0:
+            if pub.mutex.take(0.0) <= 0:
                 return False
             try:
-                self.check_open()
+                pub.check_open()
                 # Another thread's put_nowait may have taken some of the room since the caller saw it.
-                free = free_entries(self.head, self.records.min_cursor, self.layout.capacity)
-                n = min(free, self.layout.entries_for(total - chunks.pos))
+                lay = pub.layout
+                free = free_entries(pub.head, pub.records.min_cursor, lay.capacity)
+                n = min(free, lay.entries_for(total - chunks.pos))
                 if n <= 0:
                     return True
                 first = chunks.pos == 0
-                self.head = self._write_fragments(chunks, total, F_OOB if oob else 0, self.head, n, first=first)
+                pub.head = self.write(chunks, total, F_OOB if oob else 0, pub.msg, pub.head, n, first=first)
                 if first:
                     self._words[W_NEXT_MSG] = msg + 1
-                self._words[W_HEAD] = self.head
+                self._words[W_HEAD] = pub.head
                 if chunks.done and type(chunks.first) is ArenaHead:
-                    chunks.first.committed(self.head)
-                self.wake_readers()
+                    chunks.first.committed(pub.head)
+                pub.wake_readers()
                 return True
             except BaseException:
-                self.recover()
+                pub.recover()
                 raise
         finally:
-            self.mutex.release()
+            pub.mutex.release()
 
-    def end_stream(self, chunks: Chunks, msg: int) -> None:
+    def end_stream(self, pub: Publisher, chunks: Chunks, msg: int) -> None:
         """After a streamed message, whole or cut short (cancelled, interrupted, timed out) once
         its FIRST fragment went out: its number is used either way (readers drop a message whose
         LAST never comes, and it does not count as sent)."""
-        if chunks.pos and self.msg == msg:
-            self.msg = msg + 1
+        if chunks.pos and pub.msg == msg:
+            pub.msg = msg + 1
             if not chunks.done:
-                self.aborted += 1
+                pub.aborted += 1
 
 
 class Chunks:

@@ -8,11 +8,8 @@ message.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
-from time import perf_counter_ns
 
-from .._base import tuning as _tuning
 from .._base.codec import Buffer
 from .._base.errors import ClosedResourceError
 from . import segment as _segment
@@ -20,7 +17,7 @@ from ._atomics import Held
 from .arena import ArenaHead
 from .atomic import fence_release
 from .fragments import Chunks as Chunks  # the writer's channel makes them for stream_some
-from .fragments import FragmentWrites
+from .fragments import FragmentWriter
 from .layout import (
     BUSY,
     F_FIRST,
@@ -45,10 +42,11 @@ from .wake import Outbox
 Encoded = tuple[Sequence[Buffer], int, bool, int]
 
 
-class Publisher(FragmentWrites):
+class Publisher:
     """Writes messages into one channel's ring. ``head`` is the next entry, ``msg`` the next
     message number; both are also stored in the segment for readers to see. A message over
-    several slots, and a streamed one, are written by ``FragmentWrites`` (fragments.py)."""
+    several slots, and a streamed one, are written by its ``FragmentWriter`` (fragments.py);
+    who sleeps and is woken is its ``records``' (``ReaderRecords``, records.py)."""
 
     def __init__(self, seg: Segment, block: bool) -> None:
         self.seg = seg
@@ -75,7 +73,8 @@ class Publisher(FragmentWrites):
         self._take = self.mutex.take
         self._give = self.mutex.release
         self._waiting = seg.waiting
-        self._woke_ns = 0  # when wake-ups were last sent
+        self._wake_sleepers = self.records.wake_sleepers  # called per message when someone sleeps
+        self._fragments = FragmentWriter(seg, block)
 
     @property
     def sent(self) -> int:
@@ -143,7 +142,7 @@ class Publisher(FragmentWrites):
                 w[off >> 3] = seq
                 seq += 1
             else:
-                seq = self._write_fragments(Chunks(parts), total, F_OOB if oob else 0, seq, entries, first=True)
+                seq = self._fragments.write(Chunks(parts), total, F_OOB if oob else 0, msg, seq, entries, first=True)
             # A gap marker takes the numbers of the messages it stands for, so a message's number
             # is the same for every reader, local or remote, relayed or not (docs/design.md).
             self.msg = msg = msg + (gap or 1)
@@ -203,7 +202,9 @@ class Publisher(FragmentWrites):
                     w[off >> 3] = seq
                     seq += 1
                 else:
-                    seq = self._write_fragments(Chunks(parts), total, F_OOB if oob else 0, seq, entries, first=True)
+                    seq = self._fragments.write(
+                        Chunks(parts), total, F_OOB if oob else 0, self.msg, seq, entries, first=True
+                    )
                 self.msg += 1
                 if oob and type(parts[0]) is ArenaHead:
                     parts[0].committed(seq)
@@ -247,26 +248,18 @@ class Publisher(FragmentWrites):
         if self._waiting.any():
             self._wake_sleepers()
 
-    def _wake_sleepers(self) -> None:
-        """Someone sleeps: wake them; then, in a paced stream, give up the CPU once.
-
-        The kernel counts a wake-up through a socket as one the sender will soon follow by
-        sleeping (a synchronous wake-up), so it often queues the woken reader on the writer's own
-        CPU, behind the writer. Without the yield the reader waits there until the writer's event
-        loop goes back to sleep: 25-30 us per paced message on this project's 2-CPU machines, the
-        largest single piece of its latency. Yielding lets it run now. Only in a paced stream
-        (the previous wake-up was ``DENSE_NS`` ago or more): a writer that wakes readers more often
-        than that has the next message to publish, and yielding would only slow it down."""
-        if self.records.wake_sleepers():
-            now = perf_counter_ns()
-            if now - self._woke_ns >= _tuning.DENSE_NS:
-                os.sched_yield()
-            self._woke_ns = now
-
     def wake_all_readers(self) -> None:
         """Wake every attached reader, asleep or not, after a change they must see (closed, gone)."""
         fence()
         self.records.wake_all()
+
+    def stream_some(self, chunks: Chunks, total: int, oob: bool, msg: int) -> bool:
+        """Publish the next fragments of a streamed message: ``FragmentWriter.stream_some``."""
+        return self._fragments.stream_some(self, chunks, total, oob, msg)
+
+    def end_stream(self, chunks: Chunks, msg: int) -> None:
+        """A streamed message ended, whole or cut short: ``FragmentWriter.end_stream``."""
+        self._fragments.end_stream(self, chunks, msg)
 
     def mark_closed(self) -> None:
         """Readers drain what was published, then get ``EndOfStream``."""

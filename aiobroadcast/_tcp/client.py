@@ -430,14 +430,13 @@ class _Connections:
 
 class _Intake:
     """What comes on a remote reader's connections, through the ``ClientProtocol`` into the
-    inbox, and what the protocol says back: run with ``lock`` held, by the I/O thread (``_Pump``)
-    or by the reader's event loop (``_Pump.loop_turn``)."""
+    inbox, and what the protocol says back: run with ``lock`` held, by the I/O thread (``_Pump``,
+    which holds this object) or by the reader's event loop (``_Pump.loop_turn``)."""
 
-    _conn: _Connections
-
-    def __init__(self, proto: ClientProtocol, inbox: _Inbox) -> None:
+    def __init__(self, proto: ClientProtocol, inbox: _Inbox, conn: _Connections) -> None:
         self._proto = proto
         self._inbox = inbox
+        self._conn = conn
         #: the next message the user has not consumed (written by the user's thread only)
         self.consumed = 0
         self.welcome = threading.Event()
@@ -447,20 +446,23 @@ class _Intake:
         #: Held by whichever thread uses the protocol and the connections' sockets: the I/O
         #: thread on each turn, the reader's event loop in ``_Pump.loop_turn``.
         self.lock = threading.Lock()
-        self._data_pending = False  # a data turn ended before ZMQ_EVENTS said there was no more
-        self._ended = False  # the stream ended (in either thread): the I/O thread stops
-        self._out: list[list[Any]] = []  # frames the protocol made in the event loop's turns
+        #: a data turn ended before ZMQ_EVENTS said there was no more
+        self.data_pending = False
+        #: the stream ended (in either thread): the I/O thread stops
+        self.ended = False
+        #: frames the protocol made in the event loop's turns
+        self.out: list[list[Any]] = []
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
         """Send what the protocol has to say (with the lock held), and what it said in the
         event loop's turns; a frame ZeroMQ does not take now is dropped (the protocol repeats
         whatever matters on a later tick)."""
-        out, self._out = self._out, []
+        out, self.out = self.out, []
         out.extend(self._proto.data_to_send())
         for frames in out:
             self._conn.send(frames)
 
-    def _fail(self, exc: BaseException) -> None:
+    def fail(self, exc: BaseException) -> None:
         """The I/O thread (or the loop's turn) failed: end the stream for the reader
         (``TransportError``), after what is queued already, and wake a sleeping ``get``; before
         the WELCOME, ``open_reader`` raises it."""
@@ -471,7 +473,7 @@ class _Intake:
         elif self._inbox.terminal is None:  # (a stream that had ended keeps its end)
             self._inbox.push(_Failed(reason, exc))
 
-    def _turn(self, control: bool, data: bool) -> bool:
+    def turn(self, control: bool, data: bool) -> bool:
         """The I/O thread's turn with the lock: what came on the control connection (if poll
         found it ready), then on the data connection (``data``: poll found its descriptor readable).
         True when the stream ended."""
@@ -496,9 +498,9 @@ class _Intake:
             # The control connection brings a WELCOME or a refusal; batches come on the data one.
             if event is not None and self._on_event(cast("Welcomed | Refused", event)):
                 return True
-        return self._data_turn(now, WAKE_ITEMS, DATA_TURN_BYTES, data)
+        return self.data_turn(now, WAKE_ITEMS, DATA_TURN_BYTES, data)
 
-    def _data_turn(self, now: float, wake_at: int, budget: int, readable: bool) -> bool:
+    def data_turn(self, now: float, wake_at: int, budget: int, readable: bool) -> bool:
         """Take what came on the data connection (with the lock held), by ZMQ_EVENTS: its
         descriptor, which both threads poll, only says to look. True when the stream ended.
         ``readable``: the descriptor was found readable, so the first receive is tried without
@@ -506,14 +508,14 @@ class _Intake:
         question).
 
         Opening costs time in proportion to the bytes (unlike taking frames in did): after
-        ``budget`` bytes the turn ends (``_data_pending``: the I/O thread comes back at once), so
+        ``budget`` bytes the turn ends (``data_pending``: the I/O thread comes back at once), so
         acknowledgements and NACKs are not held back for seconds behind large bodies (the server
         would take the reader for silent). A reader asleep on the queue is woken once ``wake_at``
         are queued, or when all that came is opened: not once per batch."""
         proto = self._proto
         data = self._conn.data
         inbox = self._inbox
-        self._data_pending = True
+        self.data_pending = True
         for i in range(256):
             if budget <= 0:
                 return False
@@ -539,7 +541,7 @@ class _Intake:
                 return True
         else:
             return False
-        self._data_pending = False
+        self.data_pending = False
         return False
 
     def _on_event(self, event: Welcomed | Lagged | Ended | Refused) -> bool:
@@ -562,15 +564,17 @@ class _Intake:
         return False
 
 
-class _Pump(_Intake):
+class _Pump:
     """The I/O thread of a remote reader: moves frames between its connections to the writer's
     server (``_Connections``) and the ``ClientProtocol``, and what the protocol makes of them
     into the inbox. It keeps the connection alive (heartbeats, acknowledgements, resend
     requests) while the reader's event loop is busy. The reader's loop, asleep in a paced
-    stream, takes data frames itself (``loop_turn``), under the same lock."""
+    stream, takes data frames itself (``loop_turn``), under the same lock. What comes in, and
+    the state both threads share under that lock, is its ``intake``'s (``_Intake``)."""
 
     def __init__(self, handle: Handle, proto: ClientProtocol, inbox: _Inbox) -> None:
-        super().__init__(proto, inbox)
+        self._proto = proto
+        self._inbox = inbox
         #: the user consumed ACK_BYTES since the last acknowledgement (set by the user's thread)
         self.ack_due = False
         self._stop = False
@@ -599,6 +603,7 @@ class _Pump(_Intake):
             self._ctrl_r.close()
             self._ctrl_w.close()
             raise
+        self.intake = _Intake(proto, inbox, self._conn)
         self._thread = threading.Thread(target=self._run, name="aiobroadcast-tcp-reader", daemon=True)
         self._thread.start()
 
@@ -617,18 +622,19 @@ class _Pump(_Intake):
         self._ctrl_w.close()
 
     def _run(self) -> None:
+        intake = self.intake
         try:
             try:
                 self._loop()
             finally:
-                with self.lock:
-                    self._ended = True  # the event loop's turns take nothing more
+                with intake.lock:
+                    intake.ended = True  # the event loop's turns take nothing more
                     try:
                         self._conn.send(self._proto.bye())
                     finally:
                         self._conn.close()
         except BaseException as exc:  # nothing more can come: say so, or a get would wait forever
-            self._fail(exc)
+            intake.fail(exc)
 
     def _loop(self) -> None:
         proto = self._proto
@@ -643,8 +649,10 @@ class _Pump(_Intake):
         watch = conn.watch
         if watch is not None:
             poller.register(watch.socket, zmq.POLLIN)
-        with self.lock:
-            self._flush()  # the HELLO
+        intake = self.intake
+        lock = intake.lock
+        with lock:
+            intake.flush()  # the HELLO
             wait_s = proto.hb_interval
             self._wake_at = time.monotonic() + wait_s
         ctrl = self._ctrl_r
@@ -660,20 +668,20 @@ class _Pump(_Intake):
             if watch is not None:
                 refusal = watch.refusal()
                 if refusal is not None:
-                    self.welcome_error = refusal
-                    self.welcome.set()
+                    intake.welcome_error = refusal
+                    intake.welcome.set()
                     return  # open_reader raises the reason
                 if watch.done:
                     poller.unregister(watch.socket)
                     watch = None
-            with self.lock:
-                if self._ended or self._turn(dealer in ready, data_fd in ready):
-                    self._flush()
+            with lock:
+                if intake.ended or intake.turn(dealer in ready, data_fd in ready):
+                    intake.flush()
                     return  # the stream ended or the server refused us: everything it sent is queued
                 inbox.wake_if_sleeping()
                 ack, self.ack_due = self.ack_due, False
-                event = proto.tick(time.monotonic(), self.consumed, ack)
-                self._flush()
+                event = proto.tick(time.monotonic(), intake.consumed, ack)
+                intake.flush()
                 # The data connection is the event loop's while a task sleeps there
                 # (``loop_turn``): this thread leaves it out of its poll then, and takes what
                 # came at its other turns. Decided under the lock, which a task going to sleep
@@ -683,8 +691,8 @@ class _Pump(_Intake):
                 # heartbeats): an idle reader wakes for its heartbeat and the server's, and
                 # nothing else.
                 now = time.monotonic()
-                due = min(proto.next_tick(self.consumed), now + IDLE_ACK_HEARTBEATS * proto.hb_interval)
-                self._wake_at = now if self._data_pending else due
+                due = min(proto.next_tick(intake.consumed), now + IDLE_ACK_HEARTBEATS * proto.hb_interval)
+                self._wake_at = now if intake.data_pending else due
                 wait_s = self._wake_at - now
             if event is not None:
                 inbox.push(event)
@@ -708,7 +716,8 @@ class _Pump(_Intake):
         last sleep polled: then it is poked too. (Not at every sleep of a dense stream, where
         this thread is in a turn most of the time.)"""
         polled, self._loop_polled = self._loop_polled, direct
-        if not self.lock.acquire(False):
+        lock = self.intake.lock
+        if not lock.acquire(False):
             if polled or not self.watching:
                 self.poke()
             self._loop_polled = False
@@ -718,7 +727,7 @@ class _Pump(_Intake):
             if not direct and not self.watching:
                 self.poke()  # this thread left the data connection to the loop: take it back
         finally:
-            self.lock.release()
+            lock.release()
         return direct
 
     def loop_gives_up(self) -> None:
@@ -732,24 +741,25 @@ class _Pump(_Intake):
         descriptor is readable: it takes what came itself, without the hop through this thread
         (docs/tcp.md, "The reader's loop reads while it sleeps"). False if this thread holds
         the connection now (it takes what came, and wakes the sleeper), or it is closing."""
-        if not self.lock.acquire(False):
+        intake = self.intake
+        if not intake.lock.acquire(False):
             return False
         try:
-            if self._stop or self._ended:
+            if self._stop or intake.ended:
                 return False
             proto = self._proto
             try:
-                self._ended = self._data_turn(time.monotonic(), 1 << 30, LOOP_TURN_BYTES, True)
+                intake.ended = intake.data_turn(time.monotonic(), 1 << 30, LOOP_TURN_BYTES, True)
             except BaseException as exc:  # (as in the thread: the stream ends with the reason)
-                self._ended = True
-                self._fail(exc)
-            self._out.extend(proto.data_to_send())
+                intake.ended = True
+                intake.fail(exc)
+            intake.out.extend(proto.data_to_send())
             # What only this thread can do (send; wake sooner than it planned, for a timer this
             # turn moved; take more; stop).
-            sooner = proto.next_tick(self.consumed) < self._wake_at
-            poke = bool(self._out) or self._ended or self._data_pending or sooner
+            sooner = proto.next_tick(intake.consumed) < self._wake_at
+            poke = bool(intake.out) or intake.ended or intake.data_pending or sooner
         finally:
-            self.lock.release()
+            intake.lock.release()
         if poke:
             self.poke()
         return True
@@ -802,6 +812,7 @@ class TcpSource:
         except BaseException:
             self._inbox.close()
             raise
+        self._intake = self._pump.intake  # (``consumed``, once per message)
 
     async def wait_welcome(self, limit_s: float) -> None:
         """Wait for the writer's WELCOME (``welcome_steps``) in a task: in a worker thread, which
@@ -810,10 +821,10 @@ class TcpSource:
 
     def wait_welcome_blocking(self, limit_s: float) -> None:
         """``wait_welcome`` for a thread without an event loop."""
-        run_blocking(self.welcome_steps(limit_s), self._pump.welcome.wait)
+        run_blocking(self.welcome_steps(limit_s), self._intake.welcome.wait)
 
     async def _welcome_in_worker(self, limit_s: float) -> bool:
-        return await anyio.to_thread.run_sync(self._pump.welcome.wait, limit_s, abandon_on_cancel=True)
+        return await anyio.to_thread.run_sync(self._intake.welcome.wait, limit_s, abandon_on_cancel=True)
 
     def welcome_steps(self, limit_s: float) -> Steps[None]:
         """The wait for the WELCOME, written once for both drivers (``_steps``): sleeps on it for
@@ -826,11 +837,11 @@ class TcpSource:
         except BaseException:
             self.close()
             raise
-        if self._pump.name_holder is not None:
+        if self._intake.name_holder is not None:
             self.close()
-            raise NameTaken(self._name, self._pump.name_holder)
-        if self._pump.welcome_error is not None or not got:
-            reason = self._pump.welcome_error or (
+            raise NameTaken(self._name, self._intake.name_holder)
+        if self._intake.welcome_error is not None or not got:
+            reason = self._intake.welcome_error or (
                 f"no answer from the writer at {self._handle.tcp} within {limit_s:g} s "
                 "(not reachable, not running, or it does not hold the key in the handle)"
             )
@@ -862,7 +873,7 @@ class TcpSource:
             self._lagged_total += item.missed
             # The gap counts as taken: the server grants credit for what follows once it is
             # acknowledged, so acknowledge at once.
-            self._pump.consumed = max(self._pump.consumed, item.resume_at)
+            self._intake.consumed = max(self._intake.consumed, item.resume_at)
             self._pump.poke()
             raise ReaderLagged(item.missed)
         if isinstance(item, Refused):
@@ -876,8 +887,7 @@ class TcpSource:
     def _consume(self, seq: int, nbytes: int) -> None:
         with self._lock:
             self._items.popleft()
-        pump = self._pump
-        pump.consumed = consumed = seq + 1
+        self._intake.consumed = consumed = seq + 1
         self._received += 1
         # Half the window consumed: wake the I/O thread to acknowledge it now, or the server,
         # out of credit, sends nothing more until the next heartbeat. (The window is final once
@@ -886,11 +896,11 @@ class TcpSource:
         self._unacked_bytes += nbytes
         if self._unacked_bytes >= ACK_BYTES:
             self._unacked_bytes = 0
-            pump.ack_due = True
-            pump.poke()
+            self._pump.ack_due = True
+            self._pump.poke()
         elif consumed % max(1, self._proto.window // 2) == 0:
             self._unacked_bytes = 0
-            pump.poke()
+            self._pump.poke()
 
     def ready(self) -> bool:
         with self._inbox.lock:
@@ -969,4 +979,4 @@ class TcpSource:
         self._closed = True
         self._pump.stop()
         self._inbox.close()
-        self._pump.welcome.set()  # releases a worker thread left waiting by a cancelled wait_welcome
+        self._intake.welcome.set()  # releases a worker thread left waiting by a cancelled wait_welcome

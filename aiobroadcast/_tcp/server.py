@@ -143,7 +143,7 @@ class RingFeed:
         if self.left:
             return False
         self.left = True
-        self.src._place.leave()  # the mapping stays (the loop still reads the ring's words)
+        self.src.leave_place()  # the mapping stays (the loop still reads the ring's words)
         return True
 
 

@@ -120,7 +120,6 @@ class WriterChannel:
         return self.serving.describe_reader(r, behind)
 
     # --- closing -----------------------------------------------------------------------------------
-
     @contextlib.contextmanager
     def closing(self, abandon: bool = False) -> Iterator[ServerProcess | None]:
         """A close, written once for both front ends: mark the ring closed (readers drain what

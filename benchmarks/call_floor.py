@@ -53,7 +53,7 @@ def _bare_blocking(handle: str, rank: int) -> float:
         poll = select.poll()
         poll.register(src.inbox_fd, select.POLLIN)
         get, begin, end, drain = src.get_nowait, src.begin_sleep, src.end_sleep, src.drain_inbox
-        encode, publish = ch.encode, ch.pub.try_publish
+        encode, publish = ch.publishing.encode, ch.pub.try_publish
         while True:
             try:
                 cid, value = get()
@@ -78,7 +78,7 @@ async def _bare_async(handle: str, rank: int) -> float:
         src: Any = worker._r._src
         ch: Any = worker._s._w._ch
         get, begin, end, sleep = src.get_nowait, src.begin_sleep, src.end_sleep, src.sleep
-        encode, publish = ch.encode, ch.pub.try_publish
+        encode, publish = ch.publishing.encode, ch.pub.try_publish
         while True:
             try:
                 cid, value = get()
@@ -114,7 +114,7 @@ def _bare_caller(workers: int, size: int, count: int, capacity: int, slot_bytes:
             inbox = gather.inbox
             poll = select.poll()
             poll.register(inbox.fileno(), select.POLLIN)
-            encode, publish = ch.encode, ch.pub.try_publish
+            encode, publish = ch.publishing.encode, ch.pub.try_publish
             first = c._core.book.next_id  # ids the workers' late-reply check accepts
             for cid in range(first, first + count):
                 t0 = now()

@@ -244,7 +244,7 @@ async def test_a_relayed_gap_counts_the_same_for_a_reader_that_reads_it_and_one_
         async with ab.open_reader(writer.handle, name="keeps-up") as keeps_up, ab.open_reader(writer.handle) as lags:
             await writer.put(0)
             assert keeps_up.get_nowait() == 0
-            await writer._ch.put_gap(10)  # messages 1..10 lost upstream
+            await writer._ch.publishing.put_gap(10)  # messages 1..10 lost upstream
             with pytest.raises(ab.ReaderLagged) as told:
                 keeps_up.get_nowait()
             assert told.value.missed == 10

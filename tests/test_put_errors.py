@@ -155,7 +155,7 @@ def test_a_holder_whose_process_died_is_said_to_be_gone() -> None:
         os.kill(child.pid, signal.SIGKILL)
         child.proc.join(WITHIN_S)
         ch = writer._w
-        (holder,) = ch.holding(1)  # no put waited since: nobody dropped it yet
+        (holder,) = ch.serving.holding(1)  # no put waited since: nobody dropped it yet
         assert (holder.name, holder.pid) == ("doomed", pid)
         text = ch.describe_reader(holder)
         assert text == (

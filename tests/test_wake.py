@@ -253,12 +253,12 @@ async def test_a_reader_used_from_one_event_loop_after_another(no_liveness_rescu
 def _run_as_owner(
     reader: ab.Reader[Any], writer: ab.Writer[Any], backend: str, options: dict[str, Any], fn: Any
 ) -> None:
-    saved = reader._thread, writer._ch.thread
-    reader._thread = writer._ch.thread = threading.get_ident()
+    saved = reader._thread, writer._publishing.thread
+    reader._thread = writer._publishing.thread = threading.get_ident()
     try:
         anyio.run(fn, backend=backend, backend_options=options)
     finally:
-        reader._thread, writer._ch.thread = saved
+        reader._thread, writer._publishing.thread = saved
 
 
 async def _wake_once(writer: ab.Writer[Any], reader: ab.Reader[Any], value: int) -> None:

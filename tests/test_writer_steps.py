@@ -65,10 +65,10 @@ def test_publish_steps_closed_while_waiting_publish_nothing_and_clear_the_wait()
             raise ab.WaitTimeout("stop here")
 
         with pytest.raises(ab.WaitTimeout):
-            run_blocking(ch.publish_steps((b"2",), 1, False, 1), sleep)
+            run_blocking(ch.publishing.publish_steps((b"2",), 1, False, 1), sleep)
         assert announced and announced[0] != 0  # it waited, announced
         assert ch.seg.words[W_WAIT_TARGET] == 0  # and the close cleared it
         with pytest.raises(ab.WaitTimeout):
-            run_blocking(ch.batch_steps([((b"2",), 1, False, 1)], 1), sleep)
+            run_blocking(ch.publishing.batch_steps([((b"2",), 1, False, 1)], 1), sleep)
         assert ch.seg.words[W_WAIT_TARGET] == 0
         assert writer.statistics().sent == 2

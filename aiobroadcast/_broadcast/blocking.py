@@ -77,6 +77,8 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         if token is not _private:
             raise TypeError("BlockingWriter cannot be built directly; use aiobroadcast.blocking.open_writer()")
         self._w = channel
+        #: What a put does (``channel.publishing``), bound once: the put path reads it directly.
+        self._publishing = channel.publishing
         self._lock = _Owned()
         # close() holds this while it releases the ring; statistics() holds it to read the ring.
         self._close_lock = threading.Lock()
@@ -119,7 +121,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             except WaitTimeout:
                 raise self._busy_timeout("put_many") from None
             self._check_open()
-            w = self._w
+            w = self._publishing
             batch, entries = w.encode_batch(objs)
             if not batch or w.pub.try_publish_many(batch, entries):
                 return
@@ -132,7 +134,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         ``put`` waits for."""
         with self._close_lock:
             self._check_open()
-            return self._w.statistics(self._lock.waiting)
+            return self._w.serving.statistics(self._lock.waiting)
 
     def read_channel(self, read: Callable[[WriterChannel], V]) -> V | None:
         """As ``Writer.read_channel``, under the lock ``close()`` holds while it releases the
@@ -150,9 +152,9 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         def attached() -> tuple[ReaderInfo, ...]:
             with self._close_lock:
                 self._check_open()
-                return self._w.attached()
+                return self._w.serving.attached()
 
-        return run_blocking(self._w.wait_readers_steps(attached, count, names, timeout), _sleep)
+        return run_blocking(self._w.serving.wait_readers_steps(attached, count, names, timeout), _sleep)
 
     def close(self) -> None:
         """Close the channel: readers receive what was published, then ``EndOfStream``."""
@@ -191,7 +193,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             except WaitTimeout:  # another thread's put held the writer: say what that one waits for
                 raise self._busy_timeout("put") from None
             self._check_open()
-            w = self._w
+            w = self._publishing
             # Under the lock, so that a put from inside pickling (a __reduce__ that publishes)
             # raises WouldBlock here rather than waiting on itself.
             parts, total, oob, entries = w.encoded(obj)
@@ -209,7 +211,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         with self._close_lock:
             if self._closing:
                 return WaitTimeout(f"{what}: the timeout passed while another thread held this writer, closing it")
-            return self._w.busy_timeout(what)
+            return self._w.serving.busy_timeout(what)
 
     def _wait(self, steps: Steps[None], deadline: float | None, what: str, entries: int) -> None:
         """Run a put's waiting steps (``publish_steps``, ``batch_steps``) in this thread, which
@@ -220,7 +222,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         try:
             run_blocking(steps, self._sleeper(deadline))
         except WaitTimeout:
-            raise self._w.put_timeout(what, entries, start) from None
+            raise self._w.serving.put_timeout(what, entries, start) from None
         finally:
             self._lock.count(-1)
 

@@ -2,9 +2,10 @@
 share. The role classes are facades over one ``WriterChannel``.
 
 It owns the ring's ``Publisher``, the writer's wake-up inbox (readers wake a writer that waits
-for room), the order in which the writer's tasks take turns, and the TCP server supervisor.
-What a put does is ``_channel_put.Publishing``, the TCP server and the statistics
-``_channel_server.Serving``; this module sets a channel up and closes it (once, for both front
+for room), its files and its two parts, each with one job: ``publishing``
+(``channel_put.Publishing``: what a put does, the order in which the writer's tasks take turns)
+and ``serving`` (``channel_server.Serving``: the TCP server supervisor, the statistics, what
+held a put whose time passed). This module sets a channel up and closes it (once, for both front
 ends), and forgets it in a fork child.
 """
 
@@ -13,19 +14,18 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
-import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import anyio
 
 from .._base import fork as _fork
-from .._base import tuning as _tuning
-from .._base.codec import JsonCodec, PickleEncoder, SchemaCodec
-from .._base.errors import BroadcastError
+from .._base.codec import Buffer, JsonCodec, PickleEncoder, SchemaCodec
+from .._base.errors import WaitTimeout
 from .._base.files import unlink_quietly
 from .._base.handle import Handle
+from .._base.stats import ReaderInfo
 from .._shm.arena import ArenaWriter
 from .._shm.layout import CODECS, W_CODEC
 from .._shm.publisher import Publisher
@@ -40,8 +40,8 @@ if TYPE_CHECKING:
 __all__ = ["Turns", "WriterChannel"]
 
 
-class WriterChannel(Serving, Publishing):
-    """One open channel, from its writer's side."""
+class WriterChannel:
+    """One open channel, from its writer's side: its files, its two parts, its close."""
 
     def __init__(
         self,
@@ -53,33 +53,17 @@ class WriterChannel(Serving, Publishing):
     ) -> None:
         self.seg = seg
         self.handle = handle
-        self._encode = self._arena_source = encoder.encode
-        self._max_message_bytes = max_message_bytes
         self.pub = pub = Publisher(seg, handle.policy == "block")
         #: The tensor arena (docs/design.md, "The arena"), if ``open_writer(arena_bytes=...)``.
-        self.arena = None
-        if arena_bytes:
-            self.arena = ArenaWriter(seg, arena_bytes, lambda: pub.head)
-            self.arena.probe = lambda: pub.records.reap(1 << 63, pub.head, self._restarting)
-            self._encode = self._encode_arena
-        #: Encode a message a put is about to publish: the encoder's own method when there is no
-        #: size limit to check (one call less per message).
-        self.encode = self._encode if max_message_bytes is None else self._encode_checked
-        self.payload_bytes = seg.layout.payload_bytes
+        self.arena = arena = ArenaWriter(seg, arena_bytes, lambda: pub.head) if arena_bytes else None
         self.inbox = Inbox(seg.sock_path("w"))
-        # Two locks. `turns` orders the tasks of the writer's event loop (a put waiting for room
-        # keeps its turn). `pub.mutex` is held, never across an await, by whoever is writing into
-        # the ring right now, from any thread; a put_nowait that cannot take it at once raises
-        # WouldBlock. Encoding runs outside both: it may run user code (a __reduce__ that
-        # publishes, a logging handler that broadcasts), which must find the writer usable.
-        self.turns = Turns()
-        self.thread = threading.get_ident()
-        self.waiting_tasks = 0
-        self.slept_ns = _tuning.DENSE_NS  # no polling before the first sleep
-        self.server = None
+        self.serving = serving = Serving(pub, arena)
+        #: What a put does; the roles bind it once (their ``_publishing``).
+        self.publishing = Publishing(pub, self.inbox, encoder, max_message_bytes, arena, serving.restarting)
+        if arena is not None:
+            arena.probe = lambda: pub.records.reap(1 << 63, pub.head, serving.restarting)
         #: Set once the first ``aclose`` is over (made by it): a second one waits for it.
         self.closed_event: anyio.Event | None = None
-        self.spare = None
         # The readers' sockets too: a reader that died unnoticed (never reaped) leaves its own.
         # Inherited by fork children (atexit hooks and finalizers are), so they carry our pid.
         self.owner = os.getpid()
@@ -95,15 +79,47 @@ class WriterChannel(Serving, Publishing):
         self.handle = self.handle.model_copy(update={"codec": codec, "schema_path": schema_path})
         self.pub.seg.words[W_CODEC] = CODECS.index(codec)
 
-    def check_thread(self) -> None:
-        """``put`` and ``aclose`` wait in the event loop of the thread that opened the writer; its
-        task lock and wake-up socket cannot be shared with another thread's loop."""
-        if threading.get_ident() != self.thread:
-            raise BroadcastError(
-                "this writer's put() and aclose() belong to the thread whose event loop opened it; "
-                "from another thread use put_nowait(), or anyio.from_thread.run(writer.put, obj)"
-            )
+    def serve_tcp(self, server: ServerProcess, handle: Handle) -> None:
+        self.serving.server = server
+        self.handle = handle
+        # A writer dropped without closing (or left open at exit): its server drains, then stops.
+        weakref.finalize(self, server.abandon)
 
+    # --- the parts' names that the fan-in and calls roles use, forwarded -----------------------
+    @property
+    def server(self) -> ServerProcess | None:
+        """The TCP server (``serving.server``), if ``open_writer(tcp=...)``."""
+        return self.serving.server
+
+    @property
+    def spare(self) -> Callable[[int], bool] | None:
+        """``serving.spare``: the place of a reader to keep although its lock is free."""
+        return self.serving.spare
+
+    @spare.setter
+    def spare(self, spare: Callable[[int], bool] | None) -> None:
+        self.serving.spare = spare
+
+    @property
+    def wanted(self) -> int:
+        """``publishing.wanted``: the slots the last wait for room waited for."""
+        return self.publishing.wanted
+
+    def put_in_turn(
+        self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, yield_first: bool = False
+    ) -> Coroutine[None, None, None]:
+        """``publishing.put_in_turn`` (its coroutine: no frame more on the way)."""
+        return self.publishing.put_in_turn(parts, total, oob, entries, yield_first)
+
+    def put_timeout(self, what: str, entries: int, streamed_from: int) -> WaitTimeout:
+        """``serving.put_timeout``."""
+        return self.serving.put_timeout(what, entries, streamed_from)
+
+    def describe_reader(self, r: ReaderInfo, behind: str | None = None) -> str:
+        """``serving.describe_reader``."""
+        return self.serving.describe_reader(r, behind)
+
+    # --- closing -----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def closing(self, abandon: bool = False) -> Iterator[ServerProcess | None]:
         """A close, written once for both front ends: mark the ring closed (readers drain what
@@ -118,7 +134,8 @@ class WriterChannel(Serving, Publishing):
             _fork.untrack(self)
         else:
             self.mark_closed()
-        server, self.server = self.server, None
+        serving = self.serving
+        server, serving.server = serving.server, None
         try:
             yield server
         finally:
@@ -146,7 +163,7 @@ class WriterChannel(Serving, Publishing):
         closed = self.closed_event = anyio.Event()
         try:
             with self.closing() as server:
-                await self._stop_server(server)
+                await self.serving.stop_server(server)
         finally:
             closed.set()
 
@@ -156,7 +173,7 @@ class WriterChannel(Serving, Publishing):
         if self.pub.closed:
             return
         with self.closing(abandon=True) as server:
-            await self._stop_server(server)
+            await self.serving.stop_server(server)
 
     def release(self) -> None:
         """The last step of a close: unlink the files, close the sockets, unmap the ring."""
@@ -187,7 +204,8 @@ class WriterChannel(Serving, Publishing):
             self.arena.forget_in_child()
         self.pub.refusal = _fork.refusal("writer", self.owner)
         self.closed_event = None  # a close under way in the parent is not this process's to wait for
-        server, self.server = self.server, None
+        serving = self.serving
+        server, serving.server = serving.server, None
         if server is not None:
             server.forget_in_child()
 

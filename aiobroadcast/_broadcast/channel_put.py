@@ -1,10 +1,11 @@
-"""A writer's channel, its publishing side: encoding a message, waiting (in turn) for room in
+"""A writer's channel, its publishing part: encoding a message, waiting (in turn) for room in
 the ring, publishing. The logic that waits is step generators (``_steps``) that the async put
 (``run``, in its turn) and the blocking put (``run_blocking``, under its lock) both drive."""
 
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from time import perf_counter_ns
 from typing import TYPE_CHECKING
@@ -13,8 +14,8 @@ import anyio
 import anyio.lowlevel
 
 from .._base import tuning as _tuning
-from .._base.codec import Buffer
-from .._base.errors import InvalidArgument, MessageTooLarge
+from .._base.codec import Buffer, JsonCodec, PickleEncoder, SchemaCodec
+from .._base.errors import BroadcastError, InvalidArgument, MessageTooLarge
 from .._base.steps import CHECKPOINT, Sleep, Steps, poll_steps, run
 from .._shm.layout import W_WAIT_TARGET, wait_target
 from .._shm.publisher import Chunks, Encoded, Publisher
@@ -25,27 +26,53 @@ if TYPE_CHECKING:
 
 
 class Publishing:
-    """What a put does, once the object is in hand: part of ``WriterChannel`` (which sets these
-    attributes up and says which readers' places to keep, ``_restarting``)."""
+    """What a put does, once the object is in hand: ``WriterChannel.publishing``, which the
+    roles bind once (their put path reads its attributes directly)."""
 
-    pub: Publisher
-    inbox: Inbox
-    turns: Turns
-    arena: ArenaWriter | None
-    payload_bytes: int
-    waiting_tasks: int
-    #: How long the last wait for room slept: a writer that slept only briefly polls first.
-    slept_ns: int
-    #: The slots the last wait for room waited for (one, for a streamed message), kept for the
-    #: error of a wait cut short by a deadline (``Serving.holding``).
-    wanted: int = 1
-    #: Encode a message a put is about to publish (``WriterChannel`` picks the method).
-    encode: Callable[[object], tuple[Sequence[Buffer], int, bool]]
-    _arena_source: Callable[[object], tuple[Sequence[Buffer], int, bool]]
-    _max_message_bytes: int | None
+    def __init__(
+        self,
+        pub: Publisher,
+        inbox: Inbox,
+        encoder: PickleEncoder | SchemaCodec | JsonCodec,
+        max_message_bytes: int | None,
+        arena: ArenaWriter | None,
+        restarting: Callable[[int], bool],
+    ) -> None:
+        self.pub = pub
+        self.inbox = inbox
+        self.arena = arena
+        #: ``restarting(pid)``: keep the place of reader ``pid`` (``Serving.restarting``).
+        self._restarting = restarting
+        self._arena_source = self._encode = encoder.encode
+        self._max_message_bytes = max_message_bytes
+        if arena is not None:
+            self._encode = self._encode_arena
+        #: Encode a message a put is about to publish: the encoder's own method when there is no
+        #: size limit to check (one call less per message).
+        self.encode = self._encode if max_message_bytes is None else self._encode_checked
+        self.payload_bytes = pub.layout.payload_bytes
+        # Two locks. `turns` orders the tasks of the writer's event loop (a put waiting for room
+        # keeps its turn). `pub.mutex` is held, never across an await, by whoever is writing into
+        # the ring right now, from any thread; a put_nowait that cannot take it at once raises
+        # WouldBlock. Encoding runs outside both: it may run user code (a __reduce__ that
+        # publishes, a logging handler that broadcasts), which must find the writer usable.
+        self.turns = Turns()
+        self.thread = threading.get_ident()
+        self.waiting_tasks = 0
+        #: How long the last wait for room slept: a writer that slept only briefly polls first.
+        self.slept_ns = _tuning.DENSE_NS  # no polling before the first sleep
+        #: The slots the last wait for room waited for (one, for a streamed message), kept for the
+        #: error of a wait cut short by a deadline (``Serving.put_timeout``).
+        self.wanted = 1
 
-    def _restarting(self, pid: int) -> bool:
-        raise NotImplementedError
+    def check_thread(self) -> None:
+        """``put`` and ``aclose`` wait in the event loop of the thread that opened the writer; its
+        task lock and wake-up socket cannot be shared with another thread's loop."""
+        if threading.get_ident() != self.thread:
+            raise BroadcastError(
+                "this writer's put() and aclose() belong to the thread whose event loop opened it; "
+                "from another thread use put_nowait(), or anyio.from_thread.run(writer.put, obj)"
+            )
 
     # --- encoding and publishing -------------------------------------------------------------
     def _encode_arena(self, obj: object) -> tuple[Sequence[Buffer], int, bool]:
@@ -246,18 +273,19 @@ class Turns:
     exception of any kind thrown into a waiting task (not only a cancellation) gives its turn
     back: a turn is never left held by a task that is gone."""
 
-    __slots__ = ("_held", "_waiters")
+    __slots__ = ("_waiters", "held")
 
     def __init__(self) -> None:
-        self._held = False
+        #: a task holds the turn (``locked()``; read directly on the put path, which is cheaper)
+        self.held = False
         self._waiters: collections.deque[anyio.Event] = collections.deque()
 
     def locked(self) -> bool:
-        return self._held
+        return self.held
 
     async def __aenter__(self) -> None:
-        if not self._held:
-            self._held = True
+        if not self.held:
+            self.held = True
             return
         turn = anyio.Event()
         self._waiters.append(turn)
@@ -277,4 +305,4 @@ class Turns:
         if self._waiters:
             self._waiters.popleft().set()  # handed over: still held, by the next task
         else:
-            self._held = False
+            self.held = False

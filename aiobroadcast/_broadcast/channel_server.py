@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
@@ -18,7 +17,6 @@ import anyio.to_thread
 from .._base import tuning as _tuning
 from .._base.constants import TCP_SERVER_READER_NAME
 from .._base.errors import InvalidArgument, WaitTimeout
-from .._base.handle import Handle
 from .._base.stats import (
     HOLDER_GONE,
     HOLDER_STUCK,
@@ -39,30 +37,27 @@ if TYPE_CHECKING:
 
 
 class Serving:
-    """Part of ``WriterChannel`` (which sets these attributes up): its TCP server and its
-    statistics."""
+    """``WriterChannel.serving``: the channel's TCP server, its statistics and what a put whose
+    time passed says held it."""
 
-    pub: Publisher
-    handle: Handle
-    arena: ArenaWriter | None
-    server: ServerProcess | None
-    #: ``spare(pid)``: keep the place of reader ``pid`` although its lock is free (a fan-in
-    #: sender keeps the place it reserved for its collector until the collector takes it).
-    spare: Callable[[int], bool] | None
+    def __init__(self, pub: Publisher, arena: ArenaWriter | None) -> None:
+        self.pub = pub
+        self.arena = arena
+        #: Set by ``WriterChannel.serve_tcp``; handed over (and cleared) by its close.
+        self.server: ServerProcess | None = None
+        #: ``spare(pid)``: keep the place of reader ``pid`` although its lock is free (a fan-in
+        #: sender keeps the place it reserved for its collector until the collector takes it).
+        self.spare: Callable[[int], bool] | None = None
 
-    def _restarting(self, pid: int) -> bool:
+    def restarting(self, pid: int) -> bool:
+        """Keep the place of reader ``pid``: ``spare``'s, or a TCP server's that restarts."""
         if self.spare is not None and self.spare(pid):
             return True
         return self.server is not None and self.server.restarting_from(pid)
 
     # --- the TCP server --------------------------------------------------------------------------
-    def serve_tcp(self, server: ServerProcess, handle: Handle) -> None:
-        self.server = server
-        self.handle = handle
-        # A writer dropped without closing (or left open at exit): its server drains, then stops.
-        weakref.finalize(self, server.abandon)
-
-    async def _stop_server(self, server: ServerProcess | None) -> None:
+    @staticmethod
+    async def stop_server(server: ServerProcess | None) -> None:
         """Stop ``server`` (handed over by ``closing``) in a thread of its own that the loop
         waits for. A cancellation that gets through the shield (asyncio's own: ``task.cancel()``,
         ``asyncio.timeout``, ``wait_for``, a failing ``TaskGroup`` sibling; no anyio shield stops

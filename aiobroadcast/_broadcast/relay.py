@@ -65,12 +65,13 @@ async def relay(
             down.set_codec(up.codec, up.schema_path)
             if on_ready is not None:
                 on_ready(down.handle)
+            publishing = down.publishing
             relayed = 0
             while True:
                 try:
                     body, oob = await source.get()
                 except ReaderLagged as exc:
-                    await down.put_gap(exc.missed)
+                    await publishing.put_gap(exc.missed)
                     continue
                 except EndOfStream:
                     return RelayEnd("closed", relayed)
@@ -82,7 +83,7 @@ async def relay(
                     raise
                 # No await after the publish: source.get() already yields to the loop once in
                 # YIELD_EVERY messages, before it takes one.
-                await down.put_encoded((body,), len(body), oob, down.entries_for(len(body)))
+                await publishing.put_encoded((body,), len(body), oob, publishing.entries_for(len(body)))
                 relayed += 1
         finally:
             await down.aclose()

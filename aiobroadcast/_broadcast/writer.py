@@ -1,4 +1,4 @@
-"""The writer role: a facade over the channel's writing side (``_channel.WriterChannel``)."""
+"""The writer role: a facade over the channel's writing side (``channel.WriterChannel``)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,8 @@ class Writer(Generic[T_contra]):
         if token is not _private:
             raise TypeError("Writer cannot be built directly; use aiobroadcast.open_writer()")
         self._ch = channel
+        #: What a put does (``channel.publishing``), bound once: the put path reads it directly.
+        self._publishing = channel.publishing
         self._since_yield = 0
 
     @property
@@ -51,7 +53,7 @@ class Writer(Generic[T_contra]):
         another ``put`` is in progress). Raises ``SerializationError``,
         ``SchemaViolation`` or ``MessageTooLarge`` for a bad object, publishing
         nothing, and ``ClosedResourceError`` after ``aclose``."""
-        ch = self._ch
+        ch = self._publishing
         pub = ch.pub
         pub.check_open()
         if ch.turns.locked():
@@ -85,7 +87,7 @@ class Writer(Generic[T_contra]):
         """
         pending = self._publish_now(obj)
         if pending is not None:
-            await self._ch.put_in_turn(*pending)
+            await self._publishing.put_in_turn(*pending)
 
     def _publish_now(self, obj: object) -> tuple[Sequence[Buffer], int, bool, int, bool] | None:
         """``put`` up to its first await: check, encode and, in the usual case, publish. None once
@@ -93,7 +95,7 @@ class Writer(Generic[T_contra]):
         code, so that a ``put`` of a role built on this one (a fan-in sender's, a worker's reply)
         publishes without a coroutine per layer (docs/performance.md, "Calls: what the roles' layers
         cost")."""
-        ch = self._ch
+        ch = self._publishing
         pub = ch.pub
         if pub.closed:
             pub.check_open()
@@ -110,7 +112,7 @@ class Writer(Generic[T_contra]):
         if self._since_yield >= _tuning.YIELD_EVERY:
             self._since_yield = 0
             return (parts, total, oob, entries, True)
-        if not ch.turns._held and pub.try_publish(parts, total, oob, entries):  # turns.locked(), inline
+        if not ch.turns.held and pub.try_publish(parts, total, oob, entries):  # turns.locked(), inline
             self._since_yield += 1
             return None
         return (parts, total, oob, entries, False)
@@ -125,7 +127,7 @@ class Writer(Generic[T_contra]):
         ``InvalidArgument``, publishing nothing). Raises like ``put``. A Ctrl-C while the batch
         is being copied into the ring publishes the messages copied before it, each whole.
         """
-        ch = self._ch
+        ch = self._publishing
         pub = ch.pub
         pub.check_open()
         ch.check_thread()
@@ -140,7 +142,7 @@ class Writer(Generic[T_contra]):
             self._since_yield += len(batch)
 
     def statistics(self) -> WriterStatistics:
-        return self._ch.statistics(self._ch.waiting_tasks)
+        return self._ch.serving.statistics(self._publishing.waiting_tasks)
 
     def read_channel(self, read: Callable[[WriterChannel], V]) -> V | None:
         """``read(channel)`` while this writer is open, else None (its ring is gone): for the
@@ -171,7 +173,8 @@ class Writer(Generic[T_contra]):
             await anyio.sleep(limit_s)
             return False
 
-        return await run(self._ch.wait_readers_steps(self._ch.attached, count, names, timeout), sleep)
+        serving = self._ch.serving
+        return await run(serving.wait_readers_steps(serving.attached, count, names, timeout), sleep)
 
     async def aclose(self) -> None:
         """Close the channel: readers receive what was published, then ``EndOfStream``.
@@ -181,7 +184,7 @@ class Writer(Generic[T_contra]):
         closing = self._ch.closed_event
         if self._ch.pub.closed and (closing is None or closing.is_set()):
             return
-        self._ch.check_thread()
+        self._publishing.check_thread()
         await self._ch.aclose()
 
     async def __aenter__(self) -> Writer[T_contra]:

@@ -441,7 +441,8 @@ async def test_bad_items_raise_in_the_sender_and_nothing_accepted_is_lost() -> N
 #: locks are left alone, as tests/test_faults.py does for a writer).
 _PUBLISHING = in_functions(
     (
-        "aiobroadcast._fanin.core",
+        "aiobroadcast._fanin.sender",
+        "aiobroadcast._fanin.rendezvous",
         "aiobroadcast._shm.publisher",
         "aiobroadcast._shm.fragments",
         "aiobroadcast._shm.records",

@@ -31,7 +31,7 @@ from aiobroadcast._calls.core import (
     serve_steps,
     worker_steps,
 )
-from aiobroadcast._fanin.core import Item, SourceClosed, SourceGone
+from aiobroadcast._fanin.items import Item, SourceClosed, SourceGone
 
 
 def hello(name: str) -> Item[object]:

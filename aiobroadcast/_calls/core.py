@@ -42,18 +42,13 @@ from .._broadcast.open import DEFAULT_DIRECTORY, _Opening, open_reader, open_wri
 from .._broadcast.reader import Reader
 from .._broadcast.writer import Writer
 from .._fanin import blocking as fanin_blocking
-from .._fanin.core import (
-    Collector,
-    CollectorHandle,
-    Item,
-    Sender,
-    SourceClosed,
-    SourceGone,
-    _looks_like_channel,
-    _name_problem,
-    open_collector,
-    open_sender,
-)
+from .._fanin.collector import Collector
+from .._fanin.handle import CollectorHandle
+from .._fanin.handle import looks_like_channel as _looks_like_channel
+from .._fanin.handle import name_problem as _name_problem
+from .._fanin.items import Item, SourceClosed, SourceGone
+from .._fanin.open import open_collector, open_sender
+from .._fanin.sender import Sender
 from .._shm.owned import Owned
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """Fan-in for code without an event loop: ``BlockingCollector`` and ``BlockingSender``, over the
-same engine (``_fanin._Gather``) and rings as the async roles (docs/fan-in.md). Exported from
+same engine (``_fanin.Gather``) and rings as the async roles (docs/fan-in.md). Exported from
 ``aiobroadcast.blocking``."""
 
 from __future__ import annotations
@@ -18,26 +18,14 @@ from .._base.handle import CurveKeys, Handle, Policy
 from .._base.steps import run_blocking
 from .._broadcast import blocking as blocking_roles
 from .._broadcast.open import DEFAULT_DIRECTORY
+from .._shm.owned import Owned, left_before
 from .._shm.wake import wait_readable
-from .core import (
-    _NOTHING,
-    COLLECTOR_FIX,
-    SENDER_FIX,
-    CollectorHandle,
-    CollectorStatistics,
-    Delivery,
-    SenderArgs,
-    SenderPlan,
-    _CollectorSpec,
-    _Gather,
-    _guard,
-    _orphaned,
-    check_max_items,
-    check_sender,
-    sleep_steps,
-    take_many,
-)
+from .gather import NOTHING, Gather, check_max_items, sleep_steps, take_many
+from .handle import COLLECTOR_FIX, SENDER_FIX, CollectorHandle
+from .items import CollectorStatistics, Delivery
+from .open import CollectorSpec
 from .remote import RemoteOptions, blocking_channel
+from .rendezvous import SenderArgs, SenderPlan, check_sender, guard, orphaned
 
 T_co = TypeVar("T_co", covariant=True)
 T_contra = TypeVar("T_contra", contravariant=True)
@@ -53,13 +41,12 @@ class BlockingCollector(Generic[T_co]):
     ``aiobroadcast.blocking.open_collector``; has no ``put``. ``get`` returns what
     ``Collector.get`` returns. Thread-safe: threads each take distinct deliveries."""
 
-    def __init__(self, token: object, gather: _Gather) -> None:
+    def __init__(self, token: object, gather: Gather) -> None:
         if token is not _private:
             raise TypeError("BlockingCollector cannot be built directly; use aiobroadcast.blocking.open_collector()")
-        b = blocking_roles
         self._g = gather
-        self._lock = b._Owned()  # one taker at a time
-        self._sleep_lock = b._Owned()  # one sleeper at a time
+        self._lock = Owned()  # one taker at a time
+        self._sleep_lock = Owned()  # one sleeper at a time
         self._slept_ns = _tuning.DENSE_NS
         self._closing = False
 
@@ -70,7 +57,7 @@ class BlockingCollector(Generic[T_co]):
     def get_nowait(self) -> Delivery[T_co]:
         """The next delivery, or ``WouldBlock``. Raises like ``Collector.get_nowait``."""
         obj = self._take()
-        if obj is _NOTHING:
+        if obj is NOTHING:
             raise WouldBlock
         return obj  # type: ignore[no-any-return]
 
@@ -84,7 +71,7 @@ class BlockingCollector(Generic[T_co]):
         (``Collector.get_many``), up to ``max_items``. ``timeout`` as for ``get``."""
         check_max_items(max_items)
         g = self._g
-        return self._until(lambda: take_many(g, max_items) or _NOTHING, timeout, "get_many")  # type: ignore[no-any-return]
+        return self._until(lambda: take_many(g, max_items) or NOTHING, timeout, "get_many")  # type: ignore[no-any-return]
 
     def statistics(self) -> CollectorStatistics:
         try:
@@ -191,20 +178,19 @@ class BlockingCollector(Generic[T_co]):
                 obj = take()
             finally:
                 lock.release()
-            if obj is not _NOTHING:
+            if obj is not NOTHING:
                 return obj
             if self._closing:
                 raise ClosedResourceError(f"this collector was closed while {what}() waited")
             self._wait(deadline)
 
     def _wait(self, deadline: float | None) -> None:
-        b = blocking_roles
         g = self._g
         try:
             self._sleep_lock.acquire(deadline)
             if self._closing or g.closed:
                 return
-            steps = sleep_steps(g, self._slept_ns, lambda: self._closing, lambda: b._left(deadline))
+            steps = sleep_steps(g, self._slept_ns, lambda: self._closing, lambda: left_before(deadline))
             self._slept_ns = run_blocking(steps, self._sleep_inbox)
         finally:
             self._sleep_lock.release()
@@ -229,7 +215,7 @@ class BlockingSender(Generic[T_contra]):
         ch = writer._w
         self._pub = ch.pub
         self._words = ch.seg.words
-        self._active, self._watch = _guard(ch, collector)
+        self._active, self._watch = guard(ch, collector)
         self._remote: Handle | None = writer.handle if ch.server is not None else None
         self._name = name
         self._collector = collector
@@ -307,7 +293,7 @@ class BlockingSender(Generic[T_contra]):
         if self._w._closing or self._pub.closed:
             self._w.close()
             return
-        orphan = _orphaned(self._words, self._active, self._collector)
+        orphan = orphaned(self._words, self._active, self._collector)
         self._w.close()
         if orphan:
             unlink_quietly(self._w.handle.path)
@@ -373,7 +359,7 @@ def open_collector(
 ) -> BlockingCollector[Any]:
     """Create a collector and return its blocking role; the arguments and errors are those of
     ``aiobroadcast.open_collector``. Use ``with`` or call ``close()``."""
-    spec = _CollectorSpec(
+    spec = CollectorSpec(
         expect=expect,
         schema=schema,
         codec=codec,

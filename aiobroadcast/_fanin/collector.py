@@ -1,0 +1,265 @@
+"""The receiving end of a fan-in in an event loop (``Collector``)."""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from collections.abc import Callable
+from threading import get_ident as _get_ident
+from time import monotonic
+from types import TracebackType
+from typing import TYPE_CHECKING, Generic, NoReturn, TypeVar, final
+
+import anyio
+import anyio.lowlevel
+
+from .._base import fork as _fork
+from .._base import tuning as _tuning
+from .._base.errors import (
+    BroadcastError,
+    ClosedResourceError,
+    EndOfStream,
+    WaitTimeout,
+    WouldBlock,
+)
+from .._base.handle import (
+    Handle,
+)
+from .._base.steps import run
+from .gather import NOTHING, Gather, check_max_items, sleep_steps, take_many
+from .handle import (
+    COLLECTOR_FIX,
+    CollectorHandle,
+)
+from .items import CollectorStatistics, Delivery
+
+T_co = TypeVar("T_co", covariant=True)
+
+_private = object()
+
+
+@final
+@_fork.role("collector", COLLECTOR_FIX)
+class Collector(Generic[T_co]):
+    """The receiving end of a fan-in. Built by ``open_collector``; has no ``put``.
+
+    ``get`` returns ``Item(source, value)`` for each item a sender put, in each sender's order,
+    senders served in turns; and once per sender ``SourceClosed`` or ``SourceGone`` after its
+    last item. ``async for`` ends when the collector is closed, or, opened with ``expect=``,
+    once every expected sender has been reported closed or gone.
+
+    Its methods belong to the thread whose event loop opened it (several tasks may share it;
+    each ``get`` takes a distinct delivery). Threads without a loop use ``BlockingCollector``.
+    """
+
+    def __init__(self, token: object, gather: Gather) -> None:
+        if token is not _private:
+            raise TypeError("Collector cannot be built directly; use aiobroadcast.open_collector()")
+        self._g = gather
+        self._thread = threading.get_ident()
+        self._slept_ns = _tuning.DENSE_NS
+        self._leading = False
+        self._followers: anyio.Event | None = None
+        self._tasks_waiting = 0
+        self._since_yield = 0
+
+    @property
+    def handle(self) -> CollectorHandle:
+        """What a sender needs: pass it (or its JSON) to ``open_sender`` in any process on the host."""
+        return self._g.handle
+
+    def get_nowait(self) -> Delivery[T_co]:
+        """The next delivery, or ``WouldBlock``. Raises ``EndOfStream`` once every expected
+        sender ended, ``DeserializationError`` (its ``source`` says whose) for an item that
+        cannot be decoded here (it is consumed), ``ClosedResourceError`` after ``aclose``."""
+        obj = self._g.take()
+        if obj is NOTHING:
+            raise WouldBlock
+        return obj  # type: ignore[no-any-return]
+
+    async def get(self) -> Delivery[T_co]:
+        """Wait for the next delivery. Cancel-safe: a cancelled ``get`` has taken nothing. A
+        parked ``get`` uses no CPU: it sleeps on one socket that every sender's ring wakes."""
+        if _get_ident() != self._thread:
+            self._check_thread()
+        if self._since_yield >= _tuning.YIELD_EVERY:
+            await self._yield_turn()
+        g = self._g
+        while True:
+            obj = g.take()
+            if obj is not NOTHING:
+                self._since_yield += 1
+                return obj  # type: ignore[no-any-return]
+            await self._wait()
+
+    async def _get_before(self, deadline: float) -> Delivery[T_co]:
+        """``get`` until ``deadline`` (``time.monotonic``), then ``WaitTimeout`` having taken
+        nothing: the sleeps end at the deadline, without a cancel scope (a caller's call)."""
+        if _get_ident() != self._thread:
+            self._check_thread()
+        if self._since_yield >= _tuning.YIELD_EVERY:
+            await self._yield_turn()
+        g = self._g
+        while True:
+            obj = g.take()
+            if obj is not NOTHING:
+                self._since_yield += 1
+                return obj  # type: ignore[no-any-return]
+            await self._wait(lambda: _left(deadline))
+
+    async def get_many(self, max_items: int = _tuning.AHEAD_MESSAGES) -> list[Delivery[T_co]]:
+        """Wait for the next delivery, then return it with the ones the collector took with it
+        from the same sender's ring (docs/fan-in.md, "Batches"), up to ``max_items``: what as
+        many ``get`` calls would return, in their order and turns, for one call. At most one
+        ring's batch (32 items, about 256 KiB of bodies). Cancel-safe: a cancelled ``get_many``
+        has taken nothing. Raises like ``get``, having taken nothing."""
+        check_max_items(max_items)
+        if _get_ident() != self._thread:
+            self._check_thread()
+        if self._since_yield >= _tuning.YIELD_EVERY:
+            await self._yield_turn()
+        g = self._g
+        while True:
+            batch = take_many(g, max_items)
+            if batch:
+                self._since_yield += len(batch)
+                return batch
+            await self._wait()
+
+    def statistics(self) -> CollectorStatistics:
+        return self._g.statistics(self._tasks_waiting)
+
+    async def attach(self, handle: Handle | str, *, name: str, connect_timeout: float = 10.0) -> None:
+        """Read a remote sender: ``open_sender(handle, name=..., tcp=...)`` on another host (pass
+        its ``remote_handle``), or any writer that serves TCP (``open_writer(tcp=...,
+        max_readers=1)``), with the broadcast side's security (CurveZMQ admission, sealed data,
+        nothing decoded before it is authenticated). Its items arrive as ``Item(name, value)`` in
+        turn with the others (a remote sender's from its first, put before this attach); its
+        close as ``SourceClosed``, its death as ``SourceGone``. A remote sender's ``put`` raises
+        ``CollectorGone`` once this collector closed or died (a plain writer's does not:
+        docs/fan-in.md). Raises ``InvalidHandle``, ``InvalidArgument`` (a name taken), ``TransportError``."""
+        h, src = self._g.remote_source(handle, name)
+        await src.wait_welcome(connect_timeout)
+        self._g.add_remote(name, h, src)
+
+    async def aclose(self) -> None:
+        """Close: leave every sender's ring (their ``put`` raises ``CollectorGone``) and remove
+        the rendezvous. Parked ``get`` calls end (``ClosedResourceError``; ``async for`` ends)."""
+        if self._g.closed:
+            return
+        self._check_thread()
+        self._g.close()
+        if self._followers is not None:
+            self._followers.set()
+
+    def __aiter__(self) -> Collector[T_co]:
+        return self
+
+    async def __anext__(self) -> Delivery[T_co]:
+        try:
+            return await self.get()
+        except EndOfStream:
+            raise StopAsyncIteration from None
+        except ClosedResourceError:
+            if self._g.refusal is None:
+                raise StopAsyncIteration from None
+            raise
+
+    async def __aenter__(self) -> Collector[T_co]:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        g = self._g
+        state = "closed" if g.closed else f"senders={len(g.feeds)} received={g.received}"
+        return f"<aiobroadcast.Collector {g.handle.name} {state}>"
+
+    def __del__(self) -> None:
+        g = getattr(self, "_g", None)
+        if g is not None and not g.closed:
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
+
+    def __reduce__(self) -> NoReturn:
+        raise BroadcastError(
+            "a Collector cannot be pickled or sent to another process: send collector.handle (or its JSON) "
+            "and open_sender there"
+        )
+
+    if not TYPE_CHECKING:
+
+        @property
+        def put(self) -> NoReturn:
+            raise AttributeError(
+                "a Collector has no put(): senders put, each in its own role: "
+                "open_sender(collector.handle, name=...).put(item)"
+            )
+
+        put_nowait = put_many = put
+
+    def _check_thread(self) -> None:
+        if threading.get_ident() != self._thread:
+            raise BroadcastError(
+                "this collector's get() and aclose() belong to the thread whose event loop opened it; "
+                "from another thread use get_nowait(), or anyio.from_thread.run(collector.get)"
+            )
+
+    async def _yield_turn(self) -> None:
+        # As the reader's get: a collector that never has to wait still lets other tasks run
+        # once in YIELD_EVERY gets. Before the take, and cancellable: a cancellation here has
+        # taken nothing; once an item is taken, get returns it without another await.
+        self._since_yield = 0
+        await anyio.lowlevel.checkpoint()
+
+    async def _wait(self, left_s: Callable[[], float | None] | None = None) -> None:
+        """Wait for the ring to change: as the one sleeper, or behind it. ``left_s``: the time
+        left before a deadline (None: no deadline); raises ``WaitTimeout`` once it passed."""
+        self._tasks_waiting += 1
+        try:
+            if self._leading:
+                followers = self._followers
+                if followers is None:
+                    followers = self._followers = anyio.Event()
+                left = None if left_s is None else left_s()
+                with anyio.move_on_after(float("inf") if left is None else left):
+                    await followers.wait()
+            else:
+                self._leading = True
+                try:
+                    await self._sleep(left_s or _no_deadline)
+                finally:
+                    self._leading = False
+                    followers = self._followers
+                    if followers is not None:
+                        self._followers = None
+                        followers.set()
+        finally:
+            self._tasks_waiting -= 1
+        g = self._g
+        if g.closed:
+            raise ClosedResourceError(g.refusal or "this collector was closed while get() waited")
+
+    async def _sleep(self, left_s: Callable[[], float | None]) -> None:
+        g = self._g
+        self._slept_ns = await run(sleep_steps(g, self._slept_ns, lambda: g.closed, left_s), self._sleep_inbox)
+
+    async def _sleep_inbox(self, limit_s: float) -> bool:
+        try:
+            return await self._g.inbox.wait(limit_s)
+        except anyio.ClosedResourceError:
+            return False
+
+
+def _no_deadline() -> float | None:
+    return None
+
+
+def _left(deadline: float) -> float:
+    """Seconds left before ``deadline`` (``time.monotonic``); ``WaitTimeout`` once it passed."""
+    left = deadline - monotonic()
+    if left <= 0:
+        raise WaitTimeout("the deadline passed")
+    return left

@@ -15,12 +15,11 @@ from .._base import tuning as _tuning
 from .._base.errors import BroadcastError, ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
 from .._base.files import unlink_quietly
 from .._base.handle import CurveKeys, Handle, Policy
-from .._base.steps import run_blocking
 from .._broadcast import blocking as blocking_roles
+from .._broadcast.blocking import ThreadWaits
 from .._broadcast.open import DEFAULT_DIRECTORY
-from .._shm.owned import Owned, left_before
-from .._shm.wake import wait_readable
-from .gather import NOTHING, Gather, check_max_items, sleep_steps, take_many
+from .._shm.owned import Owned
+from .gather import NOTHING, Gather, check_max_items
 from .handle import COLLECTOR_FIX, SENDER_FIX, CollectorHandle
 from .items import CollectorStatistics, Delivery
 from .open import CollectorSpec
@@ -46,8 +45,7 @@ class BlockingCollector(Generic[T_co]):
             raise TypeError("BlockingCollector cannot be built directly; use aiobroadcast.blocking.open_collector()")
         self._g = gather
         self._lock = Owned()  # one taker at a time
-        self._sleep_lock = Owned()  # one sleeper at a time
-        self._slept_ns = _tuning.DENSE_NS
+        self._waits = ThreadWaits(None)  # one sleeper at a time; polls as an adaptive reader does
         self._closing = False
 
     @property
@@ -71,44 +69,45 @@ class BlockingCollector(Generic[T_co]):
         (``Collector.get_many``), up to ``max_items``. ``timeout`` as for ``get``."""
         check_max_items(max_items)
         g = self._g
-        return self._until(lambda: take_many(g, max_items) or NOTHING, timeout, "get_many")  # type: ignore[no-any-return]
+        return self._until(lambda: g.take_many(max_items) or NOTHING, timeout, "get_many")  # type: ignore[no-any-return]
 
     def statistics(self) -> CollectorStatistics:
         try:
             self._lock.acquire(None)
-            return self._g.statistics(self._sleep_lock.waiting + (self._sleep_lock.owner != 0))
+            return self._g.statistics(self._waits.tasks)
         finally:
             self._lock.release()
 
     def attach(self, handle: Handle | str, *, name: str, connect_timeout: float = 10.0) -> None:
         """Read a remote sender (``Collector.attach``)."""
-        h, src = self._g.remote_source(handle, name)
+        h, src = self._g.senders.remote_source(handle, name)
         src.wait_welcome_blocking(connect_timeout)
         try:
             self._lock.acquire(None)
-            self._g.add_remote(name, h, src)
+            self._g.senders.add_remote(name, h, src)
         finally:
             self._lock.release()
 
     def close(self) -> None:
         """Close: leave every sender's ring (their ``put`` raises ``CollectorGone``), remove the
         rendezvous; parked ``get`` calls raise ``ClosedResourceError``."""
-        if self._lock.mine() or self._sleep_lock.mine():
+        sleep_lock = self._waits.lock
+        if self._lock.mine() or sleep_lock.mine():
             raise WouldBlock("close() called from inside this collector's own get() on this thread")
         g = self._g
         if g.closed:
             return
         self._closing = True
-        g._outbox.wake(g.inbox.path)  # the sleeping thread looks up and sees _closing
+        g.interrupt()  # the sleeping thread looks up and sees _closing
         try:
-            self._sleep_lock.acquire(None)
+            sleep_lock.acquire(None)
             try:
                 self._lock.acquire(None)
                 g.close()
             finally:
                 self._lock.release()
         finally:
-            self._sleep_lock.release()
+            sleep_lock.release()
 
     def __enter__(self) -> BlockingCollector[T_co]:
         return self
@@ -182,24 +181,10 @@ class BlockingCollector(Generic[T_co]):
                 return obj
             if self._closing:
                 raise ClosedResourceError(f"this collector was closed while {what}() waited")
-            self._wait(deadline)
+            self._waits.wait(self._g, self._is_closing, deadline)
 
-    def _wait(self, deadline: float | None) -> None:
-        g = self._g
-        try:
-            self._sleep_lock.acquire(deadline)
-            if self._closing or g.closed:
-                return
-            steps = sleep_steps(g, self._slept_ns, lambda: self._closing, lambda: left_before(deadline))
-            self._slept_ns = run_blocking(steps, self._sleep_inbox)
-        finally:
-            self._sleep_lock.release()
-
-    def _sleep_inbox(self, limit_s: float) -> bool:
-        inbox = self._g.inbox
-        woken = wait_readable((inbox.fileno(),), limit_s)
-        inbox.drain()
-        return woken
+    def _is_closing(self) -> bool:
+        return self._closing or self._g.closed
 
 
 @final

@@ -25,8 +25,8 @@ from .._base.errors import (
 from .._base.handle import (
     Handle,
 )
-from .._base.steps import run
-from .gather import NOTHING, Gather, check_max_items, sleep_steps, take_many
+from .._broadcast.reader import TaskWaits
+from .gather import NOTHING, Gather, check_max_items
 from .handle import (
     COLLECTOR_FIX,
     CollectorHandle,
@@ -57,10 +57,7 @@ class Collector(Generic[T_co]):
             raise TypeError("Collector cannot be built directly; use aiobroadcast.open_collector()")
         self._g = gather
         self._thread = threading.get_ident()
-        self._slept_ns = _tuning.DENSE_NS
-        self._leading = False
-        self._followers: anyio.Event | None = None
-        self._tasks_waiting = 0
+        self._waits = TaskWaits(None)  # polls as a reader with an adaptive spin_us does
         self._since_yield = 0
 
     @property
@@ -120,14 +117,14 @@ class Collector(Generic[T_co]):
             await self._yield_turn()
         g = self._g
         while True:
-            batch = take_many(g, max_items)
+            batch = g.take_many(max_items)
             if batch:
                 self._since_yield += len(batch)
                 return batch
             await self._wait()
 
     def statistics(self) -> CollectorStatistics:
-        return self._g.statistics(self._tasks_waiting)
+        return self._g.statistics(self._waits.tasks)
 
     async def attach(self, handle: Handle | str, *, name: str, connect_timeout: float = 10.0) -> None:
         """Read a remote sender: ``open_sender(handle, name=..., tcp=...)`` on another host (pass
@@ -138,9 +135,9 @@ class Collector(Generic[T_co]):
         close as ``SourceClosed``, its death as ``SourceGone``. A remote sender's ``put`` raises
         ``CollectorGone`` once this collector closed or died (a plain writer's does not:
         docs/fan-in.md). Raises ``InvalidHandle``, ``InvalidArgument`` (a name taken), ``TransportError``."""
-        h, src = self._g.remote_source(handle, name)
+        h, src = self._g.senders.remote_source(handle, name)
         await src.wait_welcome(connect_timeout)
-        self._g.add_remote(name, h, src)
+        self._g.senders.add_remote(name, h, src)
 
     async def aclose(self) -> None:
         """Close: leave every sender's ring (their ``put`` raises ``CollectorGone``) and remove
@@ -149,8 +146,7 @@ class Collector(Generic[T_co]):
             return
         self._check_thread()
         self._g.close()
-        if self._followers is not None:
-            self._followers.set()
+        self._waits.wake_all()
 
     def __aiter__(self) -> Collector[T_co]:
         return self
@@ -215,46 +211,16 @@ class Collector(Generic[T_co]):
         await anyio.lowlevel.checkpoint()
 
     async def _wait(self, left_s: Callable[[], float | None] | None = None) -> None:
-        """Wait for the ring to change: as the one sleeper, or behind it. ``left_s``: the time
-        left before a deadline (None: no deadline); raises ``WaitTimeout`` once it passed."""
-        self._tasks_waiting += 1
-        try:
-            if self._leading:
-                followers = self._followers
-                if followers is None:
-                    followers = self._followers = anyio.Event()
-                left = None if left_s is None else left_s()
-                with anyio.move_on_after(float("inf") if left is None else left):
-                    await followers.wait()
-            else:
-                self._leading = True
-                try:
-                    await self._sleep(left_s or _no_deadline)
-                finally:
-                    self._leading = False
-                    followers = self._followers
-                    if followers is not None:
-                        self._followers = None
-                        followers.set()
-        finally:
-            self._tasks_waiting -= 1
+        """Wait for a ring to change (the reader's ``TaskWaits``, on the collector's one inbox).
+        ``left_s``: the time left before a deadline (None: no deadline); raises ``WaitTimeout``
+        once it passed."""
         g = self._g
+        await self._waits.wait(g, self._is_closed, left_s)
         if g.closed:
             raise ClosedResourceError(g.refusal or "this collector was closed while get() waited")
 
-    async def _sleep(self, left_s: Callable[[], float | None]) -> None:
-        g = self._g
-        self._slept_ns = await run(sleep_steps(g, self._slept_ns, lambda: g.closed, left_s), self._sleep_inbox)
-
-    async def _sleep_inbox(self, limit_s: float) -> bool:
-        try:
-            return await self._g.inbox.wait(limit_s)
-        except anyio.ClosedResourceError:
-            return False
-
-
-def _no_deadline() -> float | None:
-    return None
+    def _is_closed(self) -> bool:
+        return self._g.closed
 
 
 def _left(deadline: float) -> float:

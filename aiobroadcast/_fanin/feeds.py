@@ -1,16 +1,19 @@
-"""The collector's senders: finding the ones that announced themselves in the rendezvous
-directory and attaching their rings, and checking and adding remote ones (``Senders``)."""
+"""The collector's side of the rendezvous (``Senders``): its directory, lock and inbox, and its
+senders: finding the ones that announced themselves in the directory and attaching their rings,
+checking and adding remote ones, letting go of the ones that ended."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections import deque
 from typing import Any
 
 from pydantic import BaseModel
 
 from .._base.errors import (
+    BroadcastError,
     ClosedResourceError,
     InvalidArgument,
     InvalidHandle,
@@ -24,7 +27,7 @@ from .._base.handle import (
 from .._broadcast.open import _decoder
 from .._shm import segment as _segment
 from .._shm.subscriber import ShmSource
-from .._shm.wake import Outbox
+from .._shm.wake import Inbox, Outbox
 from .deaths import SenderDeaths
 from .handle import (
     CollectorHandle,
@@ -82,18 +85,31 @@ class Feed:
 
 
 class Senders:
-    """The collector's senders: finding the ones that announced themselves in the rendezvous
-    directory and attaching their rings, and checking and adding remote ones. ``Gather`` takes
-    from what this attaches."""
+    """The collector's side of the rendezvous: its directory (made here, removed by ``close``),
+    the lock that says it lives, the one inbox every sender's ring wakes, and the senders
+    attached: the ones that announced themselves in the directory, and remote ones, checked and
+    added. ``Gather`` takes from ``feeds`` in turns (the same list, never replaced)."""
 
-    handle: CollectorHandle
-    feeds: list[Feed]
-    closed: bool
-    refusal: str | None
-    _dir: str
-    _schema: type[BaseModel] | None
-    _known: set[str]
-    _deaths: SenderDeaths
+    def __init__(self, handle: CollectorHandle, schema: type[BaseModel] | None) -> None:
+        self.handle = handle
+        self._schema = schema
+        self._dir = handle.path
+        self.feeds: list[Feed] = []
+        self._known: set[str] = set()
+        self.closed = False
+        self.refusal: str | None = None
+        os.mkdir(self._dir, 0o700)
+        try:
+            self._lock_fd = os.open(handle.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            if not _segment.try_lock(self._lock_fd, 0):  # pragma: no cover - the file is new
+                raise BroadcastError(f"cannot lock {handle.lock_path}")
+            os.write(self._lock_fd, json.dumps({"pid": os.getpid()}).encode())
+            self.inbox = Inbox(handle.inbox_path)
+        except BaseException:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise
+        #: The senders' pidfds: a death knocks the inbox at once (``deaths``).
+        self.deaths = SenderDeaths(handle.inbox_path)
 
     def rescan(self) -> None:
         """Attach every sender that announced itself in the directory and is not attached yet."""
@@ -144,7 +160,7 @@ class Senders:
             return
         self.feeds.append(Feed(name, pid, ring, src, link))
         self._known.add(name)
-        self._deaths.watch(name, seg)
+        self.deaths.watch(name, seg)
 
     def remote_source(self, handle: Handle | str, name: str) -> tuple[Handle, Any]:
         """Check a remote sender's handle and name, and start its ``TcpSource`` (not yet welcomed)."""
@@ -173,6 +189,53 @@ class Senders:
             )
         self.feeds.append(Feed(name, h.writer_pid, None, RemoteFeed(src, self.handle.inbox_path), None))
         self._known.add(name)
+
+    def look(self) -> None:
+        """Look for dead senders among those with nothing to read, and for new ones."""
+        for f in self.feeds:
+            f.src.check_writer()
+        self.rescan()
+
+    def drop(self, i: int) -> Feed:
+        """Sender ``i`` closed or died and was drained: let go of its ring, free its name."""
+        f = self.feeds.pop(i)
+        self._known.discard(f.name)
+        self._let_go(f)
+        return f
+
+    def _let_go(self, f: Feed) -> None:
+        """Leave a sender's ring and remove its files: a sender leaves its ring's segment to its
+        collector (it may attach after the sender closed); its card frees its name."""
+        f.src.close()
+        if f.ring is None or f.link is None:
+            return  # a remote sender: nothing of it here
+        self.deaths.forget(f.name)
+        for path in (f.ring.path, f.ring.path + "-w.sock", f.ring.path + "-r0.sock"):
+            unlink_quietly(path)
+        self._unlink_link(f.link, f.ring.name)
+
+    def close(self) -> None:
+        """Leave every ring (their senders' puts raise ``CollectorGone``) and remove the directory."""
+        self.rescan()  # senders not attached yet learn it too: their place is left, not kept
+        self.closed = True
+        for f in self.feeds:
+            self._let_go(f)
+        self.feeds.clear()
+        self.deaths.close()
+        self.inbox.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        os.close(self._lock_fd)
+
+    def forget_in_child(self, refusal: str) -> None:
+        """A fork child's copy: refuse every use; the rings' sources and the inbox let go of
+        their own copies (they are tracked themselves); nothing is removed."""
+        self.closed = True
+        self.refusal = refusal
+        try:
+            os.close(self._lock_fd)
+        except OSError:
+            pass
+        self.deaths.forget_in_child()
 
     def _unlink_link(self, link: str, ring_name: str) -> None:
         """Remove a sender's card if it still names ``ring_name`` (its name is free again)."""

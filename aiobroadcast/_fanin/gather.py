@@ -1,14 +1,11 @@
 """The collector's engine, with no event loop (``Gather``): its inbox, the turns it takes among
-its senders' rings, and its one sleeper's wait (``sleep_steps``), shared by both front ends."""
+its senders' rings, and what its one sleeper sleeps on, shared by both front ends."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-from collections import deque
-from collections.abc import Callable, Iterable
-from time import monotonic, perf_counter_ns
+from collections.abc import Awaitable, Iterable
+from time import monotonic
 from typing import Any
 
 from pydantic import BaseModel
@@ -16,7 +13,6 @@ from pydantic import BaseModel
 from .._base import fork as _fork
 from .._base import tuning as _tuning
 from .._base.errors import (
-    BroadcastError,
     ClosedResourceError,
     DeserializationError,
     EndOfStream,
@@ -26,15 +22,11 @@ from .._base.errors import (
     WouldBlock,
     WriterGone,
 )
-from .._base.files import unlink_quietly
 from .._base.handle import (
     require,
 )
-from .._base.steps import Steps, poll_steps
-from .._shm import segment as _segment
 from .._shm.layout import fence
-from .._shm.wake import Inbox, Outbox
-from .deaths import SenderDeaths
+from .._shm.wake import Outbox
 from .feeds import Feed, Senders
 from .handle import (
     COLLECTOR_FIX,
@@ -48,68 +40,32 @@ NOTHING: Any = object()  # what Gather.take returns when nothing is ready
 _CHECK_EVERY = 256
 
 
-def take_many(g: Gather, limit: int) -> list[Any]:
-    """The next delivery (``g.take()``; an empty list if none is ready), then, up to ``limit``,
-    the deliveries ``g.take()`` would hand out next from what the collector holds already: the
-    rest of the batch the current sender's ring gave in this turn (``Gather.take``'s fast path).
-    So a batch is what as many takes would return, in their order, and holds at most one ring's
-    batch of decoded items (``AHEAD_MESSAGES``, about ``AHEAD_BYTES`` of bodies): a batch of
-    large items never piles up the whole of every ring. Only the first take touches a ring, so
-    only it can raise (nothing taken) or be interrupted."""
-    obj = g.take()
-    if obj is NOTHING:
-        return []
-    out = [obj]
-    f = g._cur
-    if f is not None:
-        # What ``take``'s fast path would do for each (count the turn and the item, hand out
-        # the next decoded one), for the run at once: a take per item cost the collector as
-        # much again as the Item it builds.
-        ahead = f.ahead
-        n = min(limit - 1, _tuning.AHEAD_MESSAGES - g._turn, len(ahead))
-        if n > 0:
-            name = f.name
-            pop = ahead.popleft
-            taken = 0
-            try:
-                while taken < n:
-                    out.append(Item(name, pop()))
-                    taken += 1
-            except IndexError:  # another thread's get_nowait took the last one meanwhile
-                pass
-            g._turn += taken
-            g.received += taken
-    return out
-
-
 def check_max_items(max_items: object) -> int:
     if type(max_items) is not int or max_items < 1:
         raise InvalidArgument(f"max_items must be a positive integer, not {max_items!r}")
     return max_items
 
 
-class Gather(Senders):
-    """The collector's state: the rendezvous directory, its one inbox, the senders' rings and
-    the turns among them. Shared by ``Collector`` and ``BlockingCollector``; one taker at a time
-    (the facades make sure)."""
+class Gather:
+    """The collector's engine: the turns it takes among its senders' rings (``senders``: the
+    rendezvous, the inbox, the rings attached), and what its one sleeper sleeps on. Shared by
+    ``Collector`` and ``BlockingCollector``; one taker at a time (the facades make sure)."""
 
     def __init__(self, handle: CollectorHandle, schema: type[BaseModel] | None, expect: Iterable[str] | None) -> None:
         self.handle = handle
-        self._schema = schema
-        self._dir = handle.path
         self._expect = None if expect is None else frozenset(expect)
         if self._expect is not None:
             for n in self._expect:
                 require(name_problem(n))
+        self.senders = Senders(handle, schema)
+        self.feeds = self.senders.feeds  # the same list: read per take
+        self.inbox = self.senders.inbox
         self._ended: set[str] = set()
-        self.feeds: list[Feed] = []
-        self._known: set[str] = set()
         self._rr = 0
         self._turn = 0
         #: The sender whose turn it is, while it has items taken ahead (``take``'s fast path).
         self._cur: Feed | None = None
         self._taking = False
-        self._events: deque[Any] = deque()
         self.received = 0
         self.closed_count = 0
         self.gone_count = 0
@@ -118,19 +74,7 @@ class Gather(Senders):
         self.closed = False
         self.refusal: str | None = None
         self.owner = os.getpid()
-        os.mkdir(self._dir, 0o700)
-        try:
-            self._lock_fd = os.open(handle.lock_path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-            if not _segment.try_lock(self._lock_fd, 0):  # pragma: no cover - the file is new
-                raise BroadcastError(f"cannot lock {handle.lock_path}")
-            os.write(self._lock_fd, json.dumps({"pid": os.getpid()}).encode())
-            self.inbox = Inbox(handle.inbox_path)
-        except BaseException:
-            shutil.rmtree(self._dir, ignore_errors=True)
-            raise
         self._outbox = Outbox()
-        #: The senders' pidfds: a death knocks the inbox at once (``_fanin_deaths``).
-        self._deaths = SenderDeaths(handle.inbox_path)
         _fork.track(self)
 
     # --- taking ----------------------------------------------------------------------------
@@ -164,9 +108,40 @@ class Gather(Senders):
             self._taking = False
         return obj
 
+    def take_many(self, limit: int) -> list[Any]:
+        """The next delivery (``take()``; an empty list if none is ready), then, up to ``limit``,
+        the deliveries ``take()`` would hand out next from what the collector holds already: the
+        rest of the batch the current sender's ring gave in this turn (``take``'s fast path). So
+        a batch is what as many takes would return, in their order, and holds at most one ring's
+        batch of decoded items (``AHEAD_MESSAGES``, about ``AHEAD_BYTES`` of bodies): a batch of
+        large items never piles up the whole of every ring. Only the first take touches a ring,
+        so only it can raise (nothing taken) or be interrupted."""
+        obj = self.take()
+        if obj is NOTHING:
+            return []
+        out = [obj]
+        f = self._cur
+        if f is not None:
+            # What ``take``'s fast path would do for each (count the turn and the item, hand out
+            # the next decoded one), for the run at once: a take per item cost the collector as
+            # much again as the Item it builds.
+            ahead = f.ahead
+            n = min(limit - 1, _tuning.AHEAD_MESSAGES - self._turn, len(ahead))
+            if n > 0:
+                name = f.name
+                pop = ahead.popleft
+                taken = 0
+                try:
+                    while taken < n:
+                        out.append(Item(name, pop()))
+                        taken += 1
+                except IndexError:  # another thread's get_nowait took the last one meanwhile
+                    pass
+                self._turn += taken
+                self.received += taken
+        return out
+
     def _take(self) -> Any:
-        if self._events:
-            return self._events.popleft()
         feeds = self.feeds
         n = len(feeds)
         if n:
@@ -224,35 +199,23 @@ class Gather(Senders):
 
     def _end(self, i: int, event: Any) -> Any:
         """Sender ``i`` closed or died and was drained: report it once, and let go of its ring."""
-        f = self.feeds.pop(i)
+        f = self.senders.drop(i)
         self._cur = None
         if self._rr > i:
             self._rr -= 1
         self._turn = 0
-        self._known.discard(f.name)
         self._ended.add(f.name)
-        self._let_go(f)
         if isinstance(event, SourceGone):
             self.gone_count += 1
         else:
             self.closed_count += 1
         return event
 
-    def _let_go(self, f: Feed) -> None:
-        """Leave a sender's ring and remove its files: a sender leaves its ring's segment to its
-        collector (it may attach after the sender closed); its card frees its name."""
-        f.src.close()
-        if f.ring is None or f.link is None:
-            return  # a remote sender: nothing of it here
-        self._deaths.forget(f.name)
-        for path in (f.ring.path, f.ring.path + "-w.sock", f.ring.path + "-r0.sock"):
-            unlink_quietly(path)
-        self._unlink_link(f.link, f.ring.name)
-
     def ready(self) -> bool:
-        return bool(self._events) or self.inbox.knocked or any(f.src.ready() for f in self.feeds)
+        return self.inbox.knocked or any(f.src.ready() for f in self.feeds)
 
-    # --- sleeping --------------------------------------------------------------------------
+    # --- sleeping: the reader's wait machinery sleeps on the collector as on a reader's source
+    # (``_broadcast.reader.Sleeper``: ``TaskWaits``, ``ThreadWaits``), on one inbox for all rings.
     def begin_sleep(self) -> bool:
         """Announce a sleep on every ring, fence once, re-check them all. True if there is no
         need to sleep (then nothing is announced any more)."""
@@ -266,30 +229,45 @@ class Gather(Senders):
             return True
         return False
 
-    def end_sleep(self) -> None:
+    def end_sleep(self, woken: bool) -> None:
+        """End the sleep ``begin_sleep`` announced; then attach the senders that knocked, and
+        look for dead ones if a sender's pidfd fired or a look is due (``LIVENESS_S``)."""
         for f in self.feeds:
             f.src.retract_sleep()
         if self.closed:
             return
         if self.inbox.knocked:
             self.inbox.knocked = False
-            self.rescan()
-        if self._deaths.fired or monotonic() - self._last_check >= _tuning.LIVENESS_S:
+            self.senders.rescan()
+        if self.senders.deaths.fired or monotonic() - self._last_check >= _tuning.LIVENESS_S:
             self.check_now()
 
     @property
     def sleep_limit_s(self) -> float:
         return _tuning.LIVENESS_S
 
-    # --- discovery and liveness ------------------------------------------------------------
+    def sleep(self, limit_s: float) -> Awaitable[bool]:
+        """A task's wait on the inbox every sender's ring knocks, for up to ``limit_s``. Raises
+        ``anyio.ClosedResourceError`` once closed."""
+        return self.inbox.wait(limit_s)
+
+    @property
+    def inbox_fd(self) -> int:
+        return self.inbox.fileno()
+
+    def drain_inbox(self) -> bool:
+        return self.inbox.drain()
+
+    def interrupt(self) -> None:
+        """Wake the thread sleeping on the inbox (from another thread): it looks again."""
+        self._outbox.wake(self.inbox.path)
+
     def check_now(self) -> None:
         """Look for new senders, and for dead ones among those with nothing to read."""
         self._last_check = monotonic()
         self.inbox.knocked = False
-        self._deaths.fired = False
-        for f in self.feeds:
-            f.src.check_writer()
-        self.rescan()
+        self.senders.deaths.fired = False
+        self.senders.look()
 
     # --- state -----------------------------------------------------------------------------
     def statistics(self, tasks_waiting: int) -> CollectorStatistics:
@@ -305,52 +283,14 @@ class Gather(Senders):
         """Leave every ring (their senders' puts raise ``CollectorGone``) and remove the directory."""
         if self.closed:
             return
-        self.rescan()  # senders not attached yet learn it too: their place is left, not kept
         self.closed = True
         _fork.untrack(self)
-        for f in self.feeds:
-            self._let_go(f)
-        self.feeds = []
         self._cur = None
-        self._deaths.close()
-        self.inbox.close()
+        self.senders.close()
         self._outbox.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
-        os.close(self._lock_fd)
 
     def _forget_in_child(self) -> None:
-        """A fork child's copy: refuse every use; the rings' sources and the inbox let go of
-        their own copies (they are tracked themselves); nothing is removed."""
+        """A fork child's copy: refuse every use (``Senders.forget_in_child``)."""
         self.closed = True
         self.refusal = _fork.refusal("collector", self.owner, COLLECTOR_FIX)
-        try:
-            os.close(self._lock_fd)
-        except OSError:
-            pass
-        self._deaths.forget_in_child()
-
-
-def sleep_steps(g: Gather, slept_ns: int, stop: Callable[[], bool], left_s: Callable[[], float | None]) -> Steps[int]:
-    """A collector's one sleeper, waiting for an item (both front ends): poll for a while when
-    items came densely (it was woken recently), else sleep on the inbox, that every sender's
-    ring knocks, for up to ``g.sleep_limit_s`` (or what ``left_s`` says is left of a deadline;
-    ``left_s`` raises once it passed). ``stop``: the collector is closing. Returns the new
-    ``slept_ns`` (how long the last sleep took: 0 after a poll that found an item)."""
-    spin = _tuning.POLL_NS if slept_ns < _tuning.DENSE_NS else 0
-    left = left_s()
-    if left is not None:
-        spin = min(spin, int(left * 1e9))
-    if spin and (yield from poll_steps(lambda: stop() or g.ready(), spin)):
-        return 0
-    limit = g.sleep_limit_s
-    left = left_s()
-    if left is not None:
-        limit = min(limit, left)
-    if g.begin_sleep():
-        return slept_ns
-    start = perf_counter_ns()
-    try:
-        yield limit
-    finally:
-        g.end_sleep()
-    return perf_counter_ns() - start
+        self.senders.forget_in_child(self.refusal)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import inspect
 import os
 import shutil
 import threading
@@ -198,8 +199,8 @@ async def test_an_async_put_whose_item_the_collector_took_before_it_closed_retur
     one: Any = ["x"] if method == "put_many" else "x"
     collector = await ab.open_collector(capacity=8, slot_bytes=256)
     async with ab.open_sender(collector.handle, name="s") as sender:
-        # put publishes through the writer's _publish_now (no coroutine of the writer's between).
-        target = "_publish_now" if method == "put" else method
+        # put publishes through the writer's publish_now (no coroutine of the writer's between).
+        target = "publish_now" if method == "put" else method
         publish = getattr(sender._w, target)
         got: list[Any] = []
 
@@ -738,3 +739,19 @@ def test_a_sender_with_room_learns_of_its_killed_collector_before_publishing_mor
         finally:
             child.cleanup()
             shutil.rmtree(ab.CollectorHandle.parse(h).path, ignore_errors=True)
+
+
+def test_both_front_ends_take_one_set_of_options_and_refuse_others() -> None:
+    """The four factories take their keyword options as one typed set each (``CollectorOptions``,
+    ``SenderOptions``), whose defaults are written once (``CollectorSpec``, ``sender_plan``); a
+    keyword none of them takes is refused, as a written-out signature refused it."""
+    from aiobroadcast._fanin.open import CollectorOptions, CollectorSpec
+
+    spec = set(inspect.signature(CollectorSpec).parameters) - {"schema"}
+    assert set(CollectorOptions.__annotations__) == spec
+    for open_collector in (ab.open_collector, blocking.open_collector):
+        with pytest.raises(TypeError, match="capcity"):
+            open_collector(capcity=4)  # type: ignore[call-overload]
+    for open_sender in (ab.open_sender, blocking.open_sender):
+        with pytest.raises(TypeError, match="heartbeat"):
+            open_sender("{}", name="a", heartbeat=1.0)  # type: ignore[call-overload]

@@ -1,4 +1,6 @@
-"""The receiving end of a fan-in in an event loop (``Collector``)."""
+"""The receiving end of a fan-in: what both front ends share (``CollectorBase``: every method
+that does not wait), and the role of an event loop (``Collector``). ``BlockingCollector``
+(``blocking``) is the other front end over the same base."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from collections.abc import Callable
 from threading import get_ident as _get_ident
 from time import monotonic
 from types import TracebackType
-from typing import TYPE_CHECKING, Generic, NoReturn, TypeVar, final
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, NoReturn, TypeVar, final
 
 import anyio
 import anyio.lowlevel
@@ -38,9 +40,73 @@ T_co = TypeVar("T_co", covariant=True)
 _private = object()
 
 
+class CollectorBase(Generic[T_co]):
+    """What ``Collector`` and ``BlockingCollector`` share: their engine (``Gather``),
+    ``get_nowait``, when iteration ends, and what they answer. Only the waiting differs: a
+    front end's ``get``, ``get_many``, ``attach`` and close. ``_take``: the engine's ``take``,
+    as the front end calls it (the blocking one under its lock). ``_ROLE``/``_TITLE``: the
+    role's name and how ``repr`` names it; ``_SEND``: what sends instead (``put``'s error)."""
+
+    _ROLE: ClassVar[str]
+    _TITLE: ClassVar[str]
+    _SEND: ClassVar[str]
+    _take: Callable[[], Any]
+
+    def __init__(self, token: object, mine: object, gather: Gather) -> None:
+        """``token`` is the factories' (``mine``, the module's): nothing else builds a role."""
+        if token is not mine:
+            raise TypeError(
+                f"{self._ROLE} cannot be built directly; use {self._TITLE.rpartition('.')[0]}.open_collector()"
+            )
+        self._g = gather
+
+    @property
+    def handle(self) -> CollectorHandle:
+        """What a sender needs: pass it (or its JSON) to ``open_sender`` in any process on the host."""
+        return self._g.handle
+
+    def get_nowait(self) -> Delivery[T_co]:
+        """The next delivery, or ``WouldBlock``. Raises ``EndOfStream`` once every expected
+        sender ended, ``DeserializationError`` (its ``source`` says whose) for an item that
+        cannot be decoded here (it is consumed), ``ClosedResourceError`` once closed."""
+        obj = self._take()
+        if obj is NOTHING:
+            raise WouldBlock
+        return obj  # type: ignore[no-any-return]
+
+    def _ends_iteration(self, exc: Exception) -> bool:
+        """Whether ``exc``, raised by ``get``, ends a ``for`` over the collector: every expected
+        sender ended, or the collector was closed (not refused in a fork child)."""
+        return isinstance(exc, EndOfStream) or (isinstance(exc, ClosedResourceError) and self._g.refusal is None)
+
+    def __repr__(self) -> str:
+        g = self._g
+        state = "closed" if g.closed else f"senders={len(g.feeds)} received={g.received}"
+        return f"<{self._TITLE} {g.handle.name} {state}>"
+
+    def __del__(self) -> None:
+        g = getattr(self, "_g", None)
+        if g is not None and not g.closed:
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
+
+    def __reduce__(self) -> NoReturn:
+        raise BroadcastError(
+            f"a {self._ROLE} cannot be pickled or sent to another process: send collector.handle (or its JSON) "
+            "and open_sender there"
+        )
+
+    if not TYPE_CHECKING:
+
+        @property
+        def put(self) -> NoReturn:
+            raise AttributeError(f"a {self._ROLE} has no put(): senders put, each in its own role: {self._SEND}")
+
+        put_nowait = put_many = put
+
+
 @final
 @_fork.role("collector", COLLECTOR_FIX)
-class Collector(Generic[T_co]):
+class Collector(CollectorBase[T_co]):
     """The receiving end of a fan-in. Built by ``open_collector``; has no ``put``.
 
     ``get`` returns ``Item(source, value)`` for each item a sender put, in each sender's order,
@@ -52,27 +118,16 @@ class Collector(Generic[T_co]):
     each ``get`` takes a distinct delivery). Threads without a loop use ``BlockingCollector``.
     """
 
+    _ROLE = "Collector"
+    _TITLE = "aiobroadcast.Collector"
+    _SEND = "open_sender(collector.handle, name=...).put(item)"
+
     def __init__(self, token: object, gather: Gather) -> None:
-        if token is not _private:
-            raise TypeError("Collector cannot be built directly; use aiobroadcast.open_collector()")
-        self._g = gather
+        super().__init__(token, _private, gather)
+        self._take = gather.take
         self._thread = threading.get_ident()
         self._waits = TaskWaits(None)  # polls as a reader with an adaptive spin_us does
         self._since_yield = 0
-
-    @property
-    def handle(self) -> CollectorHandle:
-        """What a sender needs: pass it (or its JSON) to ``open_sender`` in any process on the host."""
-        return self._g.handle
-
-    def get_nowait(self) -> Delivery[T_co]:
-        """The next delivery, or ``WouldBlock``. Raises ``EndOfStream`` once every expected
-        sender ended, ``DeserializationError`` (its ``source`` says whose) for an item that
-        cannot be decoded here (it is consumed), ``ClosedResourceError`` after ``aclose``."""
-        obj = self._g.take()
-        if obj is NOTHING:
-            raise WouldBlock
-        return obj  # type: ignore[no-any-return]
 
     async def get(self) -> Delivery[T_co]:
         """Wait for the next delivery. Cancel-safe: a cancelled ``get`` has taken nothing. A
@@ -89,9 +144,11 @@ class Collector(Generic[T_co]):
                 return obj  # type: ignore[no-any-return]
             await self._wait()
 
-    async def _get_before(self, deadline: float) -> Delivery[T_co]:
+    async def get_before(self, deadline: float) -> Delivery[T_co]:
         """``get`` until ``deadline`` (``time.monotonic``), then ``WaitTimeout`` having taken
         nothing: the sleeps end at the deadline, without a cancel scope (a caller's call)."""
+        # get's loop, written out again rather than shared: get keeps no frame of ours between
+        # a take and its return (its every item); get_many's the same way.
         if _get_ident() != self._thread:
             self._check_thread()
         if self._since_yield >= _tuning.YIELD_EVERY:
@@ -126,6 +183,14 @@ class Collector(Generic[T_co]):
     def statistics(self) -> CollectorStatistics:
         return self._g.statistics(self._waits.tasks)
 
+    def check_now(self) -> None:
+        """Look for new senders and dead ones now, not at the next due look (a pool's caller,
+        waiting for its workers to join)."""
+        self._g.check_now()
+
+    # The calls family's name for it (a caller's call with a deadline): it moves to get_before.
+    _get_before = get_before
+
     async def attach(self, handle: Handle | str, *, name: str, connect_timeout: float = 10.0) -> None:
         """Read a remote sender: ``open_sender(handle, name=..., tcp=...)`` on another host (pass
         its ``remote_handle``), or any writer that serves TCP (``open_writer(tcp=...,
@@ -154,10 +219,8 @@ class Collector(Generic[T_co]):
     async def __anext__(self) -> Delivery[T_co]:
         try:
             return await self.get()
-        except EndOfStream:
-            raise StopAsyncIteration from None
-        except ClosedResourceError:
-            if self._g.refusal is None:
+        except (EndOfStream, ClosedResourceError) as exc:
+            if self._ends_iteration(exc):
                 raise StopAsyncIteration from None
             raise
 
@@ -168,33 +231,6 @@ class Collector(Generic[T_co]):
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         await self.aclose()
-
-    def __repr__(self) -> str:
-        g = self._g
-        state = "closed" if g.closed else f"senders={len(g.feeds)} received={g.received}"
-        return f"<aiobroadcast.Collector {g.handle.name} {state}>"
-
-    def __del__(self) -> None:
-        g = getattr(self, "_g", None)
-        if g is not None and not g.closed:
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
-
-    def __reduce__(self) -> NoReturn:
-        raise BroadcastError(
-            "a Collector cannot be pickled or sent to another process: send collector.handle (or its JSON) "
-            "and open_sender there"
-        )
-
-    if not TYPE_CHECKING:
-
-        @property
-        def put(self) -> NoReturn:
-            raise AttributeError(
-                "a Collector has no put(): senders put, each in its own role: "
-                "open_sender(collector.handle, name=...).put(item)"
-            )
-
-        put_nowait = put_many = put
 
     def _check_thread(self) -> None:
         if threading.get_ident() != self._thread:

@@ -9,7 +9,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .._base.codec import import_schema
 from .._base.errors import (
+    InvalidArgument,
     InvalidHandle,
 )
 from .._base.handle import (
@@ -137,3 +139,19 @@ def collector_alive(handle: CollectorHandle) -> bool:
         return _segment.is_locked(fd, 0)
     finally:
         os.close(fd)
+
+
+def sender_schema(h: CollectorHandle, schema: type[BaseModel] | None) -> type[BaseModel] | None:
+    """The model a sender of the collector ``h`` sends: ``schema``, or for a schema collector
+    opened without it, the one its handle names (imported here). Raises ``InvalidHandle`` (it
+    cannot be imported), ``InvalidArgument`` (a schema for a collector that takes none)."""
+    if h.codec == "pydantic-json" and schema is None:
+        if h.schema_path is None:
+            raise InvalidHandle("schema collector without schema_path: pass schema=")
+        try:
+            return import_schema(h.schema_path)
+        except (ImportError, AttributeError, TypeError, ValueError) as exc:
+            raise InvalidHandle(f"cannot import the collector's schema {h.schema_path!r} here: {exc}") from exc
+    if h.codec != "pydantic-json" and schema is not None:
+        raise InvalidArgument(f"this collector takes {h.codec}, not a schema: open it with schema= to send models")
+    return schema

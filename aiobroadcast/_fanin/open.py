@@ -9,8 +9,8 @@ import secrets
 import shutil
 import stat
 import time
-from collections.abc import Iterable
-from typing import Any, Literal, TypeVar, overload
+from collections.abc import Iterable, Mapping
+from typing import Any, Literal, TypedDict, TypeVar, Unpack, overload
 
 from pydantic import BaseModel
 
@@ -25,8 +25,6 @@ from .._base.handle import (
     require,
 )
 from .._broadcast.open import DEFAULT_DIRECTORY, _open_channel, _Opening, _WriterSpec
-from .._broadcast.writer import Writer
-from .._broadcast.writer import _private as _writer_token
 from .._shm import segment as _segment
 from .collector import Collector
 from .collector import _private as _collector_token
@@ -44,20 +42,55 @@ from .sender import _private as _sender_token
 M = TypeVar("M", bound=BaseModel)
 
 
+class CollectorOptions(TypedDict, total=False):
+    """``open_collector``'s keyword arguments but ``schema``, for both factories (their defaults:
+    ``CollectorSpec``'s)."""
+
+    expect: Iterable[str] | None
+    codec: Literal["pickle", "json"]
+    capacity: int
+    slot_bytes: int
+    policy: Policy
+    max_message_bytes: int | None
+    directory: str
+
+
+class SenderOptions(TypedDict, total=False):
+    """``open_sender``'s keyword arguments but ``name`` and ``schema``, for both factories (their
+    defaults: ``sender_plan``'s)."""
+
+    capacity: int | None
+    slot_bytes: int | None
+    connect_timeout: float
+    tcp: str | None
+    advertise: str | None
+    keys: CurveKeys | None
+    heartbeat_s: float
+    data_port: int
+
+
+def refuse_unknown(factory: str, options: Mapping[str, object], known: type) -> None:
+    """What a signature would raise for a keyword it does not take (``**options`` takes any)."""
+    unknown = sorted(set(options) - set(known.__annotations__))
+    if unknown:
+        raise TypeError(f"{factory}() got unexpected keyword arguments: {', '.join(unknown)}")
+
+
 class CollectorSpec:
-    """``open_collector``'s arguments, checked; shared by the async and blocking factories."""
+    """``open_collector``'s arguments, checked, with their defaults (written here only); shared
+    by the async and blocking factories."""
 
     def __init__(
         self,
         *,
-        expect: Iterable[str] | None,
-        schema: type[BaseModel] | None,
-        codec: Literal["pickle", "json"],
-        capacity: int,
-        slot_bytes: int,
-        policy: Policy,
-        max_message_bytes: int | None,
-        directory: str,
+        expect: Iterable[str] | None = None,
+        schema: type[BaseModel] | None = None,
+        codec: Literal["pickle", "json"] = "pickle",
+        capacity: int = 64,
+        slot_bytes: int = 1 << 16,
+        policy: Policy = "block",
+        max_message_bytes: int | None = None,
+        directory: str = DEFAULT_DIRECTORY,
     ) -> None:
         # The rings' own checks (capacity, slot_bytes, policy, codec), as open_writer makes them.
         ring = _WriterSpec(
@@ -141,61 +174,28 @@ def _schema_path(schema: type[BaseModel]) -> str:
 
 
 @overload
-def open_collector(
-    *,
-    expect: Iterable[str] | None = ...,
-    schema: None = ...,
-    codec: Literal["pickle", "json"] = ...,
-    capacity: int = ...,
-    slot_bytes: int = ...,
-    policy: Policy = ...,
-    max_message_bytes: int | None = ...,
-    directory: str = ...,
-) -> _Opening[Collector[Any]]: ...
+def open_collector(*, schema: None = ..., **options: Unpack[CollectorOptions]) -> _Opening[Collector[Any]]: ...
 @overload
+def open_collector(*, schema: type[M], **options: Unpack[CollectorOptions]) -> _Opening[Collector[M]]: ...
 def open_collector(
-    *,
-    expect: Iterable[str] | None = ...,
-    schema: type[M],
-    codec: Literal["pickle", "json"] = ...,
-    capacity: int = ...,
-    slot_bytes: int = ...,
-    policy: Policy = ...,
-    max_message_bytes: int | None = ...,
-    directory: str = ...,
-) -> _Opening[Collector[M]]: ...
-def open_collector(
-    *,
-    expect: Iterable[str] | None = None,
-    schema: type[BaseModel] | None = None,
-    codec: Literal["pickle", "json"] = "pickle",
-    capacity: int = 64,
-    slot_bytes: int = 1 << 16,
-    policy: Policy = "block",
-    max_message_bytes: int | None = None,
-    directory: str = DEFAULT_DIRECTORY,
+    *, schema: type[BaseModel] | None = None, **options: Unpack[CollectorOptions]
 ) -> _Opening[Collector[Any]]:
     """Create a collector (the receiving end of a fan-in) and return it.
 
     - ``expect``: the names of the senders to wait for: iteration ends once each of them has
-      been reported closed or gone (others may join too). Default: iteration ends at ``aclose``.
-    - ``schema``/``codec``/``max_message_bytes``: what every sender sends, as ``open_writer``.
-    - ``capacity``/``slot_bytes``: each sender's ring (a sender may choose its own); memory per
-      sender is bounded by it. ``policy``: ``"block"`` (lossless, a sender waits) or ``"lag"``.
-    - ``directory``: where the rendezvous and the rings live (``/dev/shm``).
+      been reported closed or gone (others may join too). Default None: iteration ends at
+      ``aclose``.
+    - ``schema``/``codec``/``max_message_bytes``: what every sender sends, as ``open_writer``
+      (defaults None, ``"pickle"``, None).
+    - ``capacity``/``slot_bytes``: each sender's ring (a sender may choose its own; defaults 64
+      and 65536); memory per sender is bounded by it. ``policy``: ``"block"`` (the default:
+      lossless, a sender waits) or ``"lag"``.
+    - ``directory``: where the rendezvous and the rings live (default ``/dev/shm``).
 
     Raises ``InvalidArgument`` for bad arguments, ``BroadcastError`` if the directory cannot be made.
     """
-    spec = CollectorSpec(
-        expect=expect,
-        schema=schema,
-        codec=codec,
-        capacity=capacity,
-        slot_bytes=slot_bytes,
-        policy=policy,
-        max_message_bytes=max_message_bytes,
-        directory=directory,
-    )
+    refuse_unknown("open_collector", options, CollectorOptions)
+    spec = CollectorSpec(schema=schema, **options)
 
     async def make() -> Collector[Any]:
         return Collector(_collector_token, spec.create())
@@ -203,49 +203,34 @@ def open_collector(
     return _Opening(make)
 
 
+def sender_plan(
+    handle: CollectorHandle | str, name: str, schema: type[BaseModel] | None, options: SenderOptions
+) -> SenderPlan:
+    """``open_sender``'s arguments, with their defaults (written here only), as a plan for either
+    factory."""
+    refuse_unknown("open_sender", options, SenderOptions)
+    tcp = options.get("tcp")
+    args = SenderArgs(
+        handle, name, schema, options.get("capacity"), options.get("slot_bytes"), options.get("connect_timeout", 10.0)
+    )
+    if tcp is None:
+        return SenderPlan(args, None)
+    remote = RemoteOptions(
+        tcp, options.get("advertise"), options.get("keys"), options.get("heartbeat_s", 0.5), options.get("data_port", 0)
+    )
+    return SenderPlan(args, remote)
+
+
 @overload
 def open_sender(
-    handle: CollectorHandle | str,
-    *,
-    name: str,
-    schema: None = ...,
-    capacity: int | None = ...,
-    slot_bytes: int | None = ...,
-    connect_timeout: float = ...,
-    tcp: str | None = ...,
-    advertise: str | None = ...,
-    keys: CurveKeys | None = ...,
-    heartbeat_s: float = ...,
-    data_port: int = ...,
+    handle: CollectorHandle | str, *, name: str, schema: None = ..., **options: Unpack[SenderOptions]
 ) -> _Opening[Sender[Any]]: ...
 @overload
 def open_sender(
-    handle: CollectorHandle | str,
-    *,
-    name: str,
-    schema: type[M],
-    capacity: int | None = ...,
-    slot_bytes: int | None = ...,
-    connect_timeout: float = ...,
-    tcp: str | None = ...,
-    advertise: str | None = ...,
-    keys: CurveKeys | None = ...,
-    heartbeat_s: float = ...,
-    data_port: int = ...,
+    handle: CollectorHandle | str, *, name: str, schema: type[M], **options: Unpack[SenderOptions]
 ) -> _Opening[Sender[M]]: ...
 def open_sender(
-    handle: CollectorHandle | str,
-    *,
-    name: str,
-    schema: type[BaseModel] | None = None,
-    capacity: int | None = None,
-    slot_bytes: int | None = None,
-    connect_timeout: float = 10.0,
-    tcp: str | None = None,
-    advertise: str | None = None,
-    keys: CurveKeys | None = None,
-    heartbeat_s: float = 0.5,
-    data_port: int = 0,
+    handle: CollectorHandle | str, *, name: str, schema: type[BaseModel] | None = None, **options: Unpack[SenderOptions]
 ) -> _Opening[Sender[Any]]:
     """Attach a sender named ``name`` to the collector of ``handle`` (its ``CollectorHandle`` or
     JSON) and return it. Items put before the collector attaches wait in the ring (a full ring
@@ -253,26 +238,24 @@ def open_sender(
 
     - ``name``: unique among the collector's live senders; the collector's items carry it.
     - ``schema``: the collector's pydantic model (default: imported from the handle).
-    - ``capacity``/``slot_bytes``: this sender's ring (default: the collector's).
+    - ``capacity``/``slot_bytes``: this sender's ring (default None: the collector's).
     - ``connect_timeout``: how long to wait for the name to be freed when a sender of that
-      name ended and the collector has not reported it yet.
+      name ended and the collector has not reported it yet (default 10 s).
 
     - ``tcp``: a **remote sender** (the collector on another host): serve this sender's ring on
       this ZeroMQ endpoint (e.g. ``"tcp://10.0.0.5:0"``), with the broadcast side's security, and
       hand ``sender.remote_handle`` to the collector, which reads it with
       ``collector.attach(remote_handle, name=...)``. Nothing put before it attaches is lost (a full
       ring holds the sender back); once it closes or dies, ``put`` raises ``CollectorGone``.
-      ``advertise``, ``keys``, ``heartbeat_s``, ``data_port``: as ``open_writer``'s. No rendezvous
+      ``advertise``, ``keys``, ``heartbeat_s``, ``data_port``: as ``open_writer``'s (defaults
+      None, None, 0.5, 0). No rendezvous
       with the collector's directory: ``name`` is what the collector's ``attach`` is given.
 
     Raises ``InvalidHandle`` (a broadcast channel's handle, or not a handle), ``InvalidArgument``
     (a bad name, or a name a live sender holds), ``CollectorGone`` (the collector closed or died),
     ``TransportError`` (the name of an ended sender was not released within ``connect_timeout``).
     """
-    plan = SenderPlan(
-        SenderArgs(handle, name, schema, capacity, slot_bytes, connect_timeout),
-        None if tcp is None else RemoteOptions(tcp, advertise, keys, heartbeat_s, data_port),
-    )
+    plan = sender_plan(handle, name, schema, options)
 
     async def make() -> Sender[Any]:
         if plan.remote is None:
@@ -280,6 +263,6 @@ def open_sender(
         else:
             spec, h = plan.remote
             ch = await _open_channel(spec)
-        return Sender(_sender_token, Writer(_writer_token, ch), name, h)
+        return Sender(_sender_token, ch, name, h)
 
     return _Opening(make)

@@ -18,7 +18,6 @@ from pydantic import BaseModel
 
 from .._base import fork as _fork
 from .._base import tuning as _tuning
-from .._base.codec import import_schema
 from .._base.errors import (
     BroadcastError,
     ClosedResourceError,
@@ -43,6 +42,7 @@ from .handle import (
     CollectorHandle,
     collector_alive,
     name_problem,
+    sender_schema,
 )
 from .remote import NoWatch, RemoteOptions, remote_spec, server_place
 
@@ -73,15 +73,7 @@ class SenderStart:
         require(name_problem(name))
         if not args.connect_timeout > 0:
             raise InvalidArgument(f"connect_timeout must be positive, not {args.connect_timeout!r}")
-        if h.codec == "pydantic-json" and schema is None:
-            if h.schema_path is None:
-                raise InvalidHandle("schema collector without schema_path: pass schema=")
-            try:
-                schema = import_schema(h.schema_path)
-            except (ImportError, AttributeError, TypeError, ValueError) as exc:
-                raise InvalidHandle(f"cannot import the collector's schema {h.schema_path!r} here: {exc}") from exc
-        elif h.codec != "pydantic-json" and schema is not None:
-            raise InvalidArgument(f"this collector takes {h.codec}, not a schema: open it with schema= to send models")
+        schema = sender_schema(h, schema)
         if not collector_alive(h):
             raise CollectorGone(h.collector_pid, name)
         self.handle = h

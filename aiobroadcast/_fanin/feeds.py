@@ -49,7 +49,7 @@ class RemoteFeed:
         def wake() -> None:
             outbox.wake(inbox_path)
 
-        src._inbox.wake = wake
+        src.wake_instead(wake)
         self.get_nowait = src.get_nowait
         self.ready = src.ready
 

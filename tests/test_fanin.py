@@ -283,6 +283,40 @@ def test_a_put_blocked_on_a_killed_collector_raises_instead_of_hanging(monkeypat
             shutil.rmtree(ab.CollectorHandle.parse(h).path, ignore_errors=True)
 
 
+@pytest.mark.parametrize("method", ["put", "put_nowait"])
+def test_put_and_put_nowait_see_a_collector_killed_with_its_place_active_alike(method: str) -> None:
+    """A collector killed while its place in the ring is active (the ring had room) is seen by
+    the next put's look at its lock, before that put publishes: it raises ``CollectorGone``,
+    nothing published. The put that published before the look was due returns, as any put
+    before a death does. ``put_nowait`` as ``put``, on the blocking front end as on the async
+    one (it used to look again after publishing, and raise for the item it had published)."""
+    with spawn(collector_proc, 4) as child:
+        h = recv(child, "handle")
+        try:
+            with blocking.open_sender(h, name="s") as sender:
+                child.send("go")
+                sender.put("first")
+                recv(child, "took")
+                publish = getattr(sender._w, method)
+
+                def publish_then_the_collector_dies(*args: Any) -> None:
+                    publish(*args)
+                    child.sigkill()
+                    child.proc.join(WITHIN_S)
+                    sender._watch.next = 0.0  # the sender's next look at the lock is due now
+
+                setattr(sender._w, method, publish_then_the_collector_dies)
+                getattr(sender, method)("second")
+                delattr(sender._w, method)
+                published = sender._pub.head
+                with pytest.raises(ab.CollectorGone, match="closed or died"):
+                    getattr(sender, method)("third")
+                assert sender._pub.head == published  # raised before publishing
+        finally:
+            child.cleanup()
+            shutil.rmtree(ab.CollectorHandle.parse(h).path, ignore_errors=True)
+
+
 @pytest.mark.anyio
 async def test_wrong_handle_kinds_and_duplicate_names_are_clear_errors() -> None:
     async with ab.open_writer(capacity=4, slot_bytes=256) as writer, ab.open_collector() as collector:

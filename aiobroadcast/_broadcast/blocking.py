@@ -495,3 +495,8 @@ def _open_arena_reader(handle: Handle | str, *, name: str) -> BlockingReader[Any
     decode = _ReaderSpec(name=name).decoder(h)
     source = _shm_source(h, name, decode, False, arena_views=True)
     return BlockingReader(_private, source, h, name, None)
+
+
+# Public through aiobroadcast.blocking, and named so (repr, pickling by name, the docs).
+for _public in (BlockingReader, BlockingWriter, open_reader, open_writer):
+    _public.__module__ = "aiobroadcast.blocking"

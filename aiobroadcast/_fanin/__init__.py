@@ -8,8 +8,10 @@ all of a collector's rings, and the turns the collector takes among them.
 
 Its modules, by job: ``items`` (what a collector hands out), ``handle`` (the collector's handle,
 sender names, the liveness lock), ``rendezvous`` (a sender meeting its collector, and its checks
-around each put), ``feeds`` (the collector attaching its senders' rings), ``gather`` (the
-collector's engine: turns among the rings, its sleeper), ``collector`` and ``sender`` (the async
-roles), ``blocking`` (the blocking roles and factories), ``open`` (the async factories),
-``deaths`` (the senders' pidfds), ``remote`` (senders on another host).
+around each put), ``feeds`` (the collector's side of the rendezvous: its directory, lock and
+inbox, and attaching its senders' rings), ``gather`` (the collector's engine: turns among the
+rings, and the source its sleeper sleeps on through the readers' wait machinery), ``collector``
+and ``sender`` (each pair's shared base and the async role), ``blocking`` (the blocking roles
+and factories), ``open`` (the options, their defaults and the async factories), ``deaths`` (the
+senders' pidfds), ``remote`` (senders on another host).
 """

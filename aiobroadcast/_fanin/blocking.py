@@ -1,6 +1,7 @@
 """Fan-in for code without an event loop: ``BlockingCollector`` and ``BlockingSender``, over the
-same engine (``_fanin.Gather``) and rings as the async roles (docs/fan-in.md). Exported from
-``aiobroadcast.blocking``."""
+same engine (``gather.Gather``), rings and bases (``CollectorBase``, ``SenderBase``) as the async
+roles, waiting as the blocking reader does (``ThreadWaits``), and their factories, which take
+``open``'s options (docs/fan-in.md). Exported from ``aiobroadcast.blocking``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The collector's engine, with no event loop (``Gather``): its inbox, the turns it takes among
-its senders' rings, and what its one sleeper sleeps on, shared by both front ends."""
+"""The collector's engine, with no event loop (``Gather``): the turns it takes among its
+senders' rings (``feeds.Senders`` attaches them), batches (``take_many``), and the source its one
+sleeper sleeps on (a ``_broadcast.reader.Sleeper``), shared by both front ends."""
 
 from __future__ import annotations
 

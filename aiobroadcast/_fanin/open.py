@@ -1,5 +1,6 @@
-"""The fan-in factories: ``open_collector`` (its arguments checked: ``CollectorSpec``), which
-first sweeps the rendezvous directories of dead collectors, and ``open_sender``."""
+"""The fan-in factories' options (``CollectorOptions``, ``SenderOptions``: the same for both
+front ends), their defaults and checks (``CollectorSpec``, ``sender_plan``), the sweep of dead
+collectors' rendezvous directories, and the async factories ``open_collector``/``open_sender``."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -17,13 +18,14 @@ import pytest
 from _blocking_workers import recv
 from _fanin_workers import CtrlCOnce, Undecodable, collector_proc, remote_writer_proc, sender_proc
 from _interrupts import in_functions, interrupt_at_line
-from _workers import spawn
+from _workers import Child, spawn
 from pydantic import BaseModel
 
 import aiobroadcast as ab
 from aiobroadcast import blocking
 from aiobroadcast._base import tuning as _tuning
 from aiobroadcast._shm import segment as _segment
+from aiobroadcast.blocking import BlockingSender
 
 #: Generous bound for "it happens" (never a performance claim): a loaded 2-core machine.
 WITHIN_S = 15.0
@@ -244,7 +246,11 @@ async def test_an_async_put_whose_item_the_collector_took_before_it_closed_retur
                 await res
 
 
-def test_a_put_blocked_on_a_killed_collector_raises_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
+@contextlib.contextmanager
+def _collector_process() -> Iterator[tuple[Child, str, BlockingSender[Any]]]:
+    """A collector in a child process (``collector_proc``), its handle, and a blocking sender to
+    it whose first item the collector took; the child is killed and its rendezvous removed at
+    the end."""
     with spawn(collector_proc, 4) as child:
         h = recv(child, "handle")
         try:
@@ -252,35 +258,41 @@ def test_a_put_blocked_on_a_killed_collector_raises_instead_of_hanging(monkeypat
                 child.send("go")
                 sender.put("first")
                 recv(child, "took")
-                for i in range(4):  # fill the ring: the collector takes no more
-                    sender.put(i)
-                failure: list[BaseException] = []
-
-                def put_blocked() -> None:
-                    try:
-                        sender.put("more", timeout=WITHIN_S)  # this very put must not succeed
-                    except BaseException as exc:
-                        failure.append(exc)
-
-                t = threading.Thread(target=put_blocked, daemon=True)
-                t.start()
-                time.sleep(0.1)
-                assert t.is_alive()  # blocked on the full ring
-                os.kill(child.pid, 9)
-                killed = time.monotonic()
-                t.join(WITHIN_S)
-                assert not t.is_alive()
-                assert isinstance(failure[0], ab.CollectorGone), failure
-                assert time.monotonic() - killed < 5.0
-            # The killed collector's rendezvous is left behind; the next collector opened sweeps it.
-            rendezvous = ab.CollectorHandle.parse(h).path
-            assert os.path.isdir(rendezvous)
-            monkeypatch.setattr(_tuning, "STALE_MIN_AGE_S", 0.0)
-            with blocking.open_collector():
-                assert not os.path.exists(rendezvous)
+                yield child, h, sender
         finally:
             child.cleanup()
             shutil.rmtree(ab.CollectorHandle.parse(h).path, ignore_errors=True)
+
+
+def test_a_put_blocked_on_a_killed_collector_raises_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _collector_process() as (child, h, sender):
+        for i in range(4):  # fill the ring: the collector takes no more
+            sender.put(i)
+        failure: list[BaseException] = []
+
+        def put_blocked() -> None:
+            try:
+                sender.put("more", timeout=WITHIN_S)  # this very put must not succeed
+            except BaseException as exc:
+                failure.append(exc)
+
+        t = threading.Thread(target=put_blocked, daemon=True)
+        t.start()
+        time.sleep(0.1)
+        assert t.is_alive()  # blocked on the full ring
+        os.kill(child.pid, 9)
+        killed = time.monotonic()
+        t.join(WITHIN_S)
+        assert not t.is_alive()
+        assert isinstance(failure[0], ab.CollectorGone), failure
+        assert time.monotonic() - killed < 5.0
+        sender.close()
+        # The killed collector's rendezvous is left behind; the next collector opened sweeps it.
+        rendezvous = ab.CollectorHandle.parse(h).path
+        assert os.path.isdir(rendezvous)
+        monkeypatch.setattr(_tuning, "STALE_MIN_AGE_S", 0.0)
+        with blocking.open_collector():
+            assert not os.path.exists(rendezvous)
 
 
 @pytest.mark.parametrize("method", ["put", "put_nowait"])
@@ -290,31 +302,22 @@ def test_put_and_put_nowait_see_a_collector_killed_with_its_place_active_alike(m
     nothing published. The put that published before the look was due returns, as any put
     before a death does. ``put_nowait`` as ``put``, on the blocking front end as on the async
     one (it used to look again after publishing, and raise for the item it had published)."""
-    with spawn(collector_proc, 4) as child:
-        h = recv(child, "handle")
-        try:
-            with blocking.open_sender(h, name="s") as sender:
-                child.send("go")
-                sender.put("first")
-                recv(child, "took")
-                publish = getattr(sender._w, method)
+    with _collector_process() as (child, _, sender):
+        publish = getattr(sender._w, method)
 
-                def publish_then_the_collector_dies(*args: Any) -> None:
-                    publish(*args)
-                    child.sigkill()
-                    child.proc.join(WITHIN_S)
-                    sender._watch.next = 0.0  # the sender's next look at the lock is due now
+        def publish_then_the_collector_dies(*args: Any) -> None:
+            publish(*args)
+            child.sigkill()
+            child.proc.join(WITHIN_S)
+            sender._watch.next = 0.0  # the sender's next look at the lock is due now
 
-                setattr(sender._w, method, publish_then_the_collector_dies)
-                getattr(sender, method)("second")
-                delattr(sender._w, method)
-                published = sender._pub.head
-                with pytest.raises(ab.CollectorGone, match="closed or died"):
-                    getattr(sender, method)("third")
-                assert sender._pub.head == published  # raised before publishing
-        finally:
-            child.cleanup()
-            shutil.rmtree(ab.CollectorHandle.parse(h).path, ignore_errors=True)
+        setattr(sender._w, method, publish_then_the_collector_dies)
+        getattr(sender, method)("second")
+        delattr(sender._w, method)
+        published = sender._pub.head
+        with pytest.raises(ab.CollectorGone, match="closed or died"):
+            getattr(sender, method)("third")
+        assert sender._pub.head == published  # raised before publishing
 
 
 @pytest.mark.anyio

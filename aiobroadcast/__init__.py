@@ -47,18 +47,18 @@ from ._calls.types import NoReply as NoReply
 from ._calls.types import Outcome as Outcome
 from ._calls.types import PoolHandle as PoolHandle
 from ._calls.types import Reply as Reply
-from ._fanin.core import Collector as Collector
-from ._fanin.core import CollectorHandle as CollectorHandle
-from ._fanin.core import CollectorStatistics as CollectorStatistics
-from ._fanin.core import Delivery as Delivery
-from ._fanin.core import Item as Item
-from ._fanin.core import Sender as Sender
-from ._fanin.core import SenderInfo as SenderInfo
-from ._fanin.core import SourceClosed as SourceClosed
-from ._fanin.core import SourceGone as SourceGone
-from ._fanin.core import SourceLagged as SourceLagged
-from ._fanin.core import open_collector as open_collector
-from ._fanin.core import open_sender as open_sender
+from ._fanin.collector import Collector as Collector
+from ._fanin.handle import CollectorHandle as CollectorHandle
+from ._fanin.items import CollectorStatistics as CollectorStatistics
+from ._fanin.items import Delivery as Delivery
+from ._fanin.items import Item as Item
+from ._fanin.items import SenderInfo as SenderInfo
+from ._fanin.items import SourceClosed as SourceClosed
+from ._fanin.items import SourceGone as SourceGone
+from ._fanin.items import SourceLagged as SourceLagged
+from ._fanin.open import open_collector as open_collector
+from ._fanin.open import open_sender as open_sender
+from ._fanin.sender import Sender as Sender
 from ._shm.segment import sweep_stale as sweep_stale
 
 __all__ = [

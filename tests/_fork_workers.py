@@ -181,7 +181,7 @@ def _inherit(conn: Conn, backend: Backend, tcp: bool) -> None:
     if tcp:
         readers["tcp"] = _run(backend, lambda: ab.open_reader(writer.handle, name="parent-tcp", transport="tcp"))
     writer.put_nowait("before")
-    server = writer._ch.server  # held here across the fork: the child's copy is not freed with its writer
+    server = writer._ch.serving.server  # held here across the fork: the child's copy is not freed with its writer
     ctx = multiprocessing.get_context("fork")
     mine, theirs = ctx.Pipe()
     child = ctx.Process(target=use_inherited, args=(theirs, backend, writer, readers), daemon=True)

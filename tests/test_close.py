@@ -456,8 +456,8 @@ async def test_a_server_watcher_that_fails_says_so_and_lets_go_of_the_ring(
     place, so a "block" writer is not held by a server that never comes back."""
     caplog.set_level(logging.WARNING, logger="aiobroadcast")
     async with tcp_writer() as writer:
-        assert writer._ch.server is not None
-        (pid,) = writer._ch.server.pids  # (the module's writer has a server of its own)
+        assert writer._ch.serving.server is not None
+        (pid,) = writer._ch.serving.server.pids  # (the module's writer has a server of its own)
         server = psutil.Process(pid)
         monkeypatch.setattr(sys, "executable", "/nonexistent/python")
         server.kill()

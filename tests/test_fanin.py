@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import inspect
 import os
 import shutil
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -16,13 +18,14 @@ import pytest
 from _blocking_workers import recv
 from _fanin_workers import CtrlCOnce, Undecodable, collector_proc, remote_writer_proc, sender_proc
 from _interrupts import in_functions, interrupt_at_line
-from _workers import spawn
+from _workers import Child, spawn
 from pydantic import BaseModel
 
 import aiobroadcast as ab
 from aiobroadcast import blocking
 from aiobroadcast._base import tuning as _tuning
 from aiobroadcast._shm import segment as _segment
+from aiobroadcast.blocking import BlockingSender
 
 #: Generous bound for "it happens" (never a performance claim): a loaded 2-core machine.
 WITHIN_S = 15.0
@@ -198,8 +201,8 @@ async def test_an_async_put_whose_item_the_collector_took_before_it_closed_retur
     one: Any = ["x"] if method == "put_many" else "x"
     collector = await ab.open_collector(capacity=8, slot_bytes=256)
     async with ab.open_sender(collector.handle, name="s") as sender:
-        # put publishes through the writer's _publish_now (no coroutine of the writer's between).
-        target = "_publish_now" if method == "put" else method
+        # put publishes through the writer's publish_now (no coroutine of the writer's between).
+        target = "publish_now" if method == "put" else method
         publish = getattr(sender._w, target)
         got: list[Any] = []
 
@@ -243,7 +246,11 @@ async def test_an_async_put_whose_item_the_collector_took_before_it_closed_retur
                 await res
 
 
-def test_a_put_blocked_on_a_killed_collector_raises_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
+@contextlib.contextmanager
+def _collector_process() -> Iterator[tuple[Child, str, BlockingSender[Any]]]:
+    """A collector in a child process (``collector_proc``), its handle, and a blocking sender to
+    it whose first item the collector took; the child is killed and its rendezvous removed at
+    the end."""
     with spawn(collector_proc, 4) as child:
         h = recv(child, "handle")
         try:
@@ -251,35 +258,66 @@ def test_a_put_blocked_on_a_killed_collector_raises_instead_of_hanging(monkeypat
                 child.send("go")
                 sender.put("first")
                 recv(child, "took")
-                for i in range(4):  # fill the ring: the collector takes no more
-                    sender.put(i)
-                failure: list[BaseException] = []
-
-                def put_blocked() -> None:
-                    try:
-                        sender.put("more", timeout=WITHIN_S)  # this very put must not succeed
-                    except BaseException as exc:
-                        failure.append(exc)
-
-                t = threading.Thread(target=put_blocked, daemon=True)
-                t.start()
-                time.sleep(0.1)
-                assert t.is_alive()  # blocked on the full ring
-                os.kill(child.pid, 9)
-                killed = time.monotonic()
-                t.join(WITHIN_S)
-                assert not t.is_alive()
-                assert isinstance(failure[0], ab.CollectorGone), failure
-                assert time.monotonic() - killed < 5.0
-            # The killed collector's rendezvous is left behind; the next collector opened sweeps it.
-            rendezvous = ab.CollectorHandle.parse(h).path
-            assert os.path.isdir(rendezvous)
-            monkeypatch.setattr(_tuning, "STALE_MIN_AGE_S", 0.0)
-            with blocking.open_collector():
-                assert not os.path.exists(rendezvous)
+                yield child, h, sender
         finally:
             child.cleanup()
             shutil.rmtree(ab.CollectorHandle.parse(h).path, ignore_errors=True)
+
+
+def test_a_put_blocked_on_a_killed_collector_raises_instead_of_hanging(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _collector_process() as (child, h, sender):
+        for i in range(4):  # fill the ring: the collector takes no more
+            sender.put(i)
+        failure: list[BaseException] = []
+
+        def put_blocked() -> None:
+            try:
+                sender.put("more", timeout=WITHIN_S)  # this very put must not succeed
+            except BaseException as exc:
+                failure.append(exc)
+
+        t = threading.Thread(target=put_blocked, daemon=True)
+        t.start()
+        time.sleep(0.1)
+        assert t.is_alive()  # blocked on the full ring
+        os.kill(child.pid, 9)
+        killed = time.monotonic()
+        t.join(WITHIN_S)
+        assert not t.is_alive()
+        assert isinstance(failure[0], ab.CollectorGone), failure
+        assert time.monotonic() - killed < 5.0
+        sender.close()
+        # The killed collector's rendezvous is left behind; the next collector opened sweeps it.
+        rendezvous = ab.CollectorHandle.parse(h).path
+        assert os.path.isdir(rendezvous)
+        monkeypatch.setattr(_tuning, "STALE_MIN_AGE_S", 0.0)
+        with blocking.open_collector():
+            assert not os.path.exists(rendezvous)
+
+
+@pytest.mark.parametrize("method", ["put", "put_nowait"])
+def test_put_and_put_nowait_see_a_collector_killed_with_its_place_active_alike(method: str) -> None:
+    """A collector killed while its place in the ring is active (the ring had room) is seen by
+    the next put's look at its lock, before that put publishes: it raises ``CollectorGone``,
+    nothing published. The put that published before the look was due returns, as any put
+    before a death does. ``put_nowait`` as ``put``, on the blocking front end as on the async
+    one (it used to look again after publishing, and raise for the item it had published)."""
+    with _collector_process() as (child, _, sender):
+        publish = getattr(sender._w, method)
+
+        def publish_then_the_collector_dies(*args: Any) -> None:
+            publish(*args)
+            child.sigkill()
+            child.proc.join(WITHIN_S)
+            sender._watch.next = 0.0  # the sender's next look at the lock is due now
+
+        setattr(sender._w, method, publish_then_the_collector_dies)
+        getattr(sender, method)("second")
+        delattr(sender._w, method)
+        published = sender._pub.head
+        with pytest.raises(ab.CollectorGone, match="closed or died"):
+            getattr(sender, method)("third")
+        assert sender._pub.head == published  # raised before publishing
 
 
 @pytest.mark.anyio
@@ -441,7 +479,8 @@ async def test_bad_items_raise_in_the_sender_and_nothing_accepted_is_lost() -> N
 #: locks are left alone, as tests/test_faults.py does for a writer).
 _PUBLISHING = in_functions(
     (
-        "aiobroadcast._fanin.core",
+        "aiobroadcast._fanin.sender",
+        "aiobroadcast._fanin.rendezvous",
         "aiobroadcast._shm.publisher",
         "aiobroadcast._shm.fragments",
         "aiobroadcast._shm.records",
@@ -737,3 +776,19 @@ def test_a_sender_with_room_learns_of_its_killed_collector_before_publishing_mor
         finally:
             child.cleanup()
             shutil.rmtree(ab.CollectorHandle.parse(h).path, ignore_errors=True)
+
+
+def test_both_front_ends_take_one_set_of_options_and_refuse_others() -> None:
+    """The four factories take their keyword options as one typed set each (``CollectorOptions``,
+    ``SenderOptions``), whose defaults are written once (``CollectorSpec``, ``sender_plan``); a
+    keyword none of them takes is refused, as a written-out signature refused it."""
+    from aiobroadcast._fanin.open import CollectorOptions, CollectorSpec
+
+    spec = set(inspect.signature(CollectorSpec).parameters) - {"schema"}
+    assert set(CollectorOptions.__annotations__) == spec
+    for open_collector in (ab.open_collector, blocking.open_collector):
+        with pytest.raises(TypeError, match="capcity"):
+            open_collector(capcity=4)  # type: ignore[call-overload]
+    for open_sender in (ab.open_sender, blocking.open_sender):
+        with pytest.raises(TypeError, match="heartbeat"):
+            open_sender("{}", name="a", heartbeat=1.0)  # type: ignore[call-overload]

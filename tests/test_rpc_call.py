@@ -40,7 +40,7 @@ from aiobroadcast._calls.open import (
 )
 from aiobroadcast._calls.roles import serve_async
 from aiobroadcast._calls.types import _HELLO
-from aiobroadcast._fanin.core import Item, SourceClosed, SourceGone
+from aiobroadcast._fanin.items import Item, SourceClosed, SourceGone
 
 #: a deadline for liveness only (never a measurement)
 WITHIN_S = 30.0

@@ -9,6 +9,7 @@ import time
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from time import monotonic
 from types import TracebackType
 from typing import Any, Generic, Self, TypeVar, Unpack, final, overload
@@ -25,7 +26,7 @@ from .._base.steps import Steps, drive_blocking, run_blocking
 from .._shm.owned import Owned as _Owned
 from .._shm.owned import left_before as _left
 from .channel import WriterChannel
-from .reader import Source, poll_budget, sleep_blocking, wait_steps
+from .reader import Sleeper, Source, poll_and_limit, poll_budget, sleep_blocking, wait_steps
 from .reader_open import ReaderOptions, _ReaderSpec, _shm_source, source_steps
 from .writer_open import WriterOptions, _WriterSpec, channel_steps
 
@@ -250,6 +251,52 @@ def _close_writer(w: WriterChannel) -> None:
 
 
 # --- the reader --------------------------------------------------------------------------------
+class ThreadWaits:
+    """How the threads of one blocking role (a ``BlockingReader``, a ``BlockingCollector``) wait
+    for its source to change: one thread sleeps in the source, holding ``lock``; the others queue
+    for its place, and each looks at the source again before it sleeps. The sleeper polls first
+    when the stream is dense (``poll_budget``), then sleeps once (``wait_steps``), as a task of
+    the async role does (``TaskWaits``). ``tasks``: the threads waiting now."""
+
+    __slots__ = ("_spin_ns", "lock", "slept_ns")
+
+    def __init__(self, spin_ns: int | None) -> None:
+        self._spin_ns = spin_ns
+        self.slept_ns = _tuning.DENSE_NS  # no polling before the first sleep
+        self.lock = _Owned()  # one sleeper at a time
+
+    @property
+    def tasks(self) -> int:
+        return self.lock.waiting + (self.lock.owner != 0)
+
+    def wait(
+        self,
+        src: Sleeper,
+        closing: Callable[[], bool],
+        deadline: float | None,
+        stop: Callable[[], BaseException | None] | None = None,
+        stop_every_s: float | None = None,
+        poll_ns: int | None = None,
+    ) -> None:
+        """Wait until ``src`` may have something, or ``closing()``. ``deadline``: ``WaitTimeout``
+        once it passed; ``stop()`` is asked while polling (an exception to end the wait with, or
+        None); a sleep lasts at most ``stop_every_s``; ``poll_ns`` overrides how long to poll."""
+        lock = self.lock
+        try:
+            lock.acquire(deadline)
+            if closing():
+                return
+            spin = poll_budget(self._spin_ns, self.slept_ns) if poll_ns is None else poll_ns
+
+            def left_s() -> float | None:
+                return _left(deadline)
+
+            steps = wait_steps(*poll_and_limit(src, spin, closing, left_s, stop, stop_every_s))
+            self.slept_ns = run_blocking(steps, partial(sleep_blocking, src))
+        finally:
+            lock.release()
+
+
 #: What ``ShmSource`` and ``TcpSource`` offer both reader front ends (one protocol).
 _Source = Source
 
@@ -266,10 +313,8 @@ class BlockingReader(_Closable, Generic[T_co]):
         self._src = source
         self._handle = handle
         self._name = name
-        self._spin_ns = None if spin_us is None else int(spin_us * 1000)
-        self._slept_ns = _tuning.DENSE_NS  # no polling before the first sleep
         self._lock = _Owned()  # one taker at a time
-        self._sleep_lock = _Owned()  # one sleeper at a time
+        self._waits = ThreadWaits(None if spin_us is None else int(spin_us * 1000))
         # One close at a time, and no wake-up of the source while it is being closed: a second
         # close (another thread's, a ``with`` around a close) waits for the first, then returns.
         self._close_lock = threading.Lock()
@@ -324,14 +369,15 @@ class BlockingReader(_Closable, Generic[T_co]):
             lock.acquire(None)
             if self._closed:
                 raise ClosedResourceError(self._refusal or "this reader is closed")
-            return self._src.statistics(self._sleep_lock.waiting + (self._sleep_lock.owner != 0))
+            return self._src.statistics(self._waits.tasks)
         finally:
             lock.release()
 
     def close(self) -> None:
         """Detach: the writer stops waiting for this reader at once; parked ``get`` calls raise
         ``ClosedResourceError``."""
-        if self._lock.mine() or self._sleep_lock.mine():
+        sleep_lock = self._waits.lock
+        if self._lock.mine() or sleep_lock.mine():
             raise WouldBlock("close() called from inside this reader's own get() on this thread")
         with self._close_lock:
             if self._closed:
@@ -339,7 +385,7 @@ class BlockingReader(_Closable, Generic[T_co]):
             self._closing = True
             self._src.interrupt()  # the sleeping thread wakes up, and the others after it
             try:
-                self._sleep_lock.acquire(None)
+                sleep_lock.acquire(None)
                 try:
                     self._lock.acquire(None)
                     self._closed = True
@@ -348,7 +394,7 @@ class BlockingReader(_Closable, Generic[T_co]):
                 finally:
                     self._lock.release()
             finally:
-                self._sleep_lock.release()
+                sleep_lock.release()
 
     def __iter__(self) -> Iterator[T_co]:
         return self
@@ -399,11 +445,10 @@ class BlockingReader(_Closable, Generic[T_co]):
                 raise ClosedResourceError("this reader was closed while get() waited")
             if stop is not None and (exc := stop()) is not None:
                 raise exc
-            self._wait(deadline, stop, stop_every_s, poll_ns)
+            self._waits.wait(self._src, self._is_closing, deadline, stop, stop_every_s, poll_ns)
 
-    def _sleep(self, limit_s: float) -> bool:
-        """The blocking driver's sleep for ``wait_steps``: one ``sleep_steps`` on the source."""
-        return sleep_blocking(self._src, limit_s)
+    def _is_closing(self) -> bool:
+        return self._closing
 
     def _interrupt(self) -> None:
         """Wake the thread sleeping in ``get`` (from another thread): it looks again, and asks
@@ -411,41 +456,6 @@ class BlockingReader(_Closable, Generic[T_co]):
         with self._close_lock:
             if not self._closed:
                 self._src.interrupt()
-
-    def _wait(
-        self,
-        deadline: float | None,
-        stop: Callable[[], BaseException | None] | None,
-        stop_every_s: float | None,
-        poll_ns: int | None,
-    ) -> None:
-        """Wait until the source may have something: one thread sleeps on the socket, the
-        others queue for its place, and each looks at the source again before sleeping."""
-        try:
-            self._sleep_lock.acquire(deadline)
-            if self._closing:
-                return
-            src = self._src
-            left = _left(deadline)
-            spin = poll_budget(self._spin_ns, self._slept_ns) if poll_ns is None else poll_ns
-            if left is not None:
-                spin = min(spin, int(left * 1e9))
-
-            def ready() -> bool:
-                return self._closing or src.ready() or (stop is not None and stop() is not None)
-
-            def limit_s() -> float:
-                limit = src.sleep_limit_s
-                left = _left(deadline)  # asked after the poll, which took some of it
-                if left is not None:
-                    limit = min(limit, left)
-                if stop_every_s is not None:
-                    limit = min(limit, stop_every_s)
-                return limit
-
-            self._slept_ns = run_blocking(wait_steps(spin, ready, limit_s), self._sleep)
-        finally:
-            self._sleep_lock.release()
 
 
 # --- the factories -----------------------------------------------------------------------------
@@ -495,3 +505,8 @@ def open_arena_reader(handle: Handle | str, *, name: str) -> BlockingReader[Any]
     decode = _ReaderSpec(name=name).decoder(h)
     source = _shm_source(h, name, decode, False, arena_views=True)
     return BlockingReader(_private, source, h, name, None)
+
+
+# Public through aiobroadcast.blocking, and named so (repr, pickling by name, the docs).
+for _public in (BlockingReader, BlockingWriter, open_reader, open_writer):
+    _public.__module__ = "aiobroadcast.blocking"

@@ -15,17 +15,15 @@ import atexit
 import contextlib
 import os
 import weakref
-from collections.abc import Callable, Coroutine, Iterator, Sequence
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import anyio
 
 from .._base import fork as _fork
-from .._base.codec import Buffer, JsonCodec, PickleEncoder, SchemaCodec
-from .._base.errors import WaitTimeout
+from .._base.codec import JsonCodec, PickleEncoder, SchemaCodec
 from .._base.files import unlink_quietly
 from .._base.handle import Handle
-from .._base.stats import ReaderInfo
 from .._shm.arena import ArenaWriter
 from .._shm.layout import CODECS, W_CODEC
 from .._shm.publisher import Publisher
@@ -84,40 +82,6 @@ class WriterChannel:
         self.handle = handle
         # A writer dropped without closing (or left open at exit): its server drains, then stops.
         weakref.finalize(self, server.abandon)
-
-    # --- the parts' names that the fan-in and calls roles use, forwarded -----------------------
-    @property
-    def server(self) -> ServerProcess | None:
-        """The TCP server (``serving.server``), if ``open_writer(tcp=...)``."""
-        return self.serving.server
-
-    @property
-    def spare(self) -> Callable[[int], bool] | None:
-        """``serving.spare``: the place of a reader to keep although its lock is free."""
-        return self.serving.spare
-
-    @spare.setter
-    def spare(self, spare: Callable[[int], bool] | None) -> None:
-        self.serving.spare = spare
-
-    @property
-    def wanted(self) -> int:
-        """``publishing.wanted``: the slots the last wait for room waited for."""
-        return self.publishing.wanted
-
-    def put_in_turn(
-        self, parts: Sequence[Buffer], total: int, oob: bool, entries: int, yield_first: bool = False
-    ) -> Coroutine[None, None, None]:
-        """``publishing.put_in_turn`` (its coroutine: no frame more on the way)."""
-        return self.publishing.put_in_turn(parts, total, oob, entries, yield_first)
-
-    def put_timeout(self, what: str, entries: int, streamed_from: int) -> WaitTimeout:
-        """``serving.put_timeout``."""
-        return self.serving.put_timeout(what, entries, streamed_from)
-
-    def describe_reader(self, r: ReaderInfo, behind: str | None = None) -> str:
-        """``serving.describe_reader``."""
-        return self.serving.describe_reader(r, behind)
 
     # --- closing -----------------------------------------------------------------------------------
     @contextlib.contextmanager

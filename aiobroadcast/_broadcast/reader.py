@@ -7,6 +7,7 @@ import threading
 import warnings
 from collections import deque
 from collections.abc import Awaitable, Callable, Generator
+from functools import partial
 from threading import get_ident as _get_ident
 from time import perf_counter_ns
 from types import TracebackType
@@ -56,7 +57,7 @@ def wait_steps(spin_ns: int, ready: Callable[[], bool], limit_s: Callable[[], fl
     return perf_counter_ns() - start
 
 
-def sleep_steps(src: Source, limit_s: float) -> Generator[Sleep, bool, bool]:
+def sleep_steps(src: Sleeper, limit_s: float) -> Generator[Sleep, bool, bool]:
     """One sleep of a reader on its source's inbox, written once for both front ends (``_steps``):
     announce the sleep (``begin_sleep``: from now on a new message wakes the inbox), re-check
     (done by ``begin_sleep``: if something came meanwhile, no sleep), wait for a wake-up for up to
@@ -75,7 +76,7 @@ def sleep_steps(src: Source, limit_s: float) -> Generator[Sleep, bool, bool]:
     return woken
 
 
-async def sleep_async(src: Source, limit_s: float) -> bool:
+async def sleep_async(src: Sleeper, limit_s: float) -> bool:
     """``sleep_steps`` in a task: the wait is the source's own in the running event loop. A close
     meanwhile ends it quietly (the caller looks at its own closed state).
 
@@ -105,7 +106,7 @@ async def sleep_async(src: Source, limit_s: float) -> bool:
     raise AssertionError("sleep_steps sleeps once")
 
 
-def sleep_blocking(src: Source, limit_s: float) -> bool:
+def sleep_blocking(src: Sleeper, limit_s: float) -> bool:
     """``sleep_steps`` in a thread without an event loop: the wait is a ``poll()`` on the inbox's
     descriptor, then the wake-ups in it are taken. Nobody closes the source meanwhile (the
     blocking reader makes sure)."""
@@ -117,17 +118,14 @@ def sleep_blocking(src: Source, limit_s: float) -> bool:
     return run_blocking(sleep_steps(src, limit_s), wait)
 
 
-class Source(Protocol):
-    """What a transport (``ShmSource``, ``TcpSource``) provides to both reader front ends.
-    ``ahead``: messages the source took and decoded already, in order, which ``get_nowait``
-    hands out before anything else; ``Reader`` takes them from it directly. A sleep is
+class Sleeper(Protocol):
+    """What a source offers the wait machinery (``sleep_steps``, ``TaskWaits``, and the blocking
+    roles' ``ThreadWaits``): a reader's transport (``Source``), or a collector's engine
+    (``_fanin.gather.Gather``), which sleeps on one inbox for all its rings. A sleep is
     ``sleep_steps`` over ``begin_sleep``/``end_sleep``; its wait is ``sleep`` in a task (raises
     ``anyio.ClosedResourceError`` if the source is closed meanwhile), and in a thread a wait on
-    ``inbox_fd`` then ``drain_inbox``; ``interrupt`` wakes a sleeper from another thread."""
+    ``inbox_fd`` then ``drain_inbox``."""
 
-    ahead: deque[Any]
-
-    def get_nowait(self) -> Any: ...
     def ready(self) -> bool: ...
     def sleep(self, limit_s: float) -> Awaitable[bool]: ...
     def begin_sleep(self) -> bool: ...
@@ -137,10 +135,111 @@ class Source(Protocol):
     @property
     def inbox_fd(self) -> int: ...
     def drain_inbox(self) -> bool: ...
+
+
+class Source(Sleeper, Protocol):
+    """What a transport (``ShmSource``, ``TcpSource``) provides to both reader front ends.
+    ``ahead``: messages the source took and decoded already, in order, which ``get_nowait``
+    hands out before anything else; ``Reader`` takes them from it directly. It sleeps as a
+    ``Sleeper``; ``interrupt`` wakes a sleeper from another thread."""
+
+    ahead: deque[Any]
+
+    def get_nowait(self) -> Any: ...
     def interrupt(self) -> None: ...
     def statistics(self, tasks_waiting: int) -> ReaderStatistics: ...
     def describe(self) -> str: ...
     def close(self) -> None: ...
+
+
+class TaskWaits:
+    """How the tasks of one role (a ``Reader``, a ``Collector``) wait for its source to change:
+    one task sleeps in the source (the leader), the others wait for it on an in-process event,
+    made only when one comes (a lone task, the usual case, makes none), so every parked task
+    re-checks when anything changes. The leader polls first when the stream is dense
+    (``poll_budget``), then sleeps once (``wait_steps``). ``tasks``: the tasks waiting now."""
+
+    __slots__ = ("_followers", "_leading", "_spin_ns", "slept_ns", "tasks")
+
+    def __init__(self, spin_ns: int | None) -> None:
+        self._spin_ns = spin_ns
+        self.slept_ns = _tuning.DENSE_NS  # no polling before the first sleep
+        self._leading = False
+        self._followers: anyio.Event | None = None
+        self.tasks = 0
+
+    async def wait(
+        self, src: Sleeper, closed: Callable[[], bool], left_s: Callable[[], float | None] | None = None
+    ) -> None:
+        """Wait for ``src`` to change, as its one sleeper or behind it. ``closed``: whether the
+        role was closed meanwhile (a poll ends then; the caller raises). ``left_s``: the time
+        left before a deadline (None: none); it raises ``WaitTimeout`` once the deadline passed."""
+        self.tasks += 1
+        try:
+            if self._leading:
+                followers = self._followers
+                if followers is None:
+                    followers = self._followers = anyio.Event()
+                left = None if left_s is None else left_s()
+                if left is None:
+                    await followers.wait()
+                else:
+                    with anyio.move_on_after(left):
+                        await followers.wait()
+            else:
+                self._leading = True
+                try:
+                    spin = poll_budget(self._spin_ns, self.slept_ns)
+                    if not spin and left_s is None:  # wait_steps without its poll, driven by hand (see sleep_async)
+                        start = perf_counter_ns()
+                        await sleep_async(src, src.sleep_limit_s)
+                        self.slept_ns = perf_counter_ns() - start
+                    else:
+                        steps = wait_steps(*poll_and_limit(src, spin, closed, left_s, None, None))
+                        self.slept_ns = await run(steps, partial(sleep_async, src))
+                finally:
+                    self._leading = False
+                    self.wake_all()
+        finally:
+            self.tasks -= 1
+
+    def wake_all(self) -> None:
+        """Wake every task waiting behind the sleeper (the role was closed, or it woke)."""
+        followers = self._followers
+        if followers is not None:
+            self._followers = None
+            followers.set()
+
+
+def poll_and_limit(
+    src: Sleeper,
+    spin_ns: int,
+    closed: Callable[[], bool],
+    left_s: Callable[[], float | None] | None,
+    stop: Callable[[], BaseException | None] | None,
+    every_s: float | None,
+) -> tuple[int, Callable[[], bool], Callable[[], float]]:
+    """``wait_steps``'s arguments for a wait on ``src`` (both front ends): the poll (cut to what is
+    left before the deadline), what ends it (the role closed, ``src`` ready, ``stop()`` has an
+    exception to raise), and the sleep's limit, asked after the poll: ``src.sleep_limit_s``, cut
+    to what is left before the deadline and to ``every_s``."""
+    if left_s is not None and (left := left_s()) is not None:
+        spin_ns = min(spin_ns, int(left * 1e9))
+    ready = src.ready
+
+    def woke() -> bool:
+        return closed() or ready() or (stop is not None and stop() is not None)
+
+    def limit_s() -> float:
+        limit = src.sleep_limit_s
+        left = None if left_s is None else left_s()
+        if left is not None:
+            limit = min(limit, left)
+        if every_s is not None:
+            limit = min(limit, every_s)
+        return limit
+
+    return spin_ns, woke, limit_s
 
 
 @final
@@ -159,15 +258,9 @@ class Reader(Generic[T_co]):
         if token is not _private:
             raise TypeError("Reader cannot be built directly; use aiobroadcast.open_reader()")
         self._src = source
-        self._spin_ns = None if spin_us is None else int(spin_us * 1000)
-        self._slept_ns = _tuning.DENSE_NS  # no polling before the first sleep
+        self._waits = TaskWaits(None if spin_us is None else int(spin_us * 1000))
         self._handle = handle
         self._name = name
-        #: Whether a task sleeps in the source (the leader); and the event the other waiting
-        #: tasks wait on, made only when one comes: a lone task, the usual case, makes none.
-        self._leading = False
-        self._followers: anyio.Event | None = None
-        self._tasks_waiting = 0
         self._since_yield = 0
         self._closed = False
         # Held while a message is being taken and decoded, by whichever thread: a get_nowait that
@@ -250,12 +343,17 @@ class Reader(Generic[T_co]):
             if obj is not _NOTHING:
                 self._since_yield += 1
                 return obj  # type: ignore[no-any-return]
-            await self._wait()
+            # Wait for the source to change (TaskWaits: one task sleeps in it, the others behind
+            # it), awaited here rather than through a method of ours: no coroutine frame more
+            # between a wake-up and the get returning (see sleep_async).
+            await self._waits.wait(self._src, self._is_closed)
+            if self._closed:
+                raise ClosedResourceError(self._refusal or "this reader was closed while waiting")
 
     def statistics(self) -> ReaderStatistics:
         if self._closed:
             raise ClosedResourceError(self._refusal or "this reader is closed")
-        return self._src.statistics(self._tasks_waiting)
+        return self._src.statistics(self._waits.tasks)
 
     async def aclose(self) -> None:
         """Detach. The writer stops waiting for this reader at once; parked ``get`` calls
@@ -274,8 +372,7 @@ class Reader(Generic[T_co]):
         finally:
             if taken:
                 self._taking.release()
-        if self._followers is not None:
-            self._followers.set()
+        self._waits.wake_all()
 
     def __aiter__(self) -> Reader[T_co]:
         return self
@@ -322,46 +419,5 @@ class Reader(Generic[T_co]):
         self._closed = True
         self._refusal = _fork.refusal("reader", self._owner)
 
-    async def _wait(self) -> None:
-        """One task sleeps in the source; the others wait for it on an in-process event, so
-        every parked task re-checks when anything changes."""
-        self._tasks_waiting += 1
-        try:
-            if self._leading:
-                followers = self._followers
-                if followers is None:
-                    followers = self._followers = anyio.Event()
-                await followers.wait()
-            else:
-                self._leading = True
-                try:
-                    src = self._src
-                    spin = poll_budget(self._spin_ns, self._slept_ns)
-                    if not spin:  # wait_steps without its poll: one sleep, driven by hand (see sleep_async)
-                        start = perf_counter_ns()
-                        await sleep_async(src, src.sleep_limit_s)
-                        self._slept_ns = perf_counter_ns() - start
-                    else:
-                        ready = src.ready
-
-                        def woke() -> bool:
-                            return self._closed or ready()
-
-                        def limit_s() -> float:
-                            return src.sleep_limit_s
-
-                        self._slept_ns = await run(wait_steps(spin, woke, limit_s), self._sleep)
-                finally:
-                    self._leading = False
-                    followers = self._followers
-                    if followers is not None:
-                        self._followers = None
-                        followers.set()
-        finally:
-            self._tasks_waiting -= 1
-        if self._closed:
-            raise ClosedResourceError(self._refusal or "this reader was closed while waiting")
-
-    async def _sleep(self, limit_s: float) -> bool:
-        """The async driver's sleep for ``wait_steps``: one ``sleep_steps`` on the source."""
-        return await sleep_async(self._src, limit_s)
+    def _is_closed(self) -> bool:
+        return self._closed

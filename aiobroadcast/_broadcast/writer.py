@@ -85,11 +85,11 @@ class Writer(Generic[T_contra]):
         forever. The writer cannot tell such a reader from a busy one (another task or thread
         may read it any time), so it waits; ``statistics().waiting_for`` names the readers.
         """
-        pending = self._publish_now(obj)
+        pending = self.publish_now(obj)
         if pending is not None:
             await self._publishing.put_in_turn(*pending)
 
-    def _publish_now(self, obj: object) -> tuple[Sequence[Buffer], int, bool, int, bool] | None:
+    def publish_now(self, obj: object) -> tuple[Sequence[Buffer], int, bool, int, bool] | None:
         """``put`` up to its first await: check, encode and, in the usual case, publish. None once
         published; else what ``put_in_turn`` needs to wait for room (or to yield first). Plain
         code, so that a ``put`` of a role built on this one (a fan-in sender's, a worker's reply)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Generic, NoReturn, Protocol, Ty
 
 from .._base.errors import BroadcastError
 from .._base.handle import Handle
-from .._fanin.core import CollectorHandle
+from .._fanin.handle import CollectorHandle
 from .machine import _Call, _CallerCore, _why_late
 from .types import CallerStatistics, Outcome, PoolHandle, Q, R, _private
 

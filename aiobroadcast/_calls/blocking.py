@@ -98,15 +98,7 @@ class BlockingCaller(_CallerBase[Q, R, BlockingWriter[Any], BlockingCollector[An
                 raise core.not_ready(wanted, timeout) from None
             core.check_open()
             c = self._c
-
-            def check_now() -> None:
-                try:
-                    c._lock.acquire(None)
-                    c._g.check_now()
-                finally:
-                    c._lock.release()
-
-            while core.sweep(wanted, c.get_nowait, check_now):
+            while core.sweep(wanted, c.get_nowait, c.check_now):
                 try:
                     d = c.get(None if deadline is None else max(0.0, deadline - monotonic()))
                 except WaitTimeout:

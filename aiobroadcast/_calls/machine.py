@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Final, Generic
 
 from .._base.errors import BroadcastError, ClosedResourceError, CollectorGone, InvalidArgument, WaitTimeout, WouldBlock
 from .._base.stats import where
-from .._fanin.core import Item, SourceClosed, SourceGone
+from .._fanin.items import Item, SourceClosed, SourceGone
 from .types import (
     _HELLO,
     CallerStatistics,
@@ -351,7 +351,7 @@ def _not_begun(worker: str) -> str:
 
 def _unsent(ch: WriterChannel) -> str:
     """Why a request was not sent by its deadline: the readers that held the request ring."""
-    return str(ch.put_timeout("put", ch.wanted, ch.pub.head))
+    return str(ch.serving.put_timeout("put", ch.publishing.wanted, ch.pub.head))
 
 
 def _why_late(ch: WriterChannel, unsent: str | None) -> Callable[[str], str]:
@@ -372,7 +372,7 @@ def _why_late(ch: WriterChannel, unsent: str | None) -> Callable[[str], str]:
                 f"it took the request ({where(r.pid, r.host)}) and has not replied: its handler is still "
                 "running, or its process stopped after taking it"
             )
-        return "it has not taken the request: its " + ch.describe_reader(r)
+        return "it has not taken the request: its " + ch.serving.describe_reader(r)
 
     return why
 

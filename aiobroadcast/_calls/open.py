@@ -14,7 +14,8 @@ from .._base.steps import drive, drive_blocking
 from .._broadcast import blocking as blocking_roles
 from .._broadcast.open import DEFAULT_DIRECTORY, _Opening, open_reader, open_writer
 from .._fanin import blocking as fanin_blocking
-from .._fanin.core import CollectorHandle, open_collector, open_sender
+from .._fanin.handle import CollectorHandle
+from .._fanin.open import open_collector, open_sender
 from .blocking import BlockingCaller, BlockingWorker
 from .roles import Caller, Worker
 from .types import _HELLO, PoolHandle, _check_workers, _private

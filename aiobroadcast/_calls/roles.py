@@ -22,7 +22,8 @@ from .._base import fork as _fork
 from .._base.errors import BroadcastError, ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
 from .._broadcast.reader import Reader
 from .._broadcast.writer import Writer
-from .._fanin.core import Collector, Sender
+from .._fanin.collector import Collector
+from .._fanin.sender import Sender
 from .base import _CallerBase, _WorkerBase
 from .machine import (
     _DONE,
@@ -102,7 +103,7 @@ class Caller(_CallerBase[Q, R, Writer[Any], Collector[Any]]):
     async def _call(self, request: Q, deadline: float, limit: float) -> dict[str, Outcome[R]]:
         """``_Call`` driven in a task, until ``deadline`` (``time.monotonic``). No cancel scope on
         the usual path: the request is published at once (a scope only if the ring is full), and
-        the collector's own sleeps end at the deadline (``Collector._get_before``). A scope per
+        the collector's own sleeps end at the deadline (``Collector.get_before``). A scope per
         call (its timer made and cancelled, the task's state looked up) was a measurable part of
         a paced call's round trip (docs/performance.md, "Calls: fewer frames ...")."""
         call = self._core.start(request)
@@ -121,7 +122,7 @@ class Caller(_CallerBase[Q, R, Writer[Any], Collector[Any]]):
                 need = call.sent()
                 continue
             try:
-                need = call.take(await self._c._get_before(deadline))
+                need = call.take(await self._c.get_before(deadline))
             except EndOfStream:
                 need = call.ended()
             except WaitTimeout:
@@ -154,7 +155,7 @@ class Caller(_CallerBase[Q, R, Writer[Any], Collector[Any]]):
         try:
             core.check_open()
             c = self._c
-            while core.sweep(wanted, c.get_nowait, c._g.check_now):
+            while core.sweep(wanted, c.get_nowait, c.check_now):
                 with anyio.CancelScope(deadline=deadline) as scope:
                     d = await c.get()
                 if scope.cancelled_caught:
@@ -238,9 +239,9 @@ class Request(_Answer[Q, R]):
         sender = self._sender
         try:
             # sender.put(answer), without its coroutine when the reply goes out at once.
-            pending = sender._send_now(answer)
+            pending = sender.send_now(answer)
             if pending is not None:
-                await sender._send_in_turn(pending)
+                await sender.send_in_turn(pending)
         except BaseException:
             self._unsent()
             raise

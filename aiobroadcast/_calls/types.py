@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from .._base.errors import InvalidArgument, InvalidHandle, NoReplyError, WorkerError
 from .._base.handle import Handle, _first_problem, handle_kind, path_problem
-from .._fanin.core import CollectorHandle, _looks_like_channel, _name_problem
+from .._fanin.handle import CollectorHandle, looks_like_channel, name_problem
 
 Q = TypeVar("Q")  #: what a call sends
 R = TypeVar("R")  #: what a worker answers
@@ -104,7 +104,7 @@ class PoolHandle(BaseModel):
         if isinstance(data, PoolHandle):
             return data
         if isinstance(data, Handle | CollectorHandle) or (
-            handle_kind(data) != "pool" and (handle_kind(data) == "collector" or _looks_like_channel(data))
+            handle_kind(data) != "pool" and (handle_kind(data) == "collector" or looks_like_channel(data))
         ):
             raise InvalidHandle(
                 "this is a broadcast channel's or a collector's handle, not a pool's: open_worker takes "
@@ -126,7 +126,7 @@ def _check_workers(workers: Iterable[str]) -> tuple[str, ...]:
     if not names:
         raise InvalidArgument("workers must name at least one worker")
     for n in names:
-        problem = _name_problem(n)
+        problem = name_problem(n)
         if problem is not None:
             raise InvalidArgument(problem)
     if len(set(names)) != len(names):

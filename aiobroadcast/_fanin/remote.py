@@ -19,12 +19,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from .._base.codec import import_schema
-from .._base.errors import InvalidArgument, InvalidHandle
+from .._base.errors import InvalidHandle
 from .._base.handle import CurveKeys, check_directory
 from .._broadcast.channel import WriterChannel
 from .._broadcast.writer_open import DEFAULT_DIRECTORY, _WriterSpec
 from .._shm.layout import R_ACTIVE, R_PID
+from .handle import sender_schema
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,15 +49,7 @@ def remote_spec(
     schema, policy and size limit are the collector's. The ring lives in the collector's directory
     if this host has it, else in ``/dev/shm``."""
     h = handle
-    if h.codec == "pydantic-json" and schema is None:
-        if h.schema_path is None:
-            raise InvalidHandle("schema collector without schema_path: pass schema=")
-        try:
-            schema = import_schema(h.schema_path)
-        except (ImportError, AttributeError, TypeError, ValueError) as exc:
-            raise InvalidHandle(f"cannot import the collector's schema {h.schema_path!r} here: {exc}") from exc
-    elif h.codec != "pydantic-json" and schema is not None:
-        raise InvalidArgument(f"this collector takes {h.codec}, not a schema: open it with schema= to send models")
+    schema = sender_schema(h, schema)
     directory = h.directory if check_directory(h.directory, 2) is None and os.path.isdir(h.directory) else None
     return _WriterSpec(
         capacity=h.capacity if capacity is None else capacity,
@@ -81,7 +73,7 @@ def server_place(ch: WriterChannel) -> int:
     """The ring place of ``ch``'s TCP server (the collector's, for a remote sender): the active
     place that one of its server processes holds. The server joined before ``open_writer``
     returned, so it is there."""
-    server = ch.server
+    server = ch.serving.server
     assert server is not None
     lay = ch.seg.layout
     w = ch.seg.words

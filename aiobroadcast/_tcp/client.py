@@ -952,6 +952,11 @@ class TcpSource:
         if not self._closed:
             self._inbox.wake()
 
+    def wake_instead(self, wake: Callable[[], None]) -> None:
+        """Have the I/O thread call ``wake`` wherever it would wake this source's sleeper: a
+        fan-in collector reads this source among others, and sleeps on one inbox of its own."""
+        self._inbox.wake = wake  # type: ignore[method-assign]
+
     def statistics(self, tasks_waiting: int) -> ReaderStatistics:
         return ReaderStatistics(
             name=self._name,

@@ -224,18 +224,18 @@ def test_the_checks_see_an_upward_import(tmp_path: pathlib.Path) -> None:
         "import zmq\n"
         "from .. import cli\n"
         "if TYPE_CHECKING:\n"
-        "    from .._calls.core import Caller\n"
+        "    from .._calls.roles import Caller\n"
         "else:\n"
         "    from ..vllm import MessageQueue\n"
         "if not TYPE_CHECKING:\n"
-        "    from .._fanin import core\n"
+        "    from .._fanin import collector\n"
         "def later():\n"
         "    from .._broadcast.writer import Writer\n"
     )
     known = {**MODULES, "_shm.fake": fake}
     found = _imports("_shm.fake", fake, known)
-    assert found == {"typing", "zmq", "cli", "vllm", "_fanin.core", "_broadcast.writer"}
-    assert _upward("_shm.fake", _graph(known)) == ["_broadcast.writer", "_fanin.core", "cli", "vllm"]
+    assert found == {"typing", "zmq", "cli", "vllm", "_fanin.collector", "_broadcast.writer"}
+    assert _upward("_shm.fake", _graph(known)) == ["_broadcast.writer", "_fanin.collector", "cli", "vllm"]
 
 
 def _cycle(graph: Mapping[str, set[str]]) -> list[str]:

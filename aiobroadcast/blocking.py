@@ -28,7 +28,7 @@ Threads. Every method of both classes may be called from any thread at any time:
 - A call made from inside one of the same object's own calls on the same thread (a
   ``__getstate__`` that calls ``put_nowait`` while its object is being pickled by ``put``, a
   ``__setstate__`` that calls ``get``) raises ``WouldBlock`` instead of deadlocking.
-- A Ctrl-C anywhere in a call leaves no lock held (``_owned.py``): the call raises, having lost
+- A Ctrl-C anywhere in a call leaves no lock held (``_shm/owned.py``): the call raises, having lost
   at most what it was doing, and the next call works.
 - With ``zero_copy=True`` a message's views stay valid until the next ``get``/``get_nowait`` on
   that reader by any thread; on a channel with an arena, for as long as they are referenced.

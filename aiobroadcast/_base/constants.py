@@ -7,7 +7,7 @@ line reads them without loading ZeroMQ or the TCP server."""
 #: instead of counting it as a reader of its own.
 TCP_SERVER_READER_NAME = "tcp-server"
 
-#: The TCP data plane's rekey policy (``_seal.py``; ``open_writer(rekey_messages=,
+#: The TCP data plane's rekey policy (``_tcp/seal.py``; ``open_writer(rekey_messages=,
 #: rekey_bytes=)``): a new group key after this many messages or bytes sealed under one key,
 #: by default, and at most. The defaults are far inside AES-256-GCM's limits; the largest
 #: accepted still are (a counter nonce is never reused, and 2**32 messages or 2**48 bytes under

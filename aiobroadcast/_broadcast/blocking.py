@@ -471,7 +471,7 @@ def open_writer(*, schema: type[BaseModel] | None = None, **options: Unpack[Writ
 
 
 def _blocking_channel(spec: _WriterSpec) -> WriterChannel:
-    """``channel_steps`` in this thread (``_steps.drive_blocking``): the server's answer is
+    """``channel_steps`` in this thread (``_base.steps.drive_blocking``): the server's answer is
     waited for here."""
     return drive_blocking(channel_steps(spec), lambda start: start.answer())
 

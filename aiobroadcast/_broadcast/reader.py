@@ -80,7 +80,7 @@ async def sleep_async(src: Sleeper, limit_s: float) -> bool:
     """``sleep_steps`` in a task: the wait is the source's own in the running event loop. A close
     meanwhile ends it quietly (the caller looks at its own closed state).
 
-    Driven here by hand, not through ``_steps.run``, and called straight from ``Reader._wait``
+    Driven here by hand, not through ``_base.steps.run``, and called straight from ``Reader._wait``
     when the reader does not poll first (a paced or idle stream: a waiting worker's every
     request): a pool's worker wakes once per call, with its code and data cold, and each
     coroutine frame between the wake-up and ``get`` returning costs there (docs/performance.md).

@@ -106,7 +106,7 @@ def source_steps(
     take_ahead: int | None = None,
 ) -> Generator[TcpSource, None, tuple[Source, str]]:
     """Opening a reader's source (``_make_source``), written once for both front ends (driven by
-    ``_steps.drive`` or ``drive_blocking``): yields a TCP source whose welcome the driver waits
+    ``_base.steps.drive`` or ``drive_blocking``): yields a TCP source whose welcome the driver waits
     for. Returns the source and the name it holds, the next default name if one was taken."""
     names = _reader_names(name)
     reader_name = next(names)

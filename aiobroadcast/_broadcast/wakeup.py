@@ -3,7 +3,7 @@
 ``_shm`` knows nothing of event loops: its ``Inbox`` is the socket (and the writer's pidfd it
 watches), and ``Inbox.wait`` hands over to the ``LoopWaiter`` made for it here, which the reader
 layer gives ``_shm`` (``wake.serve_event_loops``). A thread without an event loop waits on the
-inbox's descriptor itself (``Inbox.wait_blocking``, ``_reader.sleep_blocking``).
+inbox's descriptor itself (``Inbox.wait_blocking``, ``_broadcast.reader.sleep_blocking``).
 """
 
 from __future__ import annotations

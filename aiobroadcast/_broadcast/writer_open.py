@@ -210,7 +210,7 @@ def channel_steps(spec: _WriterSpec) -> ChannelSteps:
 
 
 async def _open_channel(spec: _WriterSpec) -> WriterChannel:
-    """``channel_steps`` in a task (``_steps.drive``): the server's answer is waited for in a
+    """``channel_steps`` in a task (``_base.steps.drive``): the server's answer is waited for in a
     worker thread, which a cancellation abandons (the steps then kill the server)."""
 
     async def answer(start: _ServerStart) -> dict[str, Any]:

@@ -52,7 +52,7 @@ class BlockingCaller(_CallerBase[Q, R, BlockingWriter[Any], BlockingCollector[An
         if lock.mine():
             raise BroadcastError("call() called from inside this caller's own call on this thread")
         try:
-            lock.acquire(None)  # inside the try: a Ctrl-C anywhere leaves it free (_owned.py)
+            lock.acquire(None)  # inside the try: a Ctrl-C anywhere leaves it free (_shm/owned.py)
             try:
                 return self._call(request, timeout)
             finally:
@@ -130,7 +130,7 @@ class BlockingCaller(_CallerBase[Q, R, BlockingWriter[Any], BlockingCollector[An
 def serve_blocking(take: Callable[[], Any], handler: Callable[[Any], Any]) -> int:
     """``serve_steps`` in this thread: ``take()`` returns each request (None at the end: a
     ``BlockingWorker``'s), ``handler`` answers its value, ``reply``/``fail`` send the answer.
-    The loop of ``_steps.drive_blocking``, written out with the events done inline (as
+    The loop of ``_base.steps.drive_blocking``, written out with the events done inline (as
     ``serve_async`` does): a call per event cost about 100 ns a request here."""
     steps = serve_steps()
     request: Any = None

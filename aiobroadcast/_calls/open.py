@@ -163,7 +163,7 @@ def worker_steps(handle: object, name: str) -> Generator[OpenEvent, Any, tuple[A
 
 
 async def _open_async(event: OpenEvent) -> object:
-    """An opening step in a task (``_steps.drive``), with the async factories."""
+    """An opening step in a task (``_base.steps.drive``), with the async factories."""
     match event:
         case OpenWriter(options):
             return await open_writer(**options)
@@ -180,7 +180,7 @@ async def _open_async(event: OpenEvent) -> object:
 
 
 def _open_blocking(event: OpenEvent) -> object:
-    """An opening step in this thread (``_steps.drive_blocking``), with the blocking factories."""
+    """An opening step in this thread (``_base.steps.drive_blocking``), with the blocking factories."""
     match event:
         case OpenWriter(options):
             return blocking_roles.open_writer(**options)

@@ -193,7 +193,7 @@ class Caller(_CallerBase[Q, R, Writer[Any], Collector[Any]]):
 async def serve_async(requests: AsyncIterator[Any], handler: Any) -> int:
     """``serve_steps`` in a task: takes each request from ``requests`` (a ``Worker``), calls
     ``handler`` (a function or a coroutine function), answers with ``Request.reply``/``fail``.
-    The loop of ``_steps.drive``, written out with the events done inline (as
+    The loop of ``_base.steps.drive``, written out with the events done inline (as
     ``serve_blocking`` does): no coroutine per event on the path per request."""
     steps = serve_steps()
     request: Any = None

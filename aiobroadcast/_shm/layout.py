@@ -19,7 +19,7 @@ from .._base.errors import BroadcastError
 from .atomic import fence as fence  # the ring's modules take it from here
 
 MAGIC = int.from_bytes(b"ABCAST\x00\x01", "little")
-LAYOUT_VERSION = 2  # 2: the pickle body format of _codec.py (large bytes indexed, or out of band)
+LAYOUT_VERSION = 2  # 2: the pickle body format of _base/codec.py (large bytes indexed, or out of band)
 EMPTY = 2**64 - 1
 BUSY = 2**64 - 2
 

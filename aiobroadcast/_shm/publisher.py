@@ -1,6 +1,6 @@
 """The ring's write path: copying a message into free slots and publishing it (one writer).
 
-No waiting and no event loop here: the caller (``_channel.WriterChannel``) decides when there
+No waiting and no event loop here: the caller (``_broadcast.channel.WriterChannel``) decides when there
 is room and who may write. ``mutex`` is held, never across an await, by whoever writes into the
 ring, from any thread. docs/design.md gives the store order and why readers never see a torn
 message.
@@ -69,7 +69,7 @@ class Publisher:
         # The mutex is taken inside the ``try`` whose ``finally`` gives it back: a Ctrl-C's
         # KeyboardInterrupt can be raised right after a call returns, before a ``try`` begins;
         # ``Held`` (_atomics.c) gives back only what this thread took, so the ``finally`` may
-        # run whether or not the take got it (aiobroadcast/_owned.py says more).
+        # run whether or not the take got it (aiobroadcast/_shm/owned.py says more).
         self._take = self.mutex.take
         self._give = self.mutex.release
         self._waiting = seg.waiting

@@ -120,7 +120,7 @@ class ShmSource:
 
     def sleep(self, limit_s: float) -> Awaitable[bool]:
         """A task's wait for a wake-up on this reader's inbox, for up to ``limit_s`` (the wait of
-        ``_reader.sleep_steps``, which announces the sleep and re-checks the ring first). True if
+        ``_broadcast.reader.sleep_steps``, which announces the sleep and re-checks the ring first). True if
         one came (the writer wakes sleepers as a put begins: the message may be a few
         microseconds from the ring). Raises ``anyio.ClosedResourceError`` once closed."""
         assert self._inbox is not None

@@ -85,7 +85,7 @@ class Inbox:
         #: How tasks sleep on this inbox: made at the first ``wait``.
         self.side: EventLoopSide | None = None
         #: A sleeper was woken by the datagram still in the socket, which an event loop's reader
-        #: callback takes in its next round (``_wakeup.LoopWaiter._on_datagram``).
+        #: callback takes in its next round (``_broadcast.wakeup.LoopWaiter._on_datagram``).
         self.owed = False
         #: A datagram other than a wake-up came (a fan-in sender's knock, ``knock``): the owner
         #: looks for new senders and clears it.

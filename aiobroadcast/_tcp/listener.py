@@ -83,7 +83,7 @@ class Listener:
         self.data_token = settings.data_token
         self.router = self._ctx.socket(zmq.ROUTER)
         # Sealed data frames (BATCH, LAGGED, END) go on a second socket without CurveZMQ: each
-        # message is sealed once for every reader (_seal.py), instead of CurveZMQ encrypting it
+        # message is sealed once for every reader (seal.py), instead of CurveZMQ encrypting it
         # again for each connection. Admission and key delivery stay on the CurveZMQ socket;
         # docs/security.md says why this split is safe.
         self.data = self._ctx.socket(zmq.ROUTER)

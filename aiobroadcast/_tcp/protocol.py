@@ -20,9 +20,9 @@ refused (the reader's queue is full) was not sent, so the reader's place must no
 and the protocol has to know that at once, before it decides what goes to that reader next.
 
 Two connections per reader (wire.py): the control frames (signed in insecure mode, CurveZMQ
-otherwise) and the data frames (BATCH, LAGGED, END), each sealed by ``_seal.py`` under the
+otherwise) and the data frames (BATCH, LAGGED, END), each sealed by ``seal.py`` under the
 group key that WELCOME and KEYS deliver, and each group signed for its reader by the server
-(``_seal.WriterMac``, its key in that reader's WELCOME). The server protocol seals every
+(``seal.WriterMac``, its key in that reader's WELCOME). The server protocol seals every
 message once, as it takes it from the ring, and hands out data frames from ``transmit``; the
 client protocol checks and opens them (``receive_data``) and counts what it refuses.
 """

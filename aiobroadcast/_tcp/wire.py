@@ -9,9 +9,9 @@ Every frame group starts with a one-byte kind. Two connections per reader:
   direction and the others, checked with ``compare_digest`` before anything else is parsed
   (``sign``, ``verify``; ``ReaderSigner`` and ``Session`` keep each side's state);
 - the data connection (BATCH, LAGGED, END, server to reader only): ZeroMQ without CurveZMQ
-  (a PLAIN password from WELCOME admits it), each body and each frame sealed by ``_seal.py``
+  (a PLAIN password from WELCOME admits it), each body and each frame sealed by ``seal.py``
   under the group key that WELCOME and KEYS deliver, each frame group ending with the
-  server's MAC for its one reader (``_seal.WriterMac``, its key in that reader's WELCOME).
+  server's MAC for its one reader (``seal.WriterMac``, its key in that reader's WELCOME).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 #: 2: a batch carries its bodies in one or more frames (large bodies alone), not one blob.
-#: 3: the pickle body format of aiobroadcast/_codec.py (large bytes indexed, or out of band).
+#: 3: the pickle body format of aiobroadcast/_base/codec.py (large bytes indexed, or out of band).
 #: 4: sealed data frames on a connection of their own (the group key in WELCOME and KEYS).
 #: 5: the data connection's PLAIN password in WELCOME (a reader of 4 would connect without it and
 #: starve); insecure=True: the control handshake is PLAIN.
@@ -48,10 +48,10 @@ NACK = b"N"  # u64 next seq wanted: resend from there
 BYE = b"B"
 # server -> reader, on the control connection
 WELCOME = b"W"  # json {start, policy, hb_interval, hb_timeout, window, data_port, keys, mac_key (hex), run}
-KEYS = b"K"  # the keys message of _seal.py (after a rekey)
+KEYS = b"K"  # the keys message of seal.py (after a rekey)
 HEARTBEAT = b"P"  # u64 end (next seq the server will have), u64 closed
 # server -> reader, on the data connection; each group ends with the writer's MAC for its reader
-# (_seal.WRITER_MAC: u64 counter, 16-byte tag)
+# (seal.WRITER_MAC: u64 counter, 16-byte tag)
 BATCH = b"M"  # header, then frames that each hold whole sealed bodies (a large one alone, small ones joined)
 LAGGED = b"L"  # sealed: u64 from_seq, u64 missed
 END = b"E"  # sealed: u64 final seq, then the reason
@@ -113,7 +113,7 @@ def _nbytes(f: Any) -> int:
 #
 # The handle's key (``hmac_key``) is used for nothing directly: HKDF-SHA256 derives from it, under
 # labels of their own, the key that signs control frames, the control connection's PLAIN password,
-# and the secret the data plane's keys are derived from (``_seal.py``, with per-key salts).
+# and the secret the data plane's keys are derived from (``seal.py``, with per-key salts).
 
 _LABEL_MAC = b"aiobroadcast/6 control frames"
 _LABEL_PASSWORD = b"aiobroadcast/6 control password"
@@ -137,7 +137,7 @@ def control_password(secret: bytes) -> bytes:
 
 
 def data_secret(secret: bytes) -> bytes:
-    """The secret the data plane's keys are derived from under insecure=True (``_seal.py``)."""
+    """The secret the data plane's keys are derived from under insecure=True (``seal.py``)."""
     return _hkdf(secret, _LABEL_DATA)
 
 

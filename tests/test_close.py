@@ -32,6 +32,7 @@ from _tcp_workers import ASYNCIO, TRIO, UVLOOP
 import aiobroadcast as ab
 from aiobroadcast import blocking
 from aiobroadcast._tcp import client as tcp_client
+from aiobroadcast._tcp import pump as tcp_pump
 from aiobroadcast._tcp.receiving import ClientProtocol
 from aiobroadcast.vllm import Handle as QueueHandle
 from aiobroadcast.vllm import MessageQueue
@@ -369,7 +370,7 @@ def pump_fault(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     return armed
 
 
-def pump_of(source: object) -> tcp_client._Pump:
+def pump_of(source: object) -> tcp_pump.Pump:
     assert isinstance(source, tcp_client.TcpSource)
     return source._pump
 

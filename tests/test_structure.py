@@ -363,7 +363,16 @@ def test_the_checks_see_an_io_import(tmp_path: pathlib.Path) -> None:
 
 #: The modules of a reader (over shared memory or TCP, and its role) and of a writer: a reader
 #: imports none of the writer's, even through another module.
-READER_SIDE = {"_broadcast.reader", "_broadcast.wakeup", "_shm.subscriber", "_shm.place", "_tcp.client"}
+READER_SIDE = {
+    "_broadcast.reader",
+    "_broadcast.wakeup",
+    "_shm.subscriber",
+    "_shm.place",
+    "_tcp.client",
+    "_tcp.pump",
+    "_tcp.inbox",
+    "_tcp.connections",
+}
 WRITER_SIDE = {
     "_broadcast.writer",
     "_broadcast.channel",

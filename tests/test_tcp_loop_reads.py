@@ -25,7 +25,7 @@ import pytest
 import aiobroadcast as ab
 import aiobroadcast.blocking as abb
 from aiobroadcast._base import tuning as _tuning
-from aiobroadcast._tcp import client
+from aiobroadcast._tcp import inbox
 
 pytestmark = pytest.mark.anyio
 
@@ -50,14 +50,14 @@ PACED_S = (0.0005, 0.001, 0.002, 0.004)
 def who_takes(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     """Counts the batches queued by the event loop's turns and by the I/O thread."""
     counts: Counter[str] = Counter()
-    push = client._Inbox.push_batch
+    push = inbox.Inbox.push_batch
 
-    def counted(self: client._Inbox, batch: Any, wake_at: int) -> None:
+    def counted(self: inbox.Inbox, batch: Any, wake_at: int) -> None:
         io = threading.current_thread().name == "aiobroadcast-tcp-reader"
         counts["io thread" if io else "event loop"] += 1
         push(self, batch, wake_at)
 
-    monkeypatch.setattr(client._Inbox, "push_batch", counted)
+    monkeypatch.setattr(inbox.Inbox, "push_batch", counted)
     return counts
 
 

@@ -22,7 +22,7 @@ from _peers import the_server
 import aiobroadcast as ab
 import aiobroadcast.blocking as abb
 from aiobroadcast._base import tuning as _tuning
-from aiobroadcast._tcp import client
+from aiobroadcast._tcp import client, inbox
 
 pytestmark = pytest.mark.anyio
 
@@ -156,12 +156,12 @@ def test_a_lost_wake_up_costs_a_remote_message_two_heartbeats_at_most(monkeypatc
     """The sleep's own limit is a last resort: when the wake-up that announces a message is lost
     (here every first one of a message's), the I/O thread's next turn (its idle heartbeat, two
     intervals on, at the latest) wakes the sleeper for what is queued. Blocking reader: it waits on the inbox's
-    descriptor, so every wake-up goes through ``_Inbox.wake``."""
+    descriptor, so every wake-up goes through ``Inbox.wake``."""
     monkeypatch.setattr(_tuning, "REMOTE_SLEEP_S", 60.0)
     calls = lost = 0
-    wake = client._Inbox.wake
+    wake = inbox.Inbox.wake
 
-    def lossy(self: client._Inbox) -> None:
+    def lossy(self: inbox.Inbox) -> None:
         nonlocal calls, lost
         calls += 1
         if calls % 2 == 0:
@@ -169,7 +169,7 @@ def test_a_lost_wake_up_costs_a_remote_message_two_heartbeats_at_most(monkeypatc
         else:
             lost += 1
 
-    monkeypatch.setattr(client._Inbox, "wake", lossy)
+    monkeypatch.setattr(inbox.Inbox, "wake", lossy)
     with abb.open_writer(tcp="tcp://127.0.0.1:0", heartbeat_s=0.2) as w:
         with abb.open_reader(w.handle, transport="tcp", name="lossy") as r:
             for i in range(5):

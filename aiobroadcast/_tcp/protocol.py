@@ -8,7 +8,7 @@ control frames to and from it, are its ``Readers`` (readers.py). ``ClientProtoco
 acknowledged, when it last heard the server.
 Both take frame groups (as they came off the socket, signature included) and the current time
 as arguments, and answer with typed events and frame groups to send. The I/O pumps
-(``server.py``, ``client.py``) only move frames between sockets and these objects, so every rule
+(``server.py``, ``pump.py``) only move frames between sockets and these objects, so every rule
 there is tested by feeding frames (tests/test_tcp_protocol.py).
 
 Frames out, one style for both: neither object calls into I/O, the pump sends what they give.

@@ -4,7 +4,7 @@ the protocol as a whole, and what both sides agree on: protocol.py).
 ``ClientProtocol`` is what one remote reader knows: the next message it expects, what it has
 acknowledged, when it last heard the server. It takes the server's frame groups (as they came
 off the socket, signature included) and the current time as arguments, and answers with typed
-events (``ClientEvent``) and frame groups to send; the pump (``client.py``) only moves frames
+events (``ClientEvent``) and frame groups to send; the pump (``pump.py``) only moves frames
 between sockets and it, so every rule here is tested by feeding frames
 (tests/test_tcp_protocol.py). It checks and opens the data frames (``receive_data``) and
 counts what it refuses.

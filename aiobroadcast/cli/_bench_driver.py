@@ -102,6 +102,16 @@ def add_cell_args(p: argparse.ArgumentParser, peers: str) -> None:
     p.add_argument("--slot-bytes", type=int)
 
 
+def peer_parser(module: str, doc: str | None, peers: str) -> argparse.ArgumentParser:
+    """The parser of a many-process driver (``_bench_call``, ``_bench_gather``): prog
+    ``python -m MODULE``, the first line of ``doc`` as description, the cell's arguments
+    (``add_cell_args``) and --loop."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=(doc or "").split("\n")[0])
+    add_cell_args(p, peers)
+    p.add_argument("--loop", choices=("uvloop", "asyncio", "trio"), default=default_loop())
+    return p
+
+
 def ring_args(args: argparse.Namespace, default: tuple[int, int]) -> tuple[int, int]:
     """``(capacity, slot_bytes)``: --capacity and --slot-bytes where given, else ``default``'s."""
     return args.capacity or default[0], args.slot_bytes or default[1]

@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     loop = BLOCKING if args.blocking else args.loop
     capacity, slot_bytes = ring_args(args, ring_for(args.size))
+    # The cell's JSON line, key by key as _bench_gather's (which adds "senders" after "readers"):
+    # a shared builder would change the keys' order in the printed line.
     out: dict[str, Any] = {
         "system": "aiobroadcast",
         "mode": "call",

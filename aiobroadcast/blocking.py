@@ -50,6 +50,8 @@ for _public in (BlockingReader, BlockingWriter, open_reader, open_writer):
     _public.__module__ = __name__
 del _public
 
+# The blocking front's own list (its names differ from aiobroadcast.__all__ but for the open_*
+# factories, which are this module's blocking ones).
 __all__ = [
     "BlockingCaller",
     "BlockingCollector",

@@ -201,6 +201,8 @@ class MessageQueue:
     handle: Handle
     shutting_down: bool
 
+    # vLLM's constructor signature, as MessageQueueWriter.__init__ has it: __new__ must accept
+    # the same arguments, and spelling them out keeps vLLM's names and defaults in the signature.
     def __new__(
         cls,
         n_reader: int,

@@ -78,6 +78,8 @@ class WriterGone(BroadcastError):
         super().__init__(message)
 
 
+# Each error below keeps its data as attributes and words its own message in __init__: alike in
+# shape, but a shared constructor would hide what each message names.
 class CollectorGone(BroadcastError):
     """Raised by a fan-in sender's ``put``/``put_nowait``/``put_many`` when its collector has
     closed or died: nothing it sends can be delivered any more. The sender's counterpart of

@@ -6,7 +6,7 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -135,15 +135,7 @@ class Handle(BaseModel):
                 "this is a fan-in collector's handle, not a broadcast channel's: senders attach to it with "
                 "open_sender(collector.handle, name=...); open_reader takes a writer's handle (writer.handle)"
             )
-        try:
-            if isinstance(data, Handle):
-                return cls.model_validate(data.model_dump())
-            if isinstance(data, dict):
-                return cls.model_validate(data)
-            return cls.model_validate_json(data)
-        except ValidationError as exc:
-            path = path_problem(data, "read it with Handle.load(path)")
-            raise InvalidHandle(f"not an aiobroadcast handle: {path or _first_problem(exc)}") from exc
+        return validated(cls, data, "handle", "read it with Handle.load(path)")
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the handle as JSON, readable by its owner only (mode 0600)."""
@@ -294,6 +286,24 @@ def path_problem(data: object, todo: str) -> str | None:
         return None
     shown = text if len(text) <= 200 else text[:200] + "..."
     return f"this looks like a file path ({shown!r}), not a handle's JSON; {todo}"
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def validated(cls: type[_M], data: object, what: str, todo: str) -> _M:
+    """``data`` (an instance of ``cls``, checked again; a dict; or JSON text) validated as a
+    ``cls``. Raises ``InvalidHandle`` "not an aiobroadcast WHAT", with ``path_problem``'s line
+    (ending in ``todo``) where ``data`` looks like a file's path, else pydantic's first problem."""
+    try:
+        if isinstance(data, cls):
+            return cls.model_validate(data.model_dump())
+        if isinstance(data, dict):
+            return cls.model_validate(data)
+        return cls.model_validate_json(data)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        path = path_problem(data, todo)
+        raise InvalidHandle(f"not an aiobroadcast {what}: {path or _first_problem(exc)}") from exc
 
 
 def _write_private(target: Path, text: str) -> None:

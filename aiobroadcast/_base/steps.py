@@ -60,6 +60,8 @@ Step = Checkpoint | Sleep
 Steps = Generator[Step, bool, R]
 
 
+# drive and drive_blocking: one loop, with and without await. Neither can call the other (a
+# coroutine cannot run in a thread without a loop, nor a blocking do in a task), so it is twice.
 async def drive(steps: Generator[S, Any, R], do: Callable[[S], Awaitable[object]]) -> R:
     """Run steps in a task: ``await do(step)`` for each step, its result sent in, what it raised
     thrown in (the steps may catch it and go on). Closes the generator on every way out."""

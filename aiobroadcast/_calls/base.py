@@ -87,6 +87,8 @@ class _CallerBase(Generic[Q, R, W, C]):
         self._core.closed = True
         return True
 
+    # __reduce__ and the hidden method, as _WorkerBase's below: one set per role base, each
+    # message naming its own role and fix.
     def __reduce__(self) -> NoReturn:
         raise BroadcastError(f"a {self._NAME} cannot be pickled: send caller.handle and open_worker there")
 

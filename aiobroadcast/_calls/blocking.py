@@ -109,6 +109,8 @@ class BlockingCaller(_CallerBase[Q, R, BlockingWriter[Any], BlockingCollector[An
         finally:
             lock.release()
 
+    # close and the context-manager methods: Caller's aclose/__aenter__/__aexit__ without await
+    # (the protocol each front must spell out for itself).
     def close(self) -> None:
         if not self._begin_close():
             return
@@ -164,6 +166,8 @@ class BlockingRequest(_Answer[Q, R]):
 
     __slots__ = ()
 
+    # Request.reply and fail without await, written out: a worker's answer per call, and an
+    # async and a blocking put cannot share one body.
     def reply(self, value: R) -> None:
         answer = self._reply(value)
         try:

@@ -82,6 +82,7 @@ class _PoolSpec:
 
 
 # --- the steps of opening, as events: each driver matches them (``_open_async``, ``_open_blocking``) ---
+# (Frozen dataclasses alike in shape, as _tcp's events are: each is its own type, for match.)
 @dataclass(frozen=True, slots=True)
 class OpenWriter:
     """Open the request channel's writer with ``options`` (``open_writer``'s)."""

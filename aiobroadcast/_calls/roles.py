@@ -166,6 +166,8 @@ class Caller(_CallerBase[Q, R, Writer[Any], Collector[Any]]):
         finally:
             self._turn.release()
 
+    # aclose and the async context-manager methods: the protocol each role spells out (Worker's
+    # below; BlockingCaller's without await).
     async def aclose(self) -> None:
         """Close: workers' iteration ends after the requests already sent; their replies are not
         awaited."""

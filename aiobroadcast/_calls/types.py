@@ -11,10 +11,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, Literal, NamedTuple, NoReturn, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
 from .._base.errors import InvalidArgument, InvalidHandle, NoReplyError, WorkerError
-from .._base.handle import Handle, _first_problem, handle_kind, path_problem
+from .._base.handle import Handle, handle_kind, validated
 from .._fanin.handle import CollectorHandle, looks_like_channel, name_problem
 
 Q = TypeVar("Q")  #: what a call sends
@@ -91,6 +91,8 @@ class PoolHandle(BaseModel):
     replies: CollectorHandle
     workers: tuple[str, ...]
 
+    # to_json and from_json as Handle's and CollectorHandle's: each from_json is typed to its own
+    # class and says its own fix (the parsing itself is _base.handle.validated).
     def to_json(self) -> str:
         return self.model_dump_json()
 
@@ -110,13 +112,8 @@ class PoolHandle(BaseModel):
                 "this is a broadcast channel's or a collector's handle, not a pool's: open_worker takes "
                 "caller.handle (made by open_caller)"
             )
-        try:
-            if isinstance(data, dict):
-                return cls.model_validate(data)
-            return cls.model_validate_json(data)
-        except ValidationError as exc:
-            path = path_problem(data, "pass the file's text: PoolHandle.from_json(Path(path).read_text())")
-            raise InvalidHandle(f"not an aiobroadcast pool handle: {path or _first_problem(exc)}") from exc
+        # PoolHandle instances were returned above: validated's re-check of one never runs here.
+        return validated(cls, data, "pool handle", "pass the file's text: PoolHandle.from_json(Path(path).read_text())")
 
 
 def _check_workers(workers: Iterable[str]) -> tuple[str, ...]:

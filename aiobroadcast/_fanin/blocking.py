@@ -170,6 +170,8 @@ class BlockingSender(SenderBase[T_contra]):
     _TITLE = "aiobroadcast.blocking.BlockingSender"
     _RECEIVE = "aiobroadcast.blocking.open_collector(), then collector.get()"
 
+    # Sender's class attributes and __init__, with the blocking writer: each role class names its
+    # own words and builds its own writer (SenderBase holds the rest).
     def __init__(self, token: object, channel: WriterChannel, name: str, collector: CollectorHandle) -> None:
         self._check_token(token, _private)
         self._w: BlockingWriter[Any] = BlockingWriter(_blocking_writer_token, channel)

@@ -7,7 +7,7 @@ import os
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from .._base.codec import import_schema
 from .._base.errors import (
@@ -19,10 +19,9 @@ from .._base.handle import (
     Codec,
     Handle,
     Policy,
-    _first_problem,
     check_directory,
     handle_kind,
-    path_problem,
+    validated,
 )
 from .._shm import segment as _segment
 
@@ -90,15 +89,9 @@ class CollectorHandle(BaseModel):
                 "this is a broadcast channel's handle (open_reader takes it), not a collector's: "
                 "a sender needs the handle of a collector made by open_collector() (collector.handle)"
             )
-        try:
-            if isinstance(data, CollectorHandle):
-                return cls.model_validate(data.model_dump())
-            if isinstance(data, dict):
-                return cls.model_validate(data)
-            return cls.model_validate_json(data)
-        except ValidationError as exc:
-            path = path_problem(data, "pass the file's text: CollectorHandle.from_json(Path(path).read_text())")
-            raise InvalidHandle(f"not an aiobroadcast collector handle: {path or _first_problem(exc)}") from exc
+        return validated(
+            cls, data, "collector handle", "pass the file's text: CollectorHandle.from_json(Path(path).read_text())"
+        )
 
 
 def looks_like_channel(data: object) -> bool:

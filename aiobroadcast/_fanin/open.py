@@ -137,6 +137,8 @@ class CollectorSpec:
 _RENDEZVOUS_RE = re.compile(DIR_RE)
 
 
+# The listing guard of _shm.segment.sweep_stale again (listdir, skip what is not ours): the
+# two sweeps look for other files under other locks, and a helper for four lines would hide that.
 def sweep_stale_collectors(directory: str) -> list[str]:
     """Remove the rendezvous directories of collectors that died (SIGKILL cannot clean up): those
     whose ``collector`` lock nobody holds, older than ``STALE_MIN_AGE_S``. Only this user's

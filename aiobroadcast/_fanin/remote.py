@@ -51,6 +51,7 @@ def remote_spec(
     h = handle
     schema = sender_schema(h, schema)
     directory = h.directory if check_directory(h.directory, 2) is None and os.path.isdir(h.directory) else None
+    # Keyword arguments, one a line, as cli/_relay.py's call of relay(): alike only in shape.
     return _WriterSpec(
         capacity=h.capacity if capacity is None else capacity,
         slot_bytes=h.slot_bytes if slot_bytes is None else slot_bytes,

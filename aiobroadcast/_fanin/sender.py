@@ -121,6 +121,8 @@ class SenderBase(Generic[T_contra]):
         state = "closed" if self._closed() else f"sent={self._pub.msg}"
         return f"<{self._TITLE} {self._name!r} to {self._collector.name} {state}>"
 
+    # __reduce__ and the hidden methods as CollectorBase's: one set per role base, each message
+    # naming its own role and fix.
     def __reduce__(self) -> NoReturn:
         raise BroadcastError(
             f"a {self._ROLE} cannot be pickled or sent to another process: send the collector's handle "

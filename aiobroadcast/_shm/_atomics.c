@@ -426,6 +426,7 @@ held_get_owner(HeldObject *self, void *Py_UNUSED(closure))
     return PyLong_FromUnsignedLong(self->owner);
 }
 
+/* Held's tables, laid out as Words' above: the shape CPython's type API asks of every type. */
 static PyMethodDef held_methods[] = {
     {"take", (PyCFunction)held_take, METH_O,
      "take(timeout): 1 taken, 0 not (held elsewhere, or the timeout passed), -1 taken again by its holder."},

@@ -252,6 +252,7 @@ class TcpSource:
     def describe(self) -> str:
         return f"tcp {self._handle.tcp} received={self._received}"
 
+    # describe and close as _shm.subscriber's: the close-once guard every source spells out.
     def close(self) -> None:
         if self._closed:
             return

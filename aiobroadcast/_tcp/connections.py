@@ -114,21 +114,15 @@ class Connections:
     def _configure(self, handle: Handle) -> None:
         assert handle.tcp is not None
         d = self.dealer
-        d.linger = 0
-        d.sndhwm = 0
-        d.rcvhwm = 0
-        d.maxmsgsize = wire.DEFAULT_MAX_FRAME
-        d.reconnect_ivl = 100
-        d.reconnect_ivl_max = 1000
-        d.routing_id = os.urandom(16)
-        dd = self.data
-        dd.linger = 0
-        dd.sndhwm = 0
-        dd.rcvhwm = 0
-        dd.maxmsgsize = wire.DEFAULT_MAX_FRAME
-        dd.reconnect_ivl = 100
-        dd.reconnect_ivl_max = 1000
-        dd.routing_id = d.routing_id
+        ident = os.urandom(16)
+        for sock in (d, self.data):  # the control and the data connection: the same options, one identity
+            sock.linger = 0
+            sock.sndhwm = 0
+            sock.rcvhwm = 0
+            sock.maxmsgsize = wire.DEFAULT_MAX_FRAME
+            sock.reconnect_ivl = 100
+            sock.reconnect_ivl_max = 1000
+            sock.routing_id = ident
         if not handle.insecure:
             assert handle.server_key and handle.client_public_key and handle.client_secret_key
             d.curve_serverkey = handle.server_key.encode()

@@ -46,6 +46,8 @@ class NameClaims(Protocol):
     def release(self, ident: bytes) -> None: ...
 
 
+# The events below are frozen dataclasses alike in shape (as receiving.py's): each is its own
+# type, matched by type; a common base would add nothing to match on.
 @dataclass(frozen=True, slots=True)
 class ClientInfo:
     """Who a remote reader says it is (in its HELLO)."""

@@ -24,6 +24,8 @@ SILENT_HEARTBEATS = 6
 STOP_HEARTBEATS = 12
 
 
+# One property per option: how a Protocol asks for read-only attributes (a plain annotation asks
+# for writable ones, which the frozen _WriterSpec does not have).
 class WriterOptions(Protocol):
     """The writer's options the server's settings come from (``_broadcast.writer_open._WriterSpec``)."""
 

@@ -104,6 +104,8 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
+# argparse, spelled out per command as in the other cli modules: a table or wrapper of
+# add_parser/add_argument calls would only hide argparse's own API.
 def add_options(p: argparse.ArgumentParser) -> None:
     """The options of ``bench`` (``benchmarks/side_by_side.py`` takes them too)."""
     p.add_argument(

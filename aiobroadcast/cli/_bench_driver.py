@@ -31,13 +31,13 @@ import anyio
 from ._bench_figures import (
     MODES,
     PACE_S,
-    STEP_TIMEOUT_S,
     collect,
     expected,
     figures,
     reader_result,
     reap,
     server_cpu_ns,
+    wait_attached,
 )
 from ._common import EXIT_FAILED, EXIT_OK, error
 
@@ -90,6 +90,39 @@ def default_loop() -> str:
 
 #: The ``loop`` of a driver that uses the blocking API: no event loop at all.
 BLOCKING = "blocking"
+
+
+def add_cell_args(p: argparse.ArgumentParser, peers: str) -> None:
+    """The arguments every benchmark driver takes: PEERS (readers, senders or workers), SIZE,
+    COUNT, and the ring's --capacity and --slot-bytes (defaults: see ``ring_args``)."""
+    p.add_argument(peers, type=int)
+    p.add_argument("size", type=int)
+    p.add_argument("count", type=int)
+    p.add_argument("--capacity", type=int)
+    p.add_argument("--slot-bytes", type=int)
+
+
+def peer_parser(module: str, doc: str | None, peers: str) -> argparse.ArgumentParser:
+    """The parser of a many-process driver (``_bench_call``, ``_bench_gather``): prog
+    ``python -m MODULE``, the first line of ``doc`` as description, the cell's arguments
+    (``add_cell_args``) and --loop."""
+    p = argparse.ArgumentParser(prog=f"python -m {module}", description=(doc or "").split("\n")[0])
+    add_cell_args(p, peers)
+    p.add_argument("--loop", choices=("uvloop", "asyncio", "trio"), default=default_loop())
+    return p
+
+
+def ring_args(args: argparse.Namespace, default: tuple[int, int]) -> tuple[int, int]:
+    """``(capacity, slot_bytes)``: --capacity and --slot-bytes where given, else ``default``'s."""
+    return args.capacity or default[0], args.slot_bytes or default[1]
+
+
+def report(out: dict[str, Any], problems: list[str]) -> int:
+    """Print the cell's figures as one JSON line (with ``FAILED`` naming the problems); the exit code."""
+    if problems:
+        out["FAILED"] = "; ".join(problems)
+    print(json.dumps(out), flush=True)
+    return EXIT_FAILED if problems else EXIT_OK
 
 
 def _run_loop(loop: str, func: Any, *args: Any) -> Any:
@@ -333,14 +366,7 @@ class _Readers:
             )
             for r in range(readers)
         ]
-        for p in self.procs:
-            p.start()
-        deadline = time.monotonic() + STEP_TIMEOUT_S
-        while not all(e.is_set() for e in readies):
-            if time.monotonic() > deadline or any(p.exitcode is not None for p in self.procs):
-                self.join()
-                raise RuntimeError("reader processes did not attach")
-            time.sleep(0.005)  # before the run: blocking the writer's event loop costs nothing
+        wait_attached(self.procs, readies, "reader")
 
     def collect(self) -> list[dict[str, Any]]:
         return collect(self.results_q, self.procs)
@@ -361,11 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m aiobroadcast.cli._bench_driver", description=(__doc__ or "").split("\n")[0]
     )
     p.add_argument("mode", choices=MODES)
-    p.add_argument("readers", type=int)
-    p.add_argument("size", type=int)
-    p.add_argument("count", type=int)
-    p.add_argument("--capacity", type=int)
-    p.add_argument("--slot-bytes", type=int)
+    add_cell_args(p, "readers")
     p.add_argument("--transport", choices=("shm", "tcp"), default="shm")
     p.add_argument("--insecure", action="store_true", help="over TCP: authenticated (GMAC, HMAC-SHA256), not encrypted")
     p.add_argument("--loop", choices=("uvloop", "asyncio", "trio"), default=default_loop())
@@ -382,9 +404,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--batch must be at least 1, and more than 1 only in mode tput")
     if args.blocking:
         args.loop = BLOCKING
-    capacity, slot_bytes = ring_for(args.size)
-    capacity = args.capacity or capacity
-    slot_bytes = args.slot_bytes or slot_bytes
+    capacity, slot_bytes = ring_args(args, ring_for(args.size))
     idle_s = float(os.environ.get("IDLE_S", "5"))
     out: dict[str, Any] = {
         "system": "aiobroadcast",

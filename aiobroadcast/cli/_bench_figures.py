@@ -130,6 +130,19 @@ def collect(q: Any, procs: list[Any]) -> list[dict[str, Any]]:
     return results
 
 
+def wait_attached(procs: list[Any], readies: list[Any], what: str) -> None:
+    """Start ``procs`` and wait until each has set its event in ``readies``; if one exits first or
+    STEP_TIMEOUT_S passes, reap them all and raise ``RuntimeError`` naming ``what``."""
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + STEP_TIMEOUT_S
+    while not all(e.is_set() for e in readies):
+        if time.monotonic() > deadline or any(p.exitcode is not None for p in procs):
+            reap(procs)
+            raise RuntimeError(f"{what} processes did not attach")
+        time.sleep(0.005)  # before the run: blocking the event loop costs nothing
+
+
 def reap(procs: list[Any]) -> None:
     """Join the reader processes; kill the ones that do not end within 10 s."""
     for p in procs:

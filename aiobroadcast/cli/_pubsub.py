@@ -47,6 +47,8 @@ from ._reach import known_gone, may_still_start
 
 
 # --- publish ------------------------------------------------------------------------------------
+# argparse, spelled out per command as in the other cli modules: a table or wrapper of
+# add_parser/add_argument calls would only hide argparse's own API.
 def register(sub: Any) -> None:
     _register_publish(sub)
     _register_subscribe(sub)

@@ -12,6 +12,8 @@ from ._common import EXIT_FAILED, HelpFormatter, error, fail, run_async, stop_on
 from ._pubsub import _remove_if_ours
 
 
+# argparse, spelled out per command as in the other cli modules: a table or wrapper of
+# add_parser/add_argument calls would only hide argparse's own API.
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "relay",

@@ -41,6 +41,8 @@ from .._tcp.report import read_report, report_path
 from ._common import EXIT_FAILED, EXIT_OK, HelpFormatter, fail, load_handle, run_sync
 
 
+# argparse, spelled out per command as in the other cli modules: a table or wrapper of
+# add_parser/add_argument calls would only hide argparse's own API.
 def register(sub: Any) -> None:
     p = sub.add_parser(
         "stats",

@@ -3,16 +3,14 @@ factories (``aiobroadcast.blocking`` documents them and re-exports them)."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from time import monotonic
 from types import TracebackType
-from typing import Any, Generic, Self, TypeVar, Unpack, final, overload
+from typing import Any, Self, TypeVar, Unpack, final, overload
 
 from pydantic import BaseModel
 
@@ -26,8 +24,9 @@ from .._base.steps import Steps, drive_blocking, run_blocking
 from .._shm.owned import Owned as _Owned
 from .._shm.owned import left_before as _left
 from .channel import WriterChannel
-from .reader import Sleeper, Source, poll_and_limit, poll_budget, sleep_blocking, wait_steps
+from .reader import ReaderBase, Sleeper, Source, poll_and_limit, poll_budget, sleep_blocking, wait_steps
 from .reader_open import ReaderOptions, _ReaderSpec, _shm_source, source_steps
+from .writer import WriterBase
 from .writer_open import WriterOptions, _WriterSpec, channel_steps
 
 __all__ = ["BlockingReader", "BlockingWriter", "open_reader", "open_writer"]
@@ -47,7 +46,7 @@ def _deadline(timeout: float | None) -> float | None:
 
 
 class _Closable(ABC):
-    """``with`` closes; an object dropped unclosed warns (``ResourceWarning``), as the async roles."""
+    """``with`` closes (an object dropped unclosed warns: ``WriterBase``, ``ReaderBase``)."""
 
     _closed = True
 
@@ -62,34 +61,24 @@ class _Closable(ABC):
     ) -> None:
         self.close()
 
-    def __del__(self) -> None:
-        if not self._closed:
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
-
 
 # --- the writer --------------------------------------------------------------------------------
 @final
 @_fork.role("writer")
-class BlockingWriter(_Closable, Generic[T_contra]):
+class BlockingWriter(WriterBase[T_contra], _Closable):
     """The sending end of a channel, for code without an event loop. Built by
     ``aiobroadcast.blocking.open_writer``; has no ``get``. Thread-safe (see the module)."""
 
+    _ROLE = "BlockingWriter"
+    _TITLE = "aiobroadcast.blocking.BlockingWriter"
+
     def __init__(self, token: object, channel: WriterChannel) -> None:
-        if token is not _private:
-            raise TypeError("BlockingWriter cannot be built directly; use aiobroadcast.blocking.open_writer()")
-        self._w = channel
-        #: What a put does (``channel.publishing``), bound once: the put path reads it directly.
-        self._publishing = channel.publishing
+        super().__init__(token, _private, channel)
         self._lock = _Owned()
         # close() holds this while it releases the ring; statistics() holds it to read the ring.
         self._close_lock = threading.Lock()
         self._closing = False
         self._closed = False
-
-    @property
-    def handle(self) -> Handle:
-        """What a reader needs to attach (``open_reader``, blocking or async)."""
-        return self._w.handle
 
     def put_nowait(self, obj: T_contra) -> None:
         """Publish ``obj`` now, or raise ``WouldBlock`` if a live reader would be overrun or
@@ -135,13 +124,13 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         ``put`` waits for."""
         with self._close_lock:
             self._check_open()
-            return self._w.serving.statistics(self._lock.waiting)
+            return self._ch.serving.statistics(self._lock.waiting)
 
     def read_channel(self, read: Callable[[WriterChannel], V]) -> V | None:
         """As ``Writer.read_channel``, under the lock ``close()`` holds while it releases the
         ring (as ``statistics`` reads it): a close from another thread waits."""
         with self._close_lock:
-            return None if self._closing else read(self._w)
+            return None if self._closing else read(self._ch)
 
     def wait_readers(
         self, count: int | None = None, *, names: Iterable[str] | None = None, timeout: float | None = None
@@ -153,9 +142,9 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         def attached() -> tuple[ReaderInfo, ...]:
             with self._close_lock:
                 self._check_open()
-                return self._w.serving.attached()
+                return self._ch.serving.attached()
 
-        return run_blocking(self._w.serving.wait_readers_steps(attached, count, names, timeout), _sleep)
+        return run_blocking(self._ch.serving.wait_readers_steps(attached, count, names, timeout), _sleep)
 
     def close(self) -> None:
         """Close the channel: readers receive what was published, then ``EndOfStream``."""
@@ -165,7 +154,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             if self._closed:
                 return
             self._closing = True
-            w = self._w
+            w = self._ch
             w.pub.outbox.wake(w.inbox.path)  # a put waiting for room looks up and sees _closing
             try:
                 self._lock.acquire(None)
@@ -174,12 +163,10 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             finally:
                 self._lock.release()
 
-    def __repr__(self) -> str:
-        h = self._w.handle
-        state = "closed" if self._closed else f"sent={self._w.pub.msg}"
-        return f"<aiobroadcast.blocking.BlockingWriter {h.name} {h.policy} {state}>"
-
     # --- internals ---------------------------------------------------------------------------
+    def _ended(self) -> bool:
+        return self._closed  # set once close() is over (the ring's own flag is set as it begins)
+
     def _check_open(self) -> None:
         if self._closing:
             raise ClosedResourceError("this writer is closed")
@@ -212,23 +199,23 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         with self._close_lock:
             if self._closing:
                 return WaitTimeout(f"{what}: the timeout passed while another thread held this writer, closing it")
-            return self._w.serving.busy_timeout(what)
+            return self._ch.serving.busy_timeout(what)
 
     def _wait(self, steps: Steps[None], deadline: float | None, what: str, entries: int) -> None:
         """Run a put's waiting steps (``publish_steps``, ``batch_steps``) in this thread, which
         holds ``self._lock`` (this writer's threads take turns on it), counted as waiting. A
         ``WaitTimeout`` names the readers that held it (``put_timeout``), read when it is raised."""
         self._lock.count(1)
-        start = self._w.pub.head
+        start = self._ch.pub.head
         try:
             run_blocking(steps, self._sleeper(deadline))
         except WaitTimeout:
-            raise self._w.serving.put_timeout(what, entries, start) from None
+            raise self._ch.serving.put_timeout(what, entries, start) from None
         finally:
             self._lock.count(-1)
 
     def _sleeper(self, deadline: float | None) -> Callable[[float], bool]:
-        inbox = self._w.inbox
+        inbox = self._ch.inbox
 
         def sleep(limit: float) -> bool:
             left = _left(deadline)
@@ -303,34 +290,22 @@ _Source = Source
 
 @final
 @_fork.role("reader")
-class BlockingReader(_Closable, Generic[T_co]):
+class BlockingReader(ReaderBase[T_co], _Closable):
     """The receiving end of a channel, for code without an event loop. Built by
     ``aiobroadcast.blocking.open_reader``; has no ``put``. Thread-safe (see the module)."""
 
+    _ROLE = "BlockingReader"
+    _TITLE = "aiobroadcast.blocking.BlockingReader"
+
     def __init__(self, token: object, source: _Source, handle: Handle, name: str, spin_us: float | None = None) -> None:
-        if token is not _private:
-            raise TypeError("BlockingReader cannot be built directly; use aiobroadcast.blocking.open_reader()")
-        self._src = source
-        self._handle = handle
-        self._name = name
+        super().__init__(token, _private, source, handle, name)
         self._lock = _Owned()  # one taker at a time
-        self._waits = ThreadWaits(None if spin_us is None else int(spin_us * 1000))
+        self._waits: ThreadWaits = ThreadWaits(None if spin_us is None else int(spin_us * 1000))
         # One close at a time, and no wake-up of the source while it is being closed: a second
         # close (another thread's, a ``with`` around a close) waits for the first, then returns.
         self._close_lock = threading.Lock()
         self._closing = False
-        self._closed = False
-        self._refusal: str | None = None  # why a fork child may not use it
-        self._owner = os.getpid()
         _fork.track(self)
-
-    @property
-    def handle(self) -> Handle:
-        return self._handle
-
-    @property
-    def name(self) -> str:
-        return self._name
 
     def get_nowait(self) -> T_co:
         """Take the next message, or raise ``WouldBlock`` if none is ready. Raises like
@@ -364,12 +339,11 @@ class BlockingReader(_Closable, Generic[T_co]):
         return self._get(None if timeout is None else _deadline(timeout), tried=tried)  # type: ignore[no-any-return]
 
     def statistics(self) -> ReaderStatistics:
+        """A snapshot, as ``Reader.statistics()``, taken between two takes (under the takers' lock)."""
         lock = self._lock
         try:
             lock.acquire(None)
-            if self._closed:
-                raise ClosedResourceError(self._refusal or "this reader is closed")
-            return self._src.statistics(self._waits.tasks)
+            return super().statistics()
         finally:
             lock.release()
 
@@ -405,17 +379,10 @@ class BlockingReader(_Closable, Generic[T_co]):
         except EndOfStream:
             raise StopIteration from None
 
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else self._src.describe()
-        return f"<aiobroadcast.blocking.BlockingReader {self._name!r} {state}>"
-
     # --- internals ---------------------------------------------------------------------------
     def _forget_in_child(self) -> None:
-        """In a fork child: the reader is the parent's, and its source let go of its copies. A
-        bound method taken before the fork (``get = reader.get``) runs this class's code, not the
-        inherited role's (``_fork.role``): it refuses here."""
-        self._closed = self._closing = True
-        self._refusal = _fork.refusal("reader", self._owner)
+        super()._forget_in_child()
+        self._closing = True  # as close() leaves it
 
     def _get(
         self,

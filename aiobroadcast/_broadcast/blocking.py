@@ -5,18 +5,15 @@ from __future__ import annotations
 
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from time import monotonic
-from types import TracebackType
-from typing import Any, Self, TypeVar, Unpack, final, overload
+from typing import Any, TypeVar, Unpack, final, overload
 
 from pydantic import BaseModel
 
 from .._base import fork as _fork
 from .._base import tuning as _tuning
-from .._base.codec import decode_pickle_view
 from .._base.errors import ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
 from .._base.handle import Handle
 from .._base.stats import ReaderInfo, ReaderStatistics, WriterStatistics
@@ -24,8 +21,9 @@ from .._base.steps import Steps, drive_blocking, run_blocking
 from .._shm.owned import Owned as _Owned
 from .._shm.owned import left_before as _left
 from .channel import WriterChannel
+from .closable import Closable
 from .reader import ReaderBase, Sleeper, Source, poll_and_limit, poll_budget, sleep_blocking, wait_steps
-from .reader_open import ReaderOptions, _ReaderSpec, _shm_source, source_steps
+from .reader_open import ReaderOptions, _ReaderSpec, _shm_source
 from .writer import WriterBase
 from .writer_open import WriterOptions, _WriterSpec, channel_steps
 
@@ -45,27 +43,10 @@ def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else monotonic() + max(0.0, timeout)
 
 
-class _Closable(ABC):
-    """``with`` closes (an object dropped unclosed warns: ``WriterBase``, ``ReaderBase``)."""
-
-    _closed = True
-
-    @abstractmethod
-    def close(self) -> None: ...
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-
 # --- the writer --------------------------------------------------------------------------------
 @final
 @_fork.role("writer")
-class BlockingWriter(WriterBase[T_contra], _Closable):
+class BlockingWriter(WriterBase[T_contra], Closable):
     """The sending end of a channel, for code without an event loop. Built by
     ``aiobroadcast.blocking.open_writer``; has no ``get``. Thread-safe (see the module)."""
 
@@ -290,10 +271,12 @@ _Source = Source
 
 @final
 @_fork.role("reader")
-class BlockingReader(ReaderBase[T_co], _Closable):
+class BlockingReader(ReaderBase[T_co], Closable):
     """The receiving end of a channel, for code without an event loop. Built by
     ``aiobroadcast.blocking.open_reader``; has no ``put``. Thread-safe (see the module)."""
 
+    # Declared as BlockingWriter is, line for line: what the base's messages call the role, and
+    # an __init__ of the role class's own (``_fork.role`` wraps it), which passes the base its token.
     _ROLE = "BlockingReader"
     _TITLE = "aiobroadcast.blocking.BlockingReader"
 
@@ -457,11 +440,9 @@ def open_reader(
     ``spin_us`` polls in this thread. Use ``with`` (closes at the end) or call ``close()``."""
     h = Handle.parse(handle)
     spec = _ReaderSpec(schema=schema, **options)
-    decode = spec.decoder(h)
-    steps = source_steps(
-        h, spec.name, decode, spec.transport, hold=decode is decode_pickle_view, take_ahead=spec.take_ahead
+    source, reader_name = drive_blocking(
+        spec.steps(h), lambda welcome: welcome.wait_welcome_blocking(spec.connect_timeout)
     )
-    source, reader_name = drive_blocking(steps, lambda welcome: welcome.wait_welcome_blocking(spec.connect_timeout))
     return BlockingReader(_private, source, h, reader_name, spec.spin_us)
 
 

@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable, Generator
 from functools import partial
 from threading import get_ident as _get_ident
 from time import perf_counter_ns
-from types import TracebackType
 from typing import Any, ClassVar, Generic, NoReturn, Protocol, TypeVar, final
 
 import anyio
@@ -26,6 +25,7 @@ from .._base.handle import Handle
 from .._base.stats import ReaderStatistics
 from .._base.steps import Sleep, Steps, poll_steps, run, run_blocking
 from .._shm.wake import serve_event_loops, wait_readable
+from .closable import AsyncClosable
 from .wakeup import LoopWaiter
 
 T_co = TypeVar("T_co", covariant=True)
@@ -316,7 +316,7 @@ class ReaderBase(Generic[T_co]):
 
 @final
 @_fork.role("reader")
-class Reader(ReaderBase[T_co]):
+class Reader(ReaderBase[T_co], AsyncClosable):
     """The receiving end of a channel. Built by ``open_reader``; has no ``put``.
 
     Receives every message published after it attached, in order. Several tasks of one process
@@ -436,14 +436,6 @@ class Reader(ReaderBase[T_co]):
             return await self.get()
         except EndOfStream:
             raise StopAsyncIteration from None
-
-    async def __aenter__(self) -> Reader[T_co]:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
 
     def _check_thread(self) -> None:
         """``get`` and ``aclose`` wait in the event loop of the thread that opened the reader."""

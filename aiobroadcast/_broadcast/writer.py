@@ -7,7 +7,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from threading import get_ident as _get_ident
-from types import TracebackType
 from typing import ClassVar, Generic, NoReturn, TypeVar, final
 
 import anyio
@@ -20,6 +19,7 @@ from .._base.handle import Handle
 from .._base.stats import ReaderInfo, WriterStatistics
 from .._base.steps import run
 from .channel import WriterChannel
+from .closable import AsyncClosable
 
 T_contra = TypeVar("T_contra", contravariant=True)
 V = TypeVar("V")
@@ -75,7 +75,7 @@ class WriterBase(Generic[T_contra]):
 
 @final
 @_fork.role("writer")
-class Writer(WriterBase[T_contra]):
+class Writer(WriterBase[T_contra], AsyncClosable):
     """The sending end of a channel. Built by ``open_writer``; has no ``get``.
 
     Every attached reader receives every message in order. Under policy ``"block"`` (default)
@@ -228,11 +228,3 @@ class Writer(WriterBase[T_contra]):
             return
         self._publishing.check_thread()
         await self._ch.aclose()
-
-    async def __aenter__(self) -> Writer[T_contra]:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()

@@ -49,7 +49,7 @@ def _bare_blocking(handle: str, rank: int) -> float:
     cpu0: float | None = None
     with open_worker(handle, name=f"w{rank}") as worker:
         src: Any = worker._r._src
-        ch: Any = worker._s._w._w
+        ch: Any = worker._s._w._ch
         poll = select.poll()
         poll.register(src.inbox_fd, select.POLLIN)
         get, begin, end, drain = src.get_nowait, src.begin_sleep, src.end_sleep, src.drain_inbox
@@ -109,7 +109,7 @@ def _bare_caller(workers: int, size: int, count: int, capacity: int, slot_bytes:
         try:
             caller.call((now(), 0, b""), timeout=STEP_TIMEOUT_S)  # every worker attached
             c: Any = caller
-            ch, gather = c._w._w, c._c._g
+            ch, gather = c._w._ch, c._c._g
             srcs = [f.src for f in gather.feeds]
             inbox = gather.inbox
             poll = select.poll()

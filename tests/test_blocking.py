@@ -410,6 +410,26 @@ def test_roles_have_no_foreign_methods_and_cannot_be_built_directly() -> None:
         assert getattr(cls, "__final__", False) is True
 
 
+def test_no_role_of_either_front_end_can_be_pickled() -> None:
+    """A role is this process's: pickling one (to send it to another process) raises the
+    package's own error, saying what to send instead, for the blocking roles as for the async."""
+
+    async def async_roles() -> None:
+        async with ab.open_writer(capacity=4, slot_bytes=256) as writer, ab.open_reader(writer.handle) as reader:
+            for role, kind in ((writer, "Writer"), (reader, "Reader")):
+                with pytest.raises(ab.BroadcastError, match=f"a {kind} cannot be pickled.*send {kind.lower()}.handle"):
+                    pickle.dumps(role)
+
+    anyio.run(async_roles)
+    with blocking.open_writer(capacity=4, slot_bytes=256) as writer, blocking.open_reader(writer.handle) as reader:
+        for role, kind in ((writer, "Writer"), (reader, "Reader")):
+            match = f"a Blocking{kind} cannot be pickled.*send {kind.lower()}.handle"
+            with pytest.raises(ab.BroadcastError, match=match):
+                pickle.dumps(role)
+        writer.put(1)
+        assert reader.get(timeout=10) == 1  # nothing was touched
+
+
 def test_the_blocking_factories_take_the_async_ones_arguments_and_defaults() -> None:
     """``blocking.open_writer(**options)`` is ``open_writer``'s signature, defaults included."""
     pairs = ((ab.open_writer, _WriterSpec, WriterOptions), (ab.open_reader, _ReaderSpec, ReaderOptions))

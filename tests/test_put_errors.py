@@ -154,7 +154,7 @@ def test_a_holder_whose_process_died_is_said_to_be_gone() -> None:
         writer.put(1)
         os.kill(child.pid, signal.SIGKILL)
         child.proc.join(WITHIN_S)
-        ch = writer._w
+        ch = writer._ch
         (holder,) = ch.serving.holding(1)  # no put waited since: nobody dropped it yet
         assert (holder.name, holder.pid) == ("doomed", pid)
         text = ch.serving.describe_reader(holder)
@@ -309,7 +309,7 @@ def test_a_put_held_by_the_tcp_server_names_the_stopped_remote_reader_behind_it(
         far = info.holders[1]
         assert (far.pid, far.host) == (child.pid, socket.gethostname())
         server = info.holders[0]
-        assert server.pid in writer._w.serving.server.pids  # type: ignore[union-attr]
+        assert server.pid in writer._ch.serving.server.pids  # type: ignore[union-attr]
         assert f"reader 'tcp-server' (pid {server.pid} on {HERE}), " in text
         assert "the TCP server, held by a slow remote reader" in text
         assert f"remote reader far (remote pid {child.pid} on {socket.gethostname()}, {far.lag} messages " in text

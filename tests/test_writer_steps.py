@@ -25,7 +25,7 @@ def test_a_blocking_stream_cut_short_by_its_timeout_is_dropped_whole() -> None:
     with blocking.open_writer(capacity=2, slot_bytes=256) as writer, blocking.open_reader(writer.handle) as reader:
         with pytest.raises(ab.WaitTimeout):
             writer.put(BIG, timeout=0.2)  # the first slots go out, then no room: the time is up
-        ch = writer._w
+        ch = writer._ch
         assert ch.pub.aborted == 1
         assert ch.seg.words[W_WAIT_TARGET] == 0
         got: list[object] = []
@@ -57,7 +57,7 @@ def test_publish_steps_closed_while_waiting_publish_nothing_and_clear_the_wait()
     with blocking.open_writer(capacity=2, slot_bytes=256) as writer, blocking.open_reader(writer.handle):
         writer.put(0)
         writer.put(1)  # full: the next put waits
-        ch = writer._w
+        ch = writer._ch
         announced: list[int] = []
 
         def sleep(limit_s: float) -> bool:

@@ -3,22 +3,17 @@ factories (``aiobroadcast.blocking`` documents them and re-exports them)."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
-import warnings
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from time import monotonic
-from types import TracebackType
-from typing import Any, Generic, Self, TypeVar, Unpack, final, overload
+from typing import Any, TypeVar, Unpack, final, overload
 
 from pydantic import BaseModel
 
 from .._base import fork as _fork
 from .._base import tuning as _tuning
-from .._base.codec import decode_pickle_view
 from .._base.errors import ClosedResourceError, EndOfStream, WaitTimeout, WouldBlock
 from .._base.handle import Handle
 from .._base.stats import ReaderInfo, ReaderStatistics, WriterStatistics
@@ -26,8 +21,10 @@ from .._base.steps import Steps, drive_blocking, run_blocking
 from .._shm.owned import Owned as _Owned
 from .._shm.owned import left_before as _left
 from .channel import WriterChannel
-from .reader import Sleeper, Source, poll_and_limit, poll_budget, sleep_blocking, wait_steps
-from .reader_open import ReaderOptions, _ReaderSpec, _shm_source, source_steps
+from .closable import Closable
+from .reader import ReaderBase, Sleeper, Source, poll_and_limit, poll_budget, sleep_blocking, wait_steps
+from .reader_open import ReaderOptions, _ReaderSpec, _shm_source
+from .writer import WriterBase
 from .writer_open import WriterOptions, _WriterSpec, channel_steps
 
 __all__ = ["BlockingReader", "BlockingWriter", "open_reader", "open_writer"]
@@ -46,50 +43,23 @@ def _deadline(timeout: float | None) -> float | None:
     return None if timeout is None else monotonic() + max(0.0, timeout)
 
 
-class _Closable(ABC):
-    """``with`` closes; an object dropped unclosed warns (``ResourceWarning``), as the async roles."""
-
-    _closed = True
-
-    @abstractmethod
-    def close(self) -> None: ...
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        if not self._closed:
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
-
-
 # --- the writer --------------------------------------------------------------------------------
 @final
 @_fork.role("writer")
-class BlockingWriter(_Closable, Generic[T_contra]):
+class BlockingWriter(WriterBase[T_contra], Closable):
     """The sending end of a channel, for code without an event loop. Built by
     ``aiobroadcast.blocking.open_writer``; has no ``get``. Thread-safe (see the module)."""
 
+    _ROLE = "BlockingWriter"
+    _TITLE = "aiobroadcast.blocking.BlockingWriter"
+
     def __init__(self, token: object, channel: WriterChannel) -> None:
-        if token is not _private:
-            raise TypeError("BlockingWriter cannot be built directly; use aiobroadcast.blocking.open_writer()")
-        self._w = channel
-        #: What a put does (``channel.publishing``), bound once: the put path reads it directly.
-        self._publishing = channel.publishing
+        super().__init__(token, _private, channel)
         self._lock = _Owned()
         # close() holds this while it releases the ring; statistics() holds it to read the ring.
         self._close_lock = threading.Lock()
         self._closing = False
         self._closed = False
-
-    @property
-    def handle(self) -> Handle:
-        """What a reader needs to attach (``open_reader``, blocking or async)."""
-        return self._w.handle
 
     def put_nowait(self, obj: T_contra) -> None:
         """Publish ``obj`` now, or raise ``WouldBlock`` if a live reader would be overrun or
@@ -135,13 +105,13 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         ``put`` waits for."""
         with self._close_lock:
             self._check_open()
-            return self._w.serving.statistics(self._lock.waiting)
+            return self._ch.serving.statistics(self._lock.waiting)
 
     def read_channel(self, read: Callable[[WriterChannel], V]) -> V | None:
         """As ``Writer.read_channel``, under the lock ``close()`` holds while it releases the
         ring (as ``statistics`` reads it): a close from another thread waits."""
         with self._close_lock:
-            return None if self._closing else read(self._w)
+            return None if self._closing else read(self._ch)
 
     def wait_readers(
         self, count: int | None = None, *, names: Iterable[str] | None = None, timeout: float | None = None
@@ -153,9 +123,9 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         def attached() -> tuple[ReaderInfo, ...]:
             with self._close_lock:
                 self._check_open()
-                return self._w.serving.attached()
+                return self._ch.serving.attached()
 
-        return run_blocking(self._w.serving.wait_readers_steps(attached, count, names, timeout), _sleep)
+        return run_blocking(self._ch.serving.wait_readers_steps(attached, count, names, timeout), _sleep)
 
     def close(self) -> None:
         """Close the channel: readers receive what was published, then ``EndOfStream``."""
@@ -165,7 +135,7 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             if self._closed:
                 return
             self._closing = True
-            w = self._w
+            w = self._ch
             w.pub.outbox.wake(w.inbox.path)  # a put waiting for room looks up and sees _closing
             try:
                 self._lock.acquire(None)
@@ -174,12 +144,10 @@ class BlockingWriter(_Closable, Generic[T_contra]):
             finally:
                 self._lock.release()
 
-    def __repr__(self) -> str:
-        h = self._w.handle
-        state = "closed" if self._closed else f"sent={self._w.pub.msg}"
-        return f"<aiobroadcast.blocking.BlockingWriter {h.name} {h.policy} {state}>"
-
     # --- internals ---------------------------------------------------------------------------
+    def _ended(self) -> bool:
+        return self._closed  # set once close() is over (the ring's own flag is set as it begins)
+
     def _check_open(self) -> None:
         if self._closing:
             raise ClosedResourceError("this writer is closed")
@@ -212,23 +180,23 @@ class BlockingWriter(_Closable, Generic[T_contra]):
         with self._close_lock:
             if self._closing:
                 return WaitTimeout(f"{what}: the timeout passed while another thread held this writer, closing it")
-            return self._w.serving.busy_timeout(what)
+            return self._ch.serving.busy_timeout(what)
 
     def _wait(self, steps: Steps[None], deadline: float | None, what: str, entries: int) -> None:
         """Run a put's waiting steps (``publish_steps``, ``batch_steps``) in this thread, which
         holds ``self._lock`` (this writer's threads take turns on it), counted as waiting. A
         ``WaitTimeout`` names the readers that held it (``put_timeout``), read when it is raised."""
         self._lock.count(1)
-        start = self._w.pub.head
+        start = self._ch.pub.head
         try:
             run_blocking(steps, self._sleeper(deadline))
         except WaitTimeout:
-            raise self._w.serving.put_timeout(what, entries, start) from None
+            raise self._ch.serving.put_timeout(what, entries, start) from None
         finally:
             self._lock.count(-1)
 
     def _sleeper(self, deadline: float | None) -> Callable[[float], bool]:
-        inbox = self._w.inbox
+        inbox = self._ch.inbox
 
         def sleep(limit: float) -> bool:
             left = _left(deadline)
@@ -303,34 +271,24 @@ _Source = Source
 
 @final
 @_fork.role("reader")
-class BlockingReader(_Closable, Generic[T_co]):
+class BlockingReader(ReaderBase[T_co], Closable):
     """The receiving end of a channel, for code without an event loop. Built by
     ``aiobroadcast.blocking.open_reader``; has no ``put``. Thread-safe (see the module)."""
 
+    # Declared as BlockingWriter is, line for line: what the base's messages call the role, and
+    # an __init__ of the role class's own (``_fork.role`` wraps it), which passes the base its token.
+    _ROLE = "BlockingReader"
+    _TITLE = "aiobroadcast.blocking.BlockingReader"
+
     def __init__(self, token: object, source: _Source, handle: Handle, name: str, spin_us: float | None = None) -> None:
-        if token is not _private:
-            raise TypeError("BlockingReader cannot be built directly; use aiobroadcast.blocking.open_reader()")
-        self._src = source
-        self._handle = handle
-        self._name = name
+        super().__init__(token, _private, source, handle, name)
         self._lock = _Owned()  # one taker at a time
-        self._waits = ThreadWaits(None if spin_us is None else int(spin_us * 1000))
+        self._waits: ThreadWaits = ThreadWaits(None if spin_us is None else int(spin_us * 1000))
         # One close at a time, and no wake-up of the source while it is being closed: a second
         # close (another thread's, a ``with`` around a close) waits for the first, then returns.
         self._close_lock = threading.Lock()
         self._closing = False
-        self._closed = False
-        self._refusal: str | None = None  # why a fork child may not use it
-        self._owner = os.getpid()
         _fork.track(self)
-
-    @property
-    def handle(self) -> Handle:
-        return self._handle
-
-    @property
-    def name(self) -> str:
-        return self._name
 
     def get_nowait(self) -> T_co:
         """Take the next message, or raise ``WouldBlock`` if none is ready. Raises like
@@ -364,12 +322,11 @@ class BlockingReader(_Closable, Generic[T_co]):
         return self._get(None if timeout is None else _deadline(timeout), tried=tried)  # type: ignore[no-any-return]
 
     def statistics(self) -> ReaderStatistics:
+        """A snapshot, as ``Reader.statistics()``, taken between two takes (under the takers' lock)."""
         lock = self._lock
         try:
             lock.acquire(None)
-            if self._closed:
-                raise ClosedResourceError(self._refusal or "this reader is closed")
-            return self._src.statistics(self._waits.tasks)
+            return super().statistics()
         finally:
             lock.release()
 
@@ -405,17 +362,10 @@ class BlockingReader(_Closable, Generic[T_co]):
         except EndOfStream:
             raise StopIteration from None
 
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else self._src.describe()
-        return f"<aiobroadcast.blocking.BlockingReader {self._name!r} {state}>"
-
     # --- internals ---------------------------------------------------------------------------
     def _forget_in_child(self) -> None:
-        """In a fork child: the reader is the parent's, and its source let go of its copies. A
-        bound method taken before the fork (``get = reader.get``) runs this class's code, not the
-        inherited role's (``_fork.role``): it refuses here."""
-        self._closed = self._closing = True
-        self._refusal = _fork.refusal("reader", self._owner)
+        super()._forget_in_child()
+        self._closing = True  # as close() leaves it
 
     def _get(
         self,
@@ -490,11 +440,9 @@ def open_reader(
     ``spin_us`` polls in this thread. Use ``with`` (closes at the end) or call ``close()``."""
     h = Handle.parse(handle)
     spec = _ReaderSpec(schema=schema, **options)
-    decode = spec.decoder(h)
-    steps = source_steps(
-        h, spec.name, decode, spec.transport, hold=decode is decode_pickle_view, take_ahead=spec.take_ahead
+    source, reader_name = drive_blocking(
+        spec.steps(h), lambda welcome: welcome.wait_welcome_blocking(spec.connect_timeout)
     )
-    source, reader_name = drive_blocking(steps, lambda welcome: welcome.wait_welcome_blocking(spec.connect_timeout))
     return BlockingReader(_private, source, h, reader_name, spec.spin_us)
 
 

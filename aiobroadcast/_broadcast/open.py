@@ -5,18 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Generator
 from types import TracebackType
-from typing import Any, Generic, Literal, Protocol, TypeVar, overload
+from typing import Any, Generic, Literal, Protocol, TypeVar, Unpack, overload
 
 from pydantic import BaseModel
 
-from .._base.codec import decode_pickle_view
 from .._base.handle import CurveKeys, Handle, Policy
 from .reader import Reader
 from .reader import _private as _reader_token
-from .reader_open import Transport, _open_source, _ReaderSpec
+from .reader_open import ReaderOptions, Transport, _open_source, _ReaderSpec, source_steps
 from .writer import Writer
 from .writer import _private as _writer_token
-from .writer_open import DEFAULT_DIRECTORY, _open_channel, _WriterSpec
+from .writer_open import DEFAULT_DIRECTORY, WriterOptions, _open_channel, _WriterSpec
 
 __all__ = ["DEFAULT_DIRECTORY", "Transport", "open_reader", "open_writer"]
 
@@ -52,54 +51,13 @@ class _Opening(Generic[R]):
         await self._obj.aclose()
 
 
+# The overloads take the options as one typed set (``WriterOptions``, as the blocking factory
+# does); the implementation writes them out, so that its signature (``help``, ``inspect``) shows
+# each one with its default.
 @overload
-def open_writer(
-    *,
-    capacity: int = ...,
-    slot_bytes: int = ...,
-    max_readers: int = ...,
-    policy: Policy = ...,
-    schema: None = ...,
-    codec: Literal["pickle", "json"] = ...,
-    max_message_bytes: int | None = ...,
-    directory: str = ...,
-    tcp: str | None = ...,
-    insecure: bool = ...,
-    advertise: str | None = ...,
-    keys: CurveKeys | None = ...,
-    heartbeat_s: float = ...,
-    tcp_window: int = ...,
-    rekey_messages: int = ...,
-    rekey_bytes: int = ...,
-    data_port: int = ...,
-    allow_list: str | None = ...,
-    arena_bytes: int = ...,
-    channel: str | None = ...,
-) -> _Opening[Writer[Any]]: ...
+def open_writer(*, schema: None = ..., **options: Unpack[WriterOptions]) -> _Opening[Writer[Any]]: ...
 @overload
-def open_writer(
-    *,
-    capacity: int = ...,
-    slot_bytes: int = ...,
-    max_readers: int = ...,
-    policy: Policy = ...,
-    schema: type[M],
-    codec: Literal["pickle", "json"] = ...,
-    max_message_bytes: int | None = ...,
-    directory: str = ...,
-    tcp: str | None = ...,
-    insecure: bool = ...,
-    advertise: str | None = ...,
-    keys: CurveKeys | None = ...,
-    heartbeat_s: float = ...,
-    tcp_window: int = ...,
-    rekey_messages: int = ...,
-    rekey_bytes: int = ...,
-    data_port: int = ...,
-    allow_list: str | None = ...,
-    arena_bytes: int = ...,
-    channel: str | None = ...,
-) -> _Opening[Writer[M]]: ...
+def open_writer(*, schema: type[M], **options: Unpack[WriterOptions]) -> _Opening[Writer[M]]: ...
 def open_writer(
     *,
     capacity: int = _WriterSpec.capacity,
@@ -180,28 +138,9 @@ def open_writer(
     Raises ``InvalidArgument`` (a ``ValueError``) for bad arguments, ``InsufficientSharedMemory`` when the ring does not
     fit, ``BroadcastError`` when the endpoint cannot be bound or the platform is not supported.
     """
-    spec = _WriterSpec(
-        capacity=capacity,
-        slot_bytes=slot_bytes,
-        max_readers=max_readers,
-        policy=policy,
-        schema=schema,
-        codec=codec,
-        max_message_bytes=max_message_bytes,
-        directory=directory,
-        tcp=tcp,
-        insecure=insecure,
-        advertise=advertise,
-        keys=keys,
-        heartbeat_s=heartbeat_s,
-        tcp_window=tcp_window,
-        rekey_messages=rekey_messages,
-        rekey_bytes=rekey_bytes,
-        data_port=data_port,
-        allow_list=allow_list,
-        arena_bytes=arena_bytes,
-        channel=channel,
-    )
+    # Every keyword is a field of _WriterSpec, named alike (tests/test_blocking.py holds them to
+    # one set, defaults included): passed on as they came, before any other name is bound here.
+    spec = _WriterSpec(**locals())
 
     async def make() -> Writer[Any]:
         return Writer(_writer_token, await _open_channel(spec))
@@ -211,30 +150,10 @@ def open_writer(
 
 @overload
 def open_reader(
-    handle: Handle | str,
-    *,
-    name: str | None = ...,
-    schema: None = ...,
-    transport: Transport = ...,
-    trust_pickle: bool = ...,
-    connect_timeout: float = ...,
-    spin_us: float | None = ...,
-    zero_copy: bool = ...,
-    take_ahead: int | None = ...,
+    handle: Handle | str, *, schema: None = ..., **options: Unpack[ReaderOptions]
 ) -> _Opening[Reader[Any]]: ...
 @overload
-def open_reader(
-    handle: Handle | str,
-    *,
-    name: str | None = ...,
-    schema: type[M],
-    transport: Transport = ...,
-    trust_pickle: bool = ...,
-    connect_timeout: float = ...,
-    spin_us: float | None = ...,
-    zero_copy: bool = ...,
-    take_ahead: int | None = ...,
-) -> _Opening[Reader[M]]: ...
+def open_reader(handle: Handle | str, *, schema: type[M], **options: Unpack[ReaderOptions]) -> _Opening[Reader[M]]: ...
 def open_reader(
     handle: Handle | str,
     *,
@@ -291,30 +210,12 @@ def open_reader(
     (remote writer unreachable or silent for ``connect_timeout`` seconds; a handshake refused for
     wrong keys fails at once instead).
     """
-    h = Handle.parse(handle)
-
-    spec = _ReaderSpec(
-        name=name,
-        schema=schema,
-        transport=transport,
-        trust_pickle=trust_pickle,
-        connect_timeout=connect_timeout,
-        spin_us=spin_us,
-        zero_copy=zero_copy,
-        take_ahead=take_ahead,
-    )
+    options = dict(locals())  # as in open_writer: every keyword is a field of _ReaderSpec, named alike
+    h = Handle.parse(options.pop("handle"))
+    spec = _ReaderSpec(**options)
 
     async def make() -> Reader[Any]:
-        decode = spec.decoder(h)
-        source, reader_name = await _open_source(
-            h,
-            name,
-            decode,
-            transport,
-            connect_timeout,
-            hold=decode is decode_pickle_view,
-            take_ahead=take_ahead,
-        )
+        source, reader_name = await _open_source(spec.steps(h), connect_timeout)
         return Reader(_reader_token, source, h, reader_name, spin_us)
 
     return _Opening(make)
@@ -329,7 +230,7 @@ def _open_raw_reader(h: Handle, *, name: str | None, transport: Transport) -> _O
     republish them without ever unpickling."""
 
     async def make() -> Reader[tuple[bytes, bool]]:
-        source, reader_name = await _open_source(h, name, _raw, transport, 10.0)
+        source, reader_name = await _open_source(source_steps(h, name, _raw, transport), 10.0)
         return Reader(_reader_token, source, h, reader_name)
 
     return _Opening(make)

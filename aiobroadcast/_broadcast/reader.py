@@ -1,4 +1,7 @@
-"""The reader role: one public class over a transport-specific source."""
+"""The reader role: one public class over a transport-specific source, and how its tasks wait
+(``TaskWaits``, ``sleep_steps``). What both front ends share (``ReaderBase``: every method that
+does not wait), and the role of an event loop (``Reader``); ``BlockingReader`` (``blocking``) is
+the other front end over the same base."""
 
 from __future__ import annotations
 
@@ -10,8 +13,7 @@ from collections.abc import Awaitable, Callable, Generator
 from functools import partial
 from threading import get_ident as _get_ident
 from time import perf_counter_ns
-from types import TracebackType
-from typing import Any, Generic, NoReturn, Protocol, TypeVar, final
+from typing import Any, ClassVar, Generic, NoReturn, Protocol, TypeVar, final
 
 import anyio
 import anyio.lowlevel
@@ -23,6 +25,7 @@ from .._base.handle import Handle
 from .._base.stats import ReaderStatistics
 from .._base.steps import Sleep, Steps, poll_steps, run, run_blocking
 from .._shm.wake import serve_event_loops, wait_readable
+from .closable import AsyncClosable
 from .wakeup import LoopWaiter
 
 T_co = TypeVar("T_co", covariant=True)
@@ -242,9 +245,78 @@ def poll_and_limit(
     return spin_ns, woke, limit_s
 
 
+class _Waits(Protocol):
+    """How a reader's takers wait (``TaskWaits``, ``ThreadWaits``), as ``statistics`` reads it."""
+
+    @property
+    def tasks(self) -> int: ...
+
+
+class ReaderBase(Generic[T_co]):
+    """What ``Reader`` and ``BlockingReader`` share: their source (``_src``), handle and name,
+    whether they are closed (``_closed``, and ``_refusal``: why a fork child may not use it),
+    ``statistics``, and what they answer (``repr``, the refusal to be pickled, the warning of one
+    dropped unclosed). Only the waiting differs: a front end's ``get_nowait`` (under the lock its
+    ``get`` takes turns on), ``get``, iteration and close. ``_ROLE``/``_TITLE``: the role's name
+    and how ``repr`` names it."""
+
+    _ROLE: ClassVar[str]
+    _TITLE: ClassVar[str]
+    _waits: _Waits
+
+    def __init__(self, token: object, mine: object, source: Source, handle: Handle, name: str) -> None:
+        """``token`` is the factories' (``mine``, the module's): nothing else builds a role."""
+        if token is not mine:
+            raise TypeError(
+                f"{self._ROLE} cannot be built directly; use {self._TITLE.rpartition('.')[0]}.open_reader()"
+            )
+        self._src = source
+        self._handle = handle
+        self._name = name
+        self._closed = False
+        self._refusal: str | None = None  # why a fork child may not use it
+        self._owner = os.getpid()
+
+    @property
+    def handle(self) -> Handle:
+        """The handle this reader attached with."""
+        return self._handle
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def statistics(self) -> ReaderStatistics:
+        if self._closed:
+            raise ClosedResourceError(self._refusal or "this reader is closed")
+        return self._src.statistics(self._waits.tasks)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else self._src.describe()
+        return f"<{self._TITLE} {self._name!r} {state}>"
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
+
+    def __reduce__(self) -> NoReturn:
+        raise BroadcastError(
+            f"a {self._ROLE} cannot be pickled or sent to another process: send reader.handle (or its JSON) "
+            "and open_reader there"
+        )
+
+    def _forget_in_child(self) -> None:
+        """In a fork child: this reader is the parent's; refuse every use from now on. Its
+        source lets go of its own descriptors (docs/design.md, "Fork"). A bound method taken
+        before the fork (``get = reader.get``) runs the role class's code, not the inherited
+        role's (``_fork.role``): it refuses here."""
+        self._closed = True
+        self._refusal = _fork.refusal("reader", self._owner)
+
+
 @final
 @_fork.role("reader")
-class Reader(Generic[T_co]):
+class Reader(ReaderBase[T_co], AsyncClosable):
     """The receiving end of a channel. Built by ``open_reader``; has no ``put``.
 
     Receives every message published after it attached, in order. Several tasks of one process
@@ -254,15 +326,13 @@ class Reader(Generic[T_co]):
     "Taking ahead").
     """
 
+    _ROLE = "Reader"
+    _TITLE = "aiobroadcast.Reader"
+
     def __init__(self, token: object, source: Source, handle: Handle, name: str, spin_us: float | None = None) -> None:
-        if token is not _private:
-            raise TypeError("Reader cannot be built directly; use aiobroadcast.open_reader()")
-        self._src = source
-        self._waits = TaskWaits(None if spin_us is None else int(spin_us * 1000))
-        self._handle = handle
-        self._name = name
+        super().__init__(token, _private, source, handle, name)
+        self._waits: TaskWaits = TaskWaits(None if spin_us is None else int(spin_us * 1000))
         self._since_yield = 0
-        self._closed = False
         # Held while a message is being taken and decoded, by whichever thread: a get_nowait that
         # finds it held (another thread, or a __setstate__ of the message being decoded that
         # reads from this reader) raises WouldBlock instead of taking a message twice.
@@ -273,18 +343,7 @@ class Reader(Generic[T_co]):
         self._src_get = source.get_nowait
         self._ahead = source.ahead
         self._thread = threading.get_ident()
-        self._refusal: str | None = None  # why a fork child may not use it
-        self._owner = os.getpid()
         _fork.track(self)
-
-    @property
-    def handle(self) -> Handle:
-        """The handle this reader attached with."""
-        return self._handle
-
-    @property
-    def name(self) -> str:
-        return self._name
 
     def get_nowait(self) -> T_co:
         """Take the next message, or raise ``WouldBlock`` if none is ready.
@@ -350,11 +409,6 @@ class Reader(Generic[T_co]):
             if self._closed:
                 raise ClosedResourceError(self._refusal or "this reader was closed while waiting")
 
-    def statistics(self) -> ReaderStatistics:
-        if self._closed:
-            raise ClosedResourceError(self._refusal or "this reader is closed")
-        return self._src.statistics(self._waits.tasks)
-
     async def aclose(self) -> None:
         """Detach. The writer stops waiting for this reader at once; parked ``get`` calls
         raise ``ClosedResourceError``. In a fork child of the reader's process it does nothing:
@@ -383,22 +437,6 @@ class Reader(Generic[T_co]):
         except EndOfStream:
             raise StopAsyncIteration from None
 
-    async def __aenter__(self) -> Reader[T_co]:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-    def __repr__(self) -> str:
-        state = "closed" if self._closed else self._src.describe()
-        return f"<aiobroadcast.Reader {self._name!r} {state}>"
-
-    def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
-
     def _check_thread(self) -> None:
         """``get`` and ``aclose`` wait in the event loop of the thread that opened the reader."""
         if threading.get_ident() != self._thread:
@@ -406,18 +444,6 @@ class Reader(Generic[T_co]):
                 "this reader's get() and aclose() belong to the thread whose event loop opened it; "
                 "from another thread use get_nowait(), or anyio.from_thread.run(reader.get)"
             )
-
-    def __reduce__(self) -> NoReturn:
-        raise BroadcastError(
-            "a Reader cannot be pickled or sent to another process: send reader.handle (or its JSON) "
-            "and open_reader there"
-        )
-
-    def _forget_in_child(self) -> None:
-        """In a fork child: this reader is the parent's; refuse every use from now on. Its
-        source lets go of its own descriptors (docs/design.md, "Fork")."""
-        self._closed = True
-        self._refusal = _fork.refusal("reader", self._owner)
 
     def _is_closed(self) -> bool:
         return self._closed

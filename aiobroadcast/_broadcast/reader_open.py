@@ -76,6 +76,13 @@ class _ReaderSpec:
             decode = decode_pickle_view
         return decode
 
+    def steps(self, h: Handle) -> Generator[TcpSource, None, tuple[Source, str]]:
+        """``source_steps`` for a reader of these arguments on the channel of ``h`` (its decoder
+        chosen now: ``decoder``), for either factory to drive."""
+        decode = self.decoder(h)
+        hold = decode is decode_pickle_view
+        return source_steps(h, self.name, decode, self.transport, hold=hold, take_ahead=self.take_ahead)
+
 
 #: the numbers of this process's unnamed readers (``reader-<pid>-<n>``)
 _unnamed = itertools.count(1)
@@ -105,17 +112,22 @@ def source_steps(
     hold: bool = False,
     take_ahead: int | None = None,
 ) -> Generator[TcpSource, None, tuple[Source, str]]:
-    """Opening a reader's source (``_make_source``), written once for both front ends (driven by
-    ``_base.steps.drive`` or ``drive_blocking``): yields a TCP source whose welcome the driver waits
-    for. Returns the source and the name it holds, the next default name if one was taken."""
+    """Opening a reader's source, written once for both front ends (driven by ``_base.steps.drive``
+    or ``drive_blocking``): the ring when asked for or reachable, else a TCP source, which it
+    yields: the driver waits for its welcome (``wait_welcome`` in a task, ``wait_welcome_blocking``
+    in a thread) before use. Returns the source and the name it holds, the next default name if
+    one was taken."""
     names = _reader_names(name)
     reader_name = next(names)
     while True:
         try:
-            source, welcome = _make_source(h, reader_name, decode, transport, hold=hold, take_ahead=take_ahead)
-            if welcome is not None:
-                yield welcome  # the wait closes it if it fails
-            return source, reader_name
+            if _over_tcp(h, transport):
+                from .._tcp.client import TcpSource
+
+                tcp_source = TcpSource(h, reader_name, decode)
+                yield tcp_source  # the wait closes it if it fails
+                return tcp_source, reader_name
+            return _shm_source(h, reader_name, decode, hold, take_ahead=take_ahead), reader_name
         except NameTaken:
             following = next(names, None)
             if following is None:
@@ -124,41 +136,14 @@ def source_steps(
 
 
 async def _open_source(
-    h: Handle,
-    name: str | None,
-    decode: Callable[[Any, bool], Any],
-    transport: Transport,
-    connect_timeout: float,
-    *,
-    hold: bool = False,
-    take_ahead: int | None = None,
+    steps: Generator[TcpSource, None, tuple[Source, str]], connect_timeout: float
 ) -> tuple[Source, str]:
     """The transport's side of a reader (``source_steps``), its TCP welcome awaited."""
 
     async def welcome(source: TcpSource) -> None:
         await source.wait_welcome(connect_timeout)
 
-    return await drive(source_steps(h, name, decode, transport, hold=hold, take_ahead=take_ahead), welcome)
-
-
-def _make_source(
-    h: Handle,
-    name: str,
-    decode: Callable[[Any, bool], Any],
-    transport: Transport,
-    *,
-    hold: bool = False,
-    take_ahead: int | None = None,
-) -> tuple[Source, TcpSource | None]:
-    """The transport's side of a reader, built once for both front ends: the ring when asked
-    for or reachable, else TCP. A TCP source comes back a second time: the caller waits for its
-    welcome (``wait_welcome`` in a task, ``wait_welcome_blocking`` in a thread) before use."""
-    if _over_tcp(h, transport):
-        from .._tcp.client import TcpSource
-
-        tcp_source = TcpSource(h, name, decode)
-        return tcp_source, tcp_source
-    return _shm_source(h, name, decode, hold, take_ahead=take_ahead), None
+    return await drive(steps, welcome)
 
 
 def _over_tcp(h: Handle, transport: Transport) -> bool:

@@ -1,12 +1,13 @@
-"""The writer role: a facade over the channel's writing side (``channel.WriterChannel``)."""
+"""The writer role: a facade over the channel's writing side (``channel.WriterChannel``). What
+both front ends share (``WriterBase``: every method that does not wait), and the role of an event
+loop (``Writer``); ``BlockingWriter`` (``blocking``) is the other front end over the same base."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from threading import get_ident as _get_ident
-from types import TracebackType
-from typing import Generic, NoReturn, TypeVar, final
+from typing import ClassVar, Generic, NoReturn, TypeVar, final
 
 import anyio
 
@@ -18,6 +19,7 @@ from .._base.handle import Handle
 from .._base.stats import ReaderInfo, WriterStatistics
 from .._base.steps import run
 from .channel import WriterChannel
+from .closable import AsyncClosable
 
 T_contra = TypeVar("T_contra", contravariant=True)
 V = TypeVar("V")
@@ -25,9 +27,55 @@ V = TypeVar("V")
 _private = object()
 
 
+class WriterBase(Generic[T_contra]):
+    """What ``Writer`` and ``BlockingWriter`` share: their channel (``_ch``) and what a put does
+    (``_publishing``, bound once: the put paths read it directly), the handle, and what they
+    answer (``repr``, the refusal to be pickled, the warning of one dropped unclosed). Only the
+    waiting differs: a front end's ``put_nowait`` (which takes the turn its own ``put`` takes),
+    ``put``, ``put_many``, ``statistics`` (what counts as waiting), ``read_channel``,
+    ``wait_readers`` and close. ``_ROLE``/``_TITLE``: the role's name and how ``repr`` names it."""
+
+    _ROLE: ClassVar[str]
+    _TITLE: ClassVar[str]
+
+    def __init__(self, token: object, mine: object, channel: WriterChannel) -> None:
+        """``token`` is the factories' (``mine``, the module's): nothing else builds a role."""
+        if token is not mine:
+            raise TypeError(
+                f"{self._ROLE} cannot be built directly; use {self._TITLE.rpartition('.')[0]}.open_writer()"
+            )
+        self._ch = channel
+        #: What a put does (``channel.publishing``), bound once: the put path reads it directly.
+        self._publishing = channel.publishing
+
+    @property
+    def handle(self) -> Handle:
+        """What a reader needs to attach: pass it (or its JSON) to ``open_reader`` (blocking or async)."""
+        return self._ch.handle
+
+    def _ended(self) -> bool:
+        """Whether this writer is closed, as ``repr`` and ``__del__`` tell."""
+        return self._ch.pub.closed
+
+    def __repr__(self) -> str:
+        ch = self._ch
+        state = "closed" if self._ended() else f"sent={ch.pub.msg}"
+        return f"<{self._TITLE} {ch.handle.name} {ch.handle.policy} {state}>"
+
+    def __del__(self) -> None:
+        if getattr(self, "_ch", None) is not None and not self._ended():
+            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
+
+    def __reduce__(self) -> NoReturn:
+        raise BroadcastError(
+            f"a {self._ROLE} cannot be pickled or sent to another process: send writer.handle (or its JSON) "
+            "and open_reader there"
+        )
+
+
 @final
 @_fork.role("writer")
-class Writer(Generic[T_contra]):
+class Writer(WriterBase[T_contra], AsyncClosable):
     """The sending end of a channel. Built by ``open_writer``; has no ``get``.
 
     Every attached reader receives every message in order. Under policy ``"block"`` (default)
@@ -35,18 +83,12 @@ class Writer(Generic[T_contra]):
     it never waits and readers that fall behind get ``ReaderLagged``.
     """
 
-    def __init__(self, token: object, channel: WriterChannel) -> None:
-        if token is not _private:
-            raise TypeError("Writer cannot be built directly; use aiobroadcast.open_writer()")
-        self._ch = channel
-        #: What a put does (``channel.publishing``), bound once: the put path reads it directly.
-        self._publishing = channel.publishing
-        self._since_yield = 0
+    _ROLE = "Writer"
+    _TITLE = "aiobroadcast.Writer"
 
-    @property
-    def handle(self) -> Handle:
-        """What a reader needs to attach: pass it (or its JSON) to ``open_reader``."""
-        return self._ch.handle
+    def __init__(self, token: object, channel: WriterChannel) -> None:
+        super().__init__(token, _private, channel)
+        self._since_yield = 0
 
     def put_nowait(self, obj: T_contra) -> None:
         """Publish ``obj`` now, or raise ``WouldBlock`` if a live reader would be overrun (or
@@ -186,27 +228,3 @@ class Writer(Generic[T_contra]):
             return
         self._publishing.check_thread()
         await self._ch.aclose()
-
-    async def __aenter__(self) -> Writer[T_contra]:
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self.aclose()
-
-    def __repr__(self) -> str:
-        pub = self._ch.pub
-        state = "closed" if pub.closed else f"sent={pub.msg}"
-        return f"<aiobroadcast.Writer {self._ch.handle.name} {self._ch.handle.policy} {state}>"
-
-    def __del__(self) -> None:
-        ch = getattr(self, "_ch", None)
-        if ch is not None and not ch.pub.closed:
-            warnings.warn(f"unclosed {self!r}", ResourceWarning, stacklevel=1, source=self)
-
-    def __reduce__(self) -> NoReturn:
-        raise BroadcastError(
-            "a Writer cannot be pickled or sent to another process: send writer.handle (or its JSON) "
-            "and open_reader there"
-        )

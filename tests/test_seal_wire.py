@@ -64,8 +64,12 @@ class ByteRelay:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.port))
             self._socks += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            self._connected(client, upstream)
+
+    def _connected(self, client: socket.socket, upstream: socket.socket) -> None:
+        """Forward a new connection both ways."""
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
@@ -653,19 +657,12 @@ class ControlRelay(ByteRelay):
         self.next_inject: list[list[bytes]] = []
         super().__init__(port, middle)
 
-    def _accept(self) -> None:
-        while not self._stop:
-            try:
-                client, _ = self.lsock.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(("127.0.0.1", self.port))
-            self._socks += [client, upstream]
-            conn = _Conn()
-            conn.inject[True], self.next_inject = self.next_inject, []
-            self.conns.append(conn)
-            for a, b, to_reader in ((client, upstream, False), (upstream, client, True)):
-                threading.Thread(target=self._relay, args=(a, b, conn, to_reader), daemon=True).start()
+    def _connected(self, client: socket.socket, upstream: socket.socket) -> None:
+        conn = _Conn()
+        conn.inject[True], self.next_inject = self.next_inject, []
+        self.conns.append(conn)
+        for a, b, to_reader in ((client, upstream, False), (upstream, client, True)):
+            threading.Thread(target=self._relay, args=(a, b, conn, to_reader), daemon=True).start()
 
     def _relay(self, src: socket.socket, dst: socket.socket, conn: _Conn, to_reader: bool) -> None:
         try:

@@ -792,3 +792,36 @@ def test_both_front_ends_take_one_set_of_options_and_refuse_others() -> None:
     for open_sender in (ab.open_sender, blocking.open_sender):
         with pytest.raises(TypeError, match="heartbeat"):
             open_sender("{}", name="a", heartbeat=1.0)  # type: ignore[call-overload]
+
+
+@pytest.mark.anyio
+async def test_cancelling_the_task_asleep_for_a_collector_hands_the_sleep_to_another() -> None:
+    """Three tasks parked in one collector's ``get``: the first sleeps on its inbox, the others
+    follow it (the readers' own ``TaskWaits``). Cancelling the sleeper must wake a follower to
+    sleep in its place, so the next items still reach the two left, none lost."""
+    async with ab.open_collector(capacity=8, slot_bytes=256) as collector:
+        async with ab.open_sender(collector.handle, name="s") as sender:
+            got: list[object] = []
+            scopes: list[anyio.CancelScope] = []
+
+            async def park() -> None:
+                with anyio.CancelScope() as scope:
+                    scopes.append(scope)
+                    got.append(await collector.get())
+
+            async def waiting(n: int) -> None:
+                # polling: the count is another task's state
+                while collector.statistics().tasks_waiting != n:  # noqa: ASYNC110
+                    await anyio.sleep(0.001)
+
+            with anyio.fail_after(WITHIN_S):
+                async with anyio.create_task_group() as tg:
+                    for _ in range(3):
+                        tg.start_soon(park)
+                    await waiting(3)
+                    await anyio.sleep(0.05)  # the first is asleep on the inbox by now (or soon)
+                    scopes[0].cancel()
+                    await waiting(2)
+                    await sender.put(1)
+                    await sender.put(2)
+            assert sorted(got, key=repr) == [ab.Item("s", 1), ab.Item("s", 2)]
